@@ -1,0 +1,12 @@
+/* peer/peer.h: the public face of the peer daemon layer.
+ *
+ * peer/ serves blocks over the tensor RPC, announces them in the DHT, batches
+ * requests and runs compute off the event loop. It links to dht/, expert/ and
+ * cuda/ (through its plain-C header only).
+ */
+#ifndef PEER_PEER_H
+#define PEER_PEER_H
+
+#include "peer/device.h"
+
+#endif

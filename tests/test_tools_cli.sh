@@ -1,0 +1,74 @@
+#!/bin/sh
+# The `starling` command line: help, exit codes, keygen. Run by meson with
+# $STARLING pointing at the binary.
+set -u
+S=${STARLING:?STARLING must point at the starling binary}
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/starling-cli-XXXXXX") || exit 1
+trap 'rm -rf "$tmp"' EXIT INT TERM
+fails=0
+
+fail() { echo "FAIL: $*" >&2; fails=$((fails + 1)); }
+
+# expect STATUS DESCRIPTION -- command...   (stdout+stderr go to $tmp/out)
+expect() {
+    want=$1; what=$2; shift 3
+    "$@" >"$tmp/out" 2>&1
+    got=$?
+    if [ "$got" -ne "$want" ]; then
+        fail "$what: exit $got, want $want"; sed 's/^/    /' "$tmp/out" >&2
+    fi
+}
+contains() { grep -q -- "$1" "$tmp/out" || { fail "$2: output lacks '$1'"; sed 's/^/    /' "$tmp/out" >&2; }; }
+
+expect 0 "top help" -- "$S" --help
+for c in peer bootstrap monitor train infer keygen; do contains "  $c " "top help lists $c"; done
+expect 2 "no command" -- "$S"
+expect 2 "unknown command" -- "$S" frobnicate
+contains "unknown command 'frobnicate'" "unknown command message"
+expect 2 "unknown top option" -- "$S" --frob
+expect 0 "version" -- "$S" --version
+contains "starling" "version text"
+
+for c in peer bootstrap monitor train infer keygen; do
+    expect 0 "$c --help" -- "$S" $c --help
+    contains "Usage: starling $c" "$c help text"
+    expect 2 "$c bad flag" -- "$S" $c --no-such-flag
+    contains "unknown option '--no-such-flag'" "$c bad flag message"
+    expect 2 "$c stray argument" -- "$S" $c stray
+done
+expect 2 "missing flag value" -- "$S" bootstrap --listen
+contains "needs a value" "missing value message"
+expect 2 "bad device" -- "$S" peer --device gpu7
+contains "invalid device" "bad device message"
+
+# keygen: writes mode 0600, prints 40 hex digits, and --show agrees.
+expect 0 "keygen" -- "$S" keygen --out "$tmp/a.key"
+id=$(cat "$tmp/out")
+echo "$id" | grep -Eq '^[0-9a-f]{40}$' || fail "keygen printed '$id', want 40 hex digits"
+mode=$(stat -c %a "$tmp/a.key")
+[ "$mode" = 600 ] || fail "key file mode $mode, want 600"
+expect 0 "keygen --show" -- "$S" keygen --show "$tmp/a.key"
+[ "$(cat "$tmp/out")" = "$id" ] || fail "--show printed $(cat "$tmp/out"), want $id"
+expect 1 "keygen refuses overwrite" -- "$S" keygen --out "$tmp/a.key"
+contains "already exists" "overwrite message"
+expect 0 "keygen --force" -- "$S" keygen --out "$tmp/a.key" --force
+[ "$(cat "$tmp/out")" != "$id" ] || fail "--force kept the old identity"
+expect 2 "keygen needs a file" -- "$S" keygen
+expect 2 "keygen both" -- "$S" keygen --out "$tmp/b.key" --show "$tmp/a.key"
+
+chmod 644 "$tmp/a.key"
+expect 1 "world-readable key" -- "$S" keygen --show "$tmp/a.key"
+contains "chmod 600" "world-readable message"
+chmod 600 "$tmp/a.key"
+printf 'starling-ed25519-v1 nothex\n' >"$tmp/c.key"; chmod 600 "$tmp/c.key"
+expect 1 "corrupt key" -- "$S" keygen --show "$tmp/c.key"
+contains "not a valid Starling identity" "corrupt key message"
+expect 1 "missing key" -- "$S" keygen --show "$tmp/none.key"
+contains "no such file" "missing key message"
+expect 1 "unwritable dir" -- "$S" keygen --out "$tmp/no/such/dir/k"
+
+if [ "$fails" -ne 0 ]; then
+    echo "$fails check(s) failed" >&2
+    exit 1
+fi
+echo "all CLI checks passed"

@@ -1,0 +1,98 @@
+#include "tools/cli.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void vsay(const char *cmd, const char *fmt, va_list ap)
+{
+    fprintf(stderr, "starling %s: ", cmd);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+}
+
+int cli_usage_error(const char *cmd, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsay(cmd, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "Try 'starling %s --help'.\n", cmd);
+    return CLI_EXIT_USAGE;
+}
+
+int cli_fail(const char *cmd, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsay(cmd, fmt, ap);
+    va_end(ap);
+    return CLI_EXIT_FAIL;
+}
+
+int cli_bad_option(const char *cmd, int c, char **argv)
+{
+    /* getopt_long leaves optind just past the offending word. */
+    const char *word = optind > 0 ? argv[optind - 1] : "?";
+    if (c == ':')
+        return cli_usage_error(cmd, "option '%s' needs a value", word);
+    if (optopt && optopt != '?' && strncmp(word, "--", 2) != 0)
+        return cli_usage_error(cmd, "unknown option '-%c'", optopt);
+    return cli_usage_error(cmd, "unknown option '%s'", word);
+}
+
+int cli_no_positional(const char *cmd, int argc, char **argv)
+{
+    if (optind < argc)
+        return cli_usage_error(cmd, "unexpected argument '%s'", argv[optind]);
+    return 0;
+}
+
+int cli_parse_long(const char *cmd, const char *flag, const char *val, long min, long max,
+                   long *out)
+{
+    char *end = NULL;
+    errno = 0;
+    long v = strtol(val, &end, 10);
+    if (errno || end == val || *end)
+        return cli_usage_error(cmd, "%s expects an integer, got '%s'", flag, val);
+    if (v < min || v > max)
+        return cli_usage_error(cmd, "%s must be between %ld and %ld, got %ld", flag, min, max, v);
+    *out = v;
+    return 0;
+}
+
+int cli_parse_double(const char *cmd, const char *flag, const char *val, double min,
+                     double max, double *out)
+{
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(val, &end);
+    if (errno || end == val || *end || !isfinite(v))
+        return cli_usage_error(cmd, "%s expects a number, got '%s'", flag, val);
+    if (v < min || v > max)
+        return cli_usage_error(cmd, "%s must be between %g and %g, got %g", flag, min, max, v);
+    *out = v;
+    return 0;
+}
+
+int cli_planned(const char *cmd, const char *help, const struct option *opts, int argc,
+                char **argv)
+{
+    int c;
+    optind = 1;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
+        if (c == 'h') {
+            fputs(help, stdout);
+            return CLI_EXIT_OK;
+        }
+        if (c == '?' || c == ':')
+            return cli_bad_option(cmd, c, argv);
+    }
+    if (cli_no_positional(cmd, argc, argv))
+        return CLI_EXIT_USAGE;
+    return cli_fail(cmd, "not available in this build yet (see 'starling %s --help')", cmd);
+}
