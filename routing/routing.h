@@ -7,5 +7,6 @@
 #define ROUTE_ROUTING_H
 
 #include "routing/data.h"
+#include "routing/replica.h"
 
 #endif

@@ -1,0 +1,95 @@
+#include "routing/replica.h"
+
+#include <errno.h>
+#include <math.h>
+#include <string.h>
+
+double route_rand01(uint64_t *state)
+{
+    uint64_t x = *state;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *state = x;
+    return (double)((x * 0x2545F4914F6CDD1DULL) >> 11) * (1.0 / 9007199254740992.0);
+}
+
+void route_replica_init(route_replica *r, const uint8_t id[ROUTE_ID_LEN], double tput, double load)
+{
+    memset(r, 0, sizeof *r);
+    memcpy(r->id, id, ROUTE_ID_LEN);
+    r->tput = tput;
+    r->load = load;
+    r->latency_s = -1.0;
+}
+
+double route_replica_weight(const route_replica *r, double now)
+{
+    if (r->banned_until > now)
+        return 0.0;
+    /* Unknown or absurd announcements get a modest default so a new peer is
+     * tried (and measured) without being flooded. */
+    double tput = (r->tput > 0 && isfinite(r->tput)) ? r->tput : 100.0;
+    double load = (r->load >= 0 && r->load <= 1) ? r->load : 1.0;
+    /* Expected time for one more request: its queueing behind our own
+     * in-flight work and the announced load, plus the observed latency. */
+    double service = (1.0 + r->inflight) / tput * (1.0 + 3.0 * load);
+    double latency = (r->latency_s >= 0 && isfinite(r->latency_s)) ? r->latency_s : 0.0;
+    double w = 1.0 / (service + latency + 1e-6);
+    return isfinite(w) && w > 0 ? w : 1e-9;
+}
+
+int route_pick_replica(const route_replica *r, int n, const uint8_t *skip, double now,
+                       uint64_t *rng, double *retry_at)
+{
+    if (!r || n < 0 || !rng || *rng == 0)
+        return -EINVAL;
+    double total = 0.0, earliest = 0.0;
+    for (int i = 0; i < n; i++) {
+        if (skip && skip[i])
+            continue;
+        double w = route_replica_weight(&r[i], now);
+        total += w;
+        if (w == 0.0 && (earliest == 0.0 || r[i].banned_until < earliest))
+            earliest = r[i].banned_until;
+    }
+    if (total <= 0.0) {
+        if (retry_at)
+            *retry_at = earliest;
+        return -EAGAIN;
+    }
+    double x = route_rand01(rng) * total;
+    int last = -1;
+    for (int i = 0; i < n; i++) {
+        if (skip && skip[i])
+            continue;
+        double w = route_replica_weight(&r[i], now);
+        if (w <= 0.0)
+            continue;
+        last = i;
+        if (x < w)
+            return i;
+        x -= w;
+    }
+    return last; /* rounding left x just above the final weight */
+}
+
+void route_replica_success(route_replica *r, double rtt_s)
+{
+    r->failures = 0;
+    r->banned_until = 0.0;
+    if (!(rtt_s >= 0) || !isfinite(rtt_s))
+        return;
+    r->latency_s = r->latency_s < 0 ? rtt_s
+                                    : (1.0 - ROUTE_LATENCY_ALPHA) * r->latency_s + ROUTE_LATENCY_ALPHA * rtt_s;
+}
+
+void route_replica_failure(route_replica *r, double now, uint64_t *rng)
+{
+    if (r->failures < 30)
+        r->failures++;
+    double ban = ROUTE_BAN_BASE_S * ldexp(1.0, r->failures - 1);
+    if (ban > ROUTE_BAN_MAX_S)
+        ban = ROUTE_BAN_MAX_S;
+    r->banned_until = now + ban * (1.0 + 0.25 * route_rand01(rng));
+}

@@ -1,0 +1,73 @@
+/* routing/replica.h: choosing among the replicas of one stage.
+ *
+ * The trainer keeps, for every stage, the holders it learned from the DHT and
+ * what it has observed of them. Choice is randomised in proportion to each
+ * replica's expected service rate (as in SWARM parallelism's stochastic
+ * wiring), so load spreads over replicas instead of piling onto the single
+ * fastest one, and a faster replica still gets more work. A replica that
+ * fails is banned for a time that doubles with each consecutive failure (with
+ * jitter, so trainers do not retry in lock-step), and a success clears it.
+ *
+ * Everything here is plain data and pure functions of their arguments (time
+ * is passed in), so it is deterministic under a seeded RNG and testable
+ * without a network. Not thread-safe: one owner per route_replica_set.
+ */
+#ifndef ROUTE_REPLICA_H
+#define ROUTE_REPLICA_H
+
+#include <stdint.h>
+
+#define ROUTE_ID_LEN 20
+
+#ifndef ROUTE_BAN_BASE_S
+#define ROUTE_BAN_BASE_S 1.0    /* first ban after a failure */
+#endif
+#ifndef ROUTE_BAN_MAX_S
+#define ROUTE_BAN_MAX_S 60.0    /* longest ban */
+#endif
+#ifndef ROUTE_LATENCY_ALPHA
+#define ROUTE_LATENCY_ALPHA 0.2 /* EWMA weight of a new latency sample */
+#endif
+
+typedef struct route_replica {
+    uint8_t id[ROUTE_ID_LEN];  /* holder's node ID */
+    double tput;               /* announced samples/s; <= 0 when unknown */
+    double load;               /* announced queue fullness in [0, 1] */
+    double latency_s;          /* EWMA of observed round trips; < 0 when none yet */
+    int inflight;              /* our requests now in flight to it */
+    int failures;              /* consecutive failures */
+    double banned_until;       /* no requests before this time (seconds) */
+} route_replica;
+
+/* Sets r to a fresh replica with the given ID and announcement. */
+void route_replica_init(route_replica *r, const uint8_t id[ROUTE_ID_LEN], double tput, double load);
+
+/* The weight used for random choice: an estimate of requests/s this replica
+ * would serve for us, lower when it is loaded, slow or busy with our own
+ * requests. Always > 0 and finite for a replica that is not banned; 0 for a
+ * banned one at time now. */
+double route_replica_weight(const route_replica *r, double now);
+
+/* Picks a replica index among r[0..n), skipping banned ones and any whose
+ * index has skip[i] != 0 (skip may be NULL), at random in proportion to
+ * route_replica_weight. *rng is a xorshift64* state (never 0) and is advanced.
+ * Returns the index, or -EAGAIN when every candidate is banned or skipped
+ * (then *retry_at, if not NULL, receives the earliest time a banned one is
+ * free, or 0 when all were skipped), or -EINVAL for bad arguments. */
+int route_pick_replica(const route_replica *r, int n, const uint8_t *skip, double now,
+                       uint64_t *rng, double *retry_at);
+
+/* Records a success with its round-trip time: clears the failure count and
+ * ban, updates the latency EWMA. */
+void route_replica_success(route_replica *r, double rtt_s);
+
+/* Records a failure at time now: bans for ROUTE_BAN_BASE_S * 2^(failures-1)
+ * seconds, capped at ROUTE_BAN_MAX_S, times a jitter factor in [1, 1.25)
+ * drawn from *rng. */
+void route_replica_failure(route_replica *r, double now, uint64_t *rng);
+
+/* xorshift64*: advances *state (must not be 0) and returns a uniform double
+ * in [0, 1). */
+double route_rand01(uint64_t *state);
+
+#endif

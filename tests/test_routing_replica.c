@@ -1,0 +1,163 @@
+/* Replica choice, bans and back-off (routing/replica.h). */
+#include <errno.h>
+#include <math.h>
+
+#include "routing/replica.h"
+#include "test_util.h"
+
+static void mkid(uint8_t id[ROUTE_ID_LEN], int k)
+{
+    memset(id, 0, ROUTE_ID_LEN);
+    id[0] = (uint8_t)k;
+}
+
+static void init3(route_replica r[3], double t0, double t1, double t2)
+{
+    uint8_t id[ROUTE_ID_LEN];
+    double t[3] = {t0, t1, t2};
+    for (int i = 0; i < 3; i++) {
+        mkid(id, i);
+        route_replica_init(&r[i], id, t[i], 0.0);
+    }
+}
+
+/* Picks follow the weights: a replica announcing twice the throughput gets
+ * about twice the requests, and every replica gets some. */
+static void test_choice_is_proportional(void **state)
+{
+    (void)state;
+    route_replica r[3];
+    init3(r, 100, 200, 400);
+    uint64_t rng = 42;
+    int counts[3] = {0};
+    const int N = 70000;
+    for (int k = 0; k < N; k++) {
+        int i = route_pick_replica(r, 3, NULL, 0.0, &rng, NULL);
+        assert_true(i >= 0 && i < 3);
+        counts[i]++;
+    }
+    double wsum = 0, w[3];
+    for (int i = 0; i < 3; i++)
+        wsum += (w[i] = route_replica_weight(&r[i], 0.0));
+    for (int i = 0; i < 3; i++) {
+        double want = w[i] / wsum, got = (double)counts[i] / N;
+        if (fabs(got - want) > 0.01)
+            fail_msg("replica %d: share %.4f, want %.4f (seed 42)", i, got, want);
+    }
+    assert_true(counts[2] > counts[1] && counts[1] > counts[0]);
+}
+
+static void test_weight_orders(void **state)
+{
+    (void)state;
+    route_replica r[3];
+    init3(r, 100, 100, 100);
+    double base = route_replica_weight(&r[0], 0);
+    r[1].inflight = 3;
+    assert_true(route_replica_weight(&r[1], 0) < base / 3);
+    r[2].load = 1.0;
+    assert_true(route_replica_weight(&r[2], 0) < base / 3);
+    /* Hostile announcements never give a non-finite or negative weight. */
+    r[0].tput = NAN;
+    r[0].load = -5;
+    r[0].latency_s = INFINITY;
+    double w = route_replica_weight(&r[0], 0);
+    assert_true(isfinite(w) && w > 0);
+    r[0].tput = 1e300;
+    r[0].load = 0;
+    r[0].latency_s = 0;
+    w = route_replica_weight(&r[0], 0);
+    assert_true(isfinite(w) && w > 0);
+}
+
+static void test_bans_and_backoff(void **state)
+{
+    (void)state;
+    route_replica r[3];
+    init3(r, 100, 100, 100);
+    uint64_t rng = 7;
+    double now = 1000.0;
+
+    route_replica_failure(&r[1], now, &rng);
+    assert_true(r[1].banned_until >= now + ROUTE_BAN_BASE_S);
+    assert_true(r[1].banned_until < now + 1.25 * ROUTE_BAN_BASE_S);
+    for (int k = 0; k < 2000; k++)
+        assert_int_not_equal(route_pick_replica(r, 3, NULL, now + 0.5, &rng, NULL), 1);
+
+    /* Each further failure doubles the ban, up to the cap. */
+    double prev = ROUTE_BAN_BASE_S;
+    for (int f = 2; f < 12; f++) {
+        route_replica_failure(&r[1], now, &rng);
+        double want = fmin(prev * 2, ROUTE_BAN_MAX_S);
+        double got = r[1].banned_until - now;
+        if (!(got >= want && got < want * 1.25))
+            fail_msg("failure %d: ban %.3f s, want [%.3f, %.3f)", f, got, want, want * 1.25);
+        prev = want;
+    }
+    /* After the ban it is chosen again; a success clears the record. */
+    int seen = 0;
+    for (int k = 0; k < 2000 && !seen; k++)
+        seen = route_pick_replica(r, 3, NULL, now + ROUTE_BAN_MAX_S * 1.3, &rng, NULL) == 1;
+    assert_true(seen);
+    route_replica_success(&r[1], 0.010);
+    assert_int_equal(r[1].failures, 0);
+    assert_true(r[1].banned_until == 0.0);
+    assert_true(fabs(r[1].latency_s - 0.010) < 1e-12);
+    route_replica_success(&r[1], 0.020);
+    assert_true(fabs(r[1].latency_s - (0.8 * 0.010 + 0.2 * 0.020)) < 1e-12);
+}
+
+static void test_all_banned_or_skipped(void **state)
+{
+    (void)state;
+    route_replica r[3];
+    init3(r, 100, 100, 100);
+    uint64_t rng = 99;
+    double retry = -1;
+    r[0].banned_until = 30;
+    r[1].banned_until = 20;
+    r[2].banned_until = 25;
+    assert_int_equal(route_pick_replica(r, 3, NULL, 10, &rng, &retry), -EAGAIN);
+    assert_true(retry == 20);
+    assert_int_equal(route_pick_replica(r, 3, NULL, 21, &rng, &retry), 1);
+
+    /* The skip mask is how a retry avoids the replica that just failed. */
+    uint8_t skip[3] = {1, 0, 1};
+    init3(r, 100, 100, 100);
+    for (int k = 0; k < 100; k++)
+        assert_int_equal(route_pick_replica(r, 3, skip, 0, &rng, NULL), 1);
+    skip[1] = 1;
+    assert_int_equal(route_pick_replica(r, 3, skip, 0, &rng, &retry), -EAGAIN);
+    assert_true(retry == 0);
+    assert_int_equal(route_pick_replica(r, 0, NULL, 0, &rng, &retry), -EAGAIN);
+}
+
+static void test_bad_arguments_and_determinism(void **state)
+{
+    (void)state;
+    route_replica r[3];
+    init3(r, 100, 200, 300);
+    uint64_t zero = 0, a = 5, b = 5;
+    assert_int_equal(route_pick_replica(r, 3, NULL, 0, &zero, NULL), -EINVAL);
+    assert_int_equal(route_pick_replica(NULL, 3, NULL, 0, &a, NULL), -EINVAL);
+    assert_int_equal(route_pick_replica(r, -1, NULL, 0, &a, NULL), -EINVAL);
+    for (int k = 0; k < 1000; k++)
+        assert_int_equal(route_pick_replica(r, 3, NULL, 0, &a, NULL),
+                         route_pick_replica(r, 3, NULL, 0, &b, NULL));
+    for (int k = 0; k < 100000; k++) {
+        double x = route_rand01(&a);
+        assert_true(x >= 0.0 && x < 1.0);
+    }
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_choice_is_proportional),
+        cmocka_unit_test(test_weight_orders),
+        cmocka_unit_test(test_bans_and_backoff),
+        cmocka_unit_test(test_all_banned_or_skipped),
+        cmocka_unit_test(test_bad_arguments_and_determinism),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
