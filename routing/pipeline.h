@@ -1,0 +1,108 @@
+/* routing/pipeline.h: the trainer's micro-batch scheduler, without I/O.
+ *
+ * A model is a chain of S stages served by peers; stage s maps rows of width
+ * widths[s] to rows of width widths[s+1]. The trainer pushes micro-batches;
+ * each travels forward through stages 0..S-1, the loss turns the last output
+ * into a gradient, and the gradient travels backward through S-1..0. The
+ * pipeline keeps every boundary activation of each micro-batch, so a backward
+ * call can be sent to ANY replica of a stage (servers recompute the forward)
+ * and a failed call is simply issued again: no batch is ever lost.
+ *
+ * The pipeline only decides what to send next. The driver (the trainer's
+ * event loop) takes calls with route_pipeline_next_call, sends them to a
+ * replica it chooses, and reports each result with route_pipeline_call_done.
+ * Several micro-batches are in flight at once so every stage can work at the
+ * same time; backward calls and older micro-batches go first, which bounds
+ * the number of activations held (as 1F1B schedules do).
+ *
+ * Memory: every buffer is allocated by route_pipeline_create; nothing is
+ * allocated afterwards. Not thread-safe: one driver thread.
+ */
+#ifndef ROUTE_PIPELINE_H
+#define ROUTE_PIPELINE_H
+
+#include <stdint.h>
+
+#define ROUTE_PIPELINE_MAX_STAGES 64
+#define ROUTE_PIPELINE_MAX_INFLIGHT 64
+
+typedef enum route_call_kind {
+    ROUTE_CALL_FORWARD = 1,
+    ROUTE_CALL_BACKWARD = 2,
+} route_call_kind;
+
+/* Computes the loss of one micro-batch: logits is (B, C); writes dlogits
+ * (B, C) = d(mean loss)/d(logits), and the summed loss and count of correct
+ * predictions. Returns 0 or -errno (the micro-batch then fails). */
+typedef int (*route_loss_fn)(void *ctx, const float *logits, const uint8_t *labels, int B, int C,
+                             float *dlogits, double *loss_sum_out, int *correct_out);
+
+typedef struct route_pipeline_config {
+    int n_stages;                 /* S, 1..ROUTE_PIPELINE_MAX_STAGES */
+    const int *widths;            /* S+1 widths; copied */
+    int max_batch;                /* rows per micro-batch */
+    int max_inflight;             /* micro-batches in flight, 1..ROUTE_PIPELINE_MAX_INFLIGHT */
+    route_loss_fn loss;
+    void *loss_ctx;
+} route_pipeline_config;
+
+/* One RPC to make. The pointers stay valid until route_pipeline_call_done
+ * for this call (the driver may send straight from them). */
+typedef struct route_call {
+    uint32_t token;               /* pass back to route_pipeline_call_done */
+    route_call_kind kind;
+    int stage;
+    int rows;                     /* B of this micro-batch */
+    int width_in, width_out;
+    const float *inputs;          /* (rows, width_in) */
+    const float *grad_outputs;    /* (rows, width_out); backward only, else NULL */
+    float *outputs;               /* forward: (rows, width_out); backward: grad_inputs (rows, width_in) */
+    int attempt;                  /* 0 on the first try, +1 for each retry */
+    int need_grad_inputs;         /* 0 for the backward of stage 0: only param grads matter */
+} route_call;
+
+/* A micro-batch that has finished its backward pass. */
+typedef struct route_batch_result {
+    uint64_t seq;                 /* order of route_pipeline_push, from 0 */
+    int rows;
+    double loss_sum;
+    int correct;
+    int retries;                  /* calls of this batch that had to be re-sent */
+} route_batch_result;
+
+typedef struct route_pipeline route_pipeline;
+
+/* Returns a new pipeline, or NULL on bad config or no memory. */
+route_pipeline *route_pipeline_create(const route_pipeline_config *cfg);
+void route_pipeline_destroy(route_pipeline **p);
+
+/* Starts a micro-batch: x is (rows, widths[0]), labels (rows); both copied.
+ * Returns its sequence number (>= 0), -EAGAIN when max_inflight batches are
+ * already in flight, or -EINVAL. */
+int64_t route_pipeline_push(route_pipeline *p, const float *x, const uint8_t *labels, int rows);
+
+/* Takes the next call to send. Returns 1 and fills *call, or 0 when nothing
+ * is ready (every in-flight batch waits on a call already taken). */
+int route_pipeline_next_call(route_pipeline *p, route_call *call);
+
+/* Reports a call's result. status 0: call->outputs holds the answer and the
+ * batch moves on. status < 0: the call failed; it becomes ready again (with
+ * attempt + 1) so the driver can send it to another replica. Returns 0,
+ * -ENOENT for an unknown, stale or already reported token, or the loss
+ * function's error: only bad labels cause that, and that batch is then
+ * dropped and counted in route_pipeline_failed. */
+int route_pipeline_call_done(route_pipeline *p, uint32_t token, int status);
+
+/* Pops one finished micro-batch. Returns 1 and fills *out, or 0 if none. */
+int route_pipeline_pop_result(route_pipeline *p, route_batch_result *out);
+
+/* Micro-batches in flight (pushed, not yet popped). */
+int route_pipeline_inflight(const route_pipeline *p);
+
+/* Calls taken by the driver and not yet reported. */
+int route_pipeline_outstanding(const route_pipeline *p);
+
+/* Micro-batches the loss function rejected. */
+uint64_t route_pipeline_failed(const route_pipeline *p);
+
+#endif

@@ -1,0 +1,247 @@
+/* The micro-batch scheduler (routing/pipeline.h) against an in-process fake
+ * swarm: random completion order, injected failures, every batch exactly once,
+ * and the accumulated parameter gradients equal a sequential reference. */
+#include <errno.h>
+#include <math.h>
+
+#include "routing/pipeline.h"
+#include "routing/replica.h"
+#include "test_util.h"
+
+#define S 3
+#define MAXB 8
+static const int widths[S + 1] = {5, 7, 4, 3};
+static double W[S][8][8];        /* W[s][i][j], i < widths[s], j < widths[s+1] */
+static double gW[S][8][8];       /* accumulated by the fake servers */
+static double gW_ref[S][8][8];   /* accumulated by the sequential reference */
+
+static void init_weights(uint64_t *rng)
+{
+    for (int s = 0; s < S; s++)
+        for (int i = 0; i < 8; i++)
+            for (int j = 0; j < 8; j++)
+                W[s][i][j] = route_rand01(rng) - 0.5;
+}
+
+static void fwd(int s, const float *x, float *y, int rows)
+{
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < widths[s + 1]; j++) {
+            double acc = 0;
+            for (int i = 0; i < widths[s]; i++)
+                acc += x[r * widths[s] + i] * W[s][i][j];
+            y[r * widths[s + 1] + j] = (float)acc;
+        }
+}
+
+/* dx = dy W^T (when dx != NULL); g[s] += x^T dy. */
+static void bwd(int s, const float *x, const float *dy, float *dx, int rows, double g[8][8])
+{
+    for (int r = 0; r < rows; r++) {
+        for (int i = 0; i < widths[s]; i++) {
+            double acc = 0;
+            for (int j = 0; j < widths[s + 1]; j++) {
+                acc += dy[r * widths[s + 1] + j] * W[s][i][j];
+                g[i][j] += (double)x[r * widths[s] + i] * dy[r * widths[s + 1] + j];
+            }
+            if (dx)
+                dx[r * widths[s] + i] = (float)acc;
+        }
+    }
+}
+
+/* Squared error against a one-hot label; "correct" when argmax == label. */
+static int loss(void *ctx, const float *logits, const uint8_t *labels, int B, int C, float *dl,
+                double *loss_sum, int *correct)
+{
+    (void)ctx;
+    double sum = 0;
+    int ok = 0;
+    for (int r = 0; r < B; r++) {
+        if (labels[r] >= C)
+            return -EINVAL;
+        int arg = 0;
+        for (int c = 0; c < C; c++) {
+            double t = c == labels[r] ? 1.0 : 0.0, d = logits[r * C + c] - t;
+            sum += 0.5 * d * d;
+            dl[r * C + c] = (float)(d / B);
+            if (logits[r * C + c] > logits[r * C + arg])
+                arg = c;
+        }
+        ok += arg == labels[r];
+    }
+    *loss_sum = sum;
+    *correct = ok;
+    return 0;
+}
+
+static void make_batch(uint64_t *rng, float *x, uint8_t *lab, int rows)
+{
+    for (int i = 0; i < rows * widths[0]; i++)
+        x[i] = (float)(route_rand01(rng) * 2 - 1);
+    for (int r = 0; r < rows; r++)
+        lab[r] = (uint8_t)(route_rand01(rng) * widths[S]);
+}
+
+/* The same batch processed directly, for the reference gradients. */
+static double reference(const float *x, const uint8_t *lab, int rows)
+{
+    float a[S + 1][MAXB * 8], g[S + 1][MAXB * 8];
+    memcpy(a[0], x, sizeof(float) * (size_t)(rows * widths[0]));
+    for (int s = 0; s < S; s++)
+        fwd(s, a[s], a[s + 1], rows);
+    double l = 0;
+    int c = 0;
+    assert_int_equal(loss(NULL, a[S], lab, rows, widths[S], g[S], &l, &c), 0);
+    for (int s = S - 1; s >= 0; s--)
+        bwd(s, a[s], g[s + 1], g[s], rows, gW_ref[s]);
+    return l;
+}
+
+static void run(uint64_t seed, int inflight, double fail_rate)
+{
+    uint64_t rng = seed, data_rng = seed ^ 0x9e3779b97f4a7c15ULL;
+    route_pipeline_config cfg = {S, widths, MAXB, inflight, loss, NULL};
+    route_pipeline *p = route_pipeline_create(&cfg);
+    assert_non_null(p);
+    memset(gW, 0, sizeof gW);
+    memset(gW_ref, 0, sizeof gW_ref);
+    init_weights(&rng);
+
+    enum { NB = 60 };
+    int seen[NB] = {0};
+    double ref_loss[NB], got_loss = 0, want_loss = 0;
+    route_call taken[ROUTE_PIPELINE_MAX_INFLIGHT];
+    int ntaken = 0, pushed = 0, done = 0, injected = 0, retries = 0;
+
+    for (int iter = 0; iter < 100000 && done < NB; iter++) {
+        while (pushed < NB) {
+            float x[MAXB * 8];
+            uint8_t lab[MAXB];
+            int rows = 1 + (int)(route_rand01(&data_rng) * MAXB);
+            make_batch(&data_rng, x, lab, rows);
+            int64_t seq = route_pipeline_push(p, x, lab, rows);
+            if (seq == -EAGAIN)
+                break;
+            assert_int_equal(seq, pushed);
+            ref_loss[pushed++] = reference(x, lab, rows);
+        }
+        while (ntaken < inflight && route_pipeline_next_call(p, &taken[ntaken]))
+            ntaken++;
+        assert_int_equal(route_pipeline_outstanding(p), ntaken);
+        assert_true(ntaken > 0);
+        /* Complete one outstanding call, chosen at random. */
+        int k = (int)(route_rand01(&rng) * ntaken);
+        route_call c = taken[k];
+        taken[k] = taken[--ntaken];
+        int status = 0;
+        if (route_rand01(&rng) < fail_rate) {
+            status = -ETIMEDOUT;
+            injected++;
+        } else if (c.kind == ROUTE_CALL_FORWARD) {
+            assert_null(c.grad_outputs);
+            fwd(c.stage, c.inputs, c.outputs, c.rows);
+        } else {
+            assert_int_equal(c.need_grad_inputs, c.stage > 0);
+            bwd(c.stage, c.inputs, c.grad_outputs, c.need_grad_inputs ? c.outputs : NULL, c.rows,
+                gW[c.stage]);
+        }
+        assert_int_equal(route_pipeline_call_done(p, c.token, status), 0);
+        assert_int_equal(route_pipeline_call_done(p, c.token, 0), -ENOENT); /* stale */
+        route_batch_result r;
+        while (route_pipeline_pop_result(p, &r)) {
+            assert_true(r.seq < NB);
+            assert_int_equal(seen[r.seq], 0);
+            seen[r.seq] = 1;
+            got_loss += r.loss_sum;
+            want_loss += ref_loss[r.seq];
+            retries += r.retries;
+            done++;
+        }
+    }
+    assert_int_equal(done, NB);
+    assert_int_equal(retries, injected);
+    assert_int_equal(route_pipeline_inflight(p), 0);
+    assert_int_equal(route_pipeline_failed(p), 0);
+    if (fabs(got_loss - want_loss) > 1e-4 * (1 + fabs(want_loss)))
+        fail_msg("seed %llu: loss %.6f want %.6f", (unsigned long long)seed, got_loss, want_loss);
+    for (int s = 0; s < S; s++)
+        for (int i = 0; i < widths[s]; i++)
+            for (int j = 0; j < widths[s + 1]; j++)
+                if (fabs(gW[s][i][j] - gW_ref[s][i][j]) > 1e-4)
+                    fail_msg("seed %llu: gW[%d][%d][%d] = %g want %g", (unsigned long long)seed, s, i,
+                             j, gW[s][i][j], gW_ref[s][i][j]);
+    route_pipeline_destroy(&p);
+    assert_null(p);
+}
+
+static void test_no_failures_one_inflight(void **state)
+{
+    (void)state;
+    run(1, 1, 0.0);
+}
+
+static void test_failures_and_reordering(void **state)
+{
+    (void)state;
+    for (uint64_t seed = 2; seed < 12; seed++)
+        run(seed, 4, 0.25);
+    run(99, 16, 0.5);
+}
+
+static void test_limits_and_bad_input(void **state)
+{
+    (void)state;
+    route_pipeline_config cfg = {S, widths, MAXB, 2, loss, NULL};
+    route_pipeline *p = route_pipeline_create(&cfg);
+    assert_non_null(p);
+    float x[MAXB * 8] = {0};
+    uint8_t lab[MAXB] = {0};
+    assert_int_equal(route_pipeline_push(p, x, lab, 0), -EINVAL);
+    assert_int_equal(route_pipeline_push(p, x, lab, MAXB + 1), -EINVAL);
+    assert_int_equal(route_pipeline_push(p, x, lab, 2), 0);
+    assert_int_equal(route_pipeline_push(p, x, lab, 2), 1);
+    assert_int_equal(route_pipeline_push(p, x, lab, 2), -EAGAIN);
+    assert_int_equal(route_pipeline_call_done(p, 12345, 0), -ENOENT);
+    assert_int_equal(route_pipeline_call_done(p, 0, 0), -ENOENT); /* not taken */
+
+    /* A label the loss rejects drops that batch and counts it. */
+    route_call c;
+    route_pipeline_destroy(&p);
+    p = route_pipeline_create(&cfg);
+    lab[0] = 200;
+    assert_int_equal(route_pipeline_push(p, x, lab, 1), 0);
+    for (int s = 0; s < S; s++) {
+        assert_int_equal(route_pipeline_next_call(p, &c), 1);
+        assert_int_equal(c.kind, ROUTE_CALL_FORWARD);
+        assert_int_equal(c.stage, s);
+        memset(c.outputs, 0, sizeof(float) * (size_t)c.width_out);
+        int rc = route_pipeline_call_done(p, c.token, 0);
+        assert_int_equal(rc, s == S - 1 ? -EINVAL : 0);
+    }
+    assert_int_equal(route_pipeline_failed(p), 1);
+    assert_int_equal(route_pipeline_inflight(p), 0);
+    assert_int_equal(route_pipeline_next_call(p, &c), 0);
+    route_pipeline_destroy(&p);
+    route_pipeline_destroy(&p); /* NULL is fine */
+
+    int bad_widths[S + 1] = {5, 0, 4, 3};
+    route_pipeline_config bad = {S, bad_widths, MAXB, 2, loss, NULL};
+    assert_null(route_pipeline_create(&bad));
+    bad.widths = widths;
+    bad.max_inflight = ROUTE_PIPELINE_MAX_INFLIGHT + 1;
+    assert_null(route_pipeline_create(&bad));
+    bad.max_inflight = 2;
+    bad.loss = NULL;
+    assert_null(route_pipeline_create(&bad));
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_no_failures_one_inflight),
+        cmocka_unit_test(test_failures_and_reordering),
+        cmocka_unit_test(test_limits_and_bad_input),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
