@@ -1,0 +1,356 @@
+#include "peer/batcher.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define EWMA_ALPHA 0.1
+
+typedef struct queue {
+    peer_task *head, *tail;
+} queue;
+
+typedef struct worker {
+    struct peer_batcher *b;
+    pthread_t thread;
+    int started;
+    expert_workspace *ws;
+    float *in_buf;    /* (max_batch, in): joined inputs */
+    float *go_buf;    /* (max_batch, out): joined grad_outputs */
+    float *out_buf;   /* (max_batch, max(in, out)): joined results */
+} worker;
+
+struct peer_batcher {
+    expert_block *blk;
+    peer_batcher_config cfg;
+    int in, out;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    queue infer;      /* inference first */
+    queue train;      /* training forwards and backwards, FIFO */
+    int queued_rows, queued_tasks;
+    int stopping;
+    peer_batcher_stats st;
+    worker *workers;
+};
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void q_push(queue *q, peer_task *t)
+{
+    t->next_ = NULL;
+    if (q->tail)
+        q->tail->next_ = t;
+    else
+        q->head = t;
+    q->tail = t;
+}
+
+static int is_forward(peer_task_kind k)
+{
+    return k == PEER_TASK_INFER || k == PEER_TASK_FORWARD;
+}
+
+/* Moves from q into *list (appending at *tail) every task whose operation
+ * matches `fwd`, in order, while the joined rows stay <= max. */
+static void q_take_matching(queue *q, int fwd, int max, int *rows, peer_task **head,
+                            peer_task **tail)
+{
+    peer_task *prev = NULL, *t = q->head;
+    while (t && *rows < max) {
+        peer_task *next = t->next_;
+        if (is_forward(t->kind) == fwd && *rows + t->rows <= max) {
+            if (prev)
+                prev->next_ = next;
+            else
+                q->head = next;
+            if (q->tail == t)
+                q->tail = prev;
+            t->next_ = NULL;
+            if (*tail)
+                (*tail)->next_ = t;
+            else
+                *head = t;
+            *tail = t;
+            *rows += t->rows;
+        } else {
+            prev = t;
+        }
+        t = next;
+    }
+}
+
+/* Takes the next joined batch, or returns NULL when stopping and empty.
+ * Called with mu held. */
+static peer_task *take_batch(peer_batcher *b, int *fwd_out, int *rows_out)
+{
+    for (;;) {
+        queue *q = b->infer.head ? &b->infer : b->train.head ? &b->train : NULL;
+        if (q) {
+            int fwd = is_forward(q->head->kind);
+            int rows = 0;
+            peer_task *head = NULL, *tail = NULL;
+            q_take_matching(q, fwd, b->cfg.max_batch, &rows, &head, &tail);
+            /* Inference batches are topped up with queued training forwards:
+             * same operation, and it costs the inference nothing. */
+            if (fwd && q == &b->infer)
+                q_take_matching(&b->train, 1, b->cfg.max_batch, &rows, &head, &tail);
+            int n = 0;
+            for (peer_task *t = head; t; t = t->next_)
+                n++;
+            b->queued_rows -= rows;
+            b->queued_tasks -= n;
+            *fwd_out = fwd;
+            *rows_out = rows;
+            return head;
+        }
+        if (b->stopping)
+            return NULL;
+        pthread_cond_wait(&b->cv, &b->mu);
+    }
+}
+
+/* Runs one joined batch. Returns 0 or -errno for the whole batch. */
+static int compute(worker *w, peer_task *head, int fwd, int rows, uint64_t *version,
+                   struct expert_step_info *step, int *stepped)
+{
+    peer_batcher *b = w->b;
+    const size_t in = (size_t)b->in, out = (size_t)b->out;
+    int single = head->next_ == NULL;
+    int rc;
+
+    *stepped = 0;
+    if (fwd) {
+        const float *x = head->inputs;
+        float *y = single ? head->outputs : w->out_buf;
+        if (!single) {
+            size_t off = 0;
+            for (peer_task *t = head; t; t = t->next_) {
+                memcpy(w->in_buf + off * in, t->inputs, (size_t)t->rows * in * sizeof(float));
+                off += (size_t)t->rows;
+            }
+            x = w->in_buf;
+        }
+        rc = expert_block_forward(b->blk, w->ws, y, x, rows, version);
+        if (rc == 0 && !single) {
+            size_t off = 0;
+            for (peer_task *t = head; t; t = t->next_) {
+                memcpy(t->outputs, w->out_buf + off * out, (size_t)t->rows * out * sizeof(float));
+                off += (size_t)t->rows;
+            }
+        }
+        return rc;
+    }
+
+    const float *x = head->inputs, *gy = head->grad_outputs;
+    float *gx = single ? head->outputs : w->out_buf;
+    int want_gx = 0;
+    for (peer_task *t = head; t; t = t->next_)
+        want_gx |= t->outputs != NULL;
+    if (!single) {
+        size_t off = 0;
+        for (peer_task *t = head; t; t = t->next_) {
+            memcpy(w->in_buf + off * in, t->inputs, (size_t)t->rows * in * sizeof(float));
+            memcpy(w->go_buf + off * out, t->grad_outputs, (size_t)t->rows * out * sizeof(float));
+            off += (size_t)t->rows;
+        }
+        x = w->in_buf;
+        gy = w->go_buf;
+    }
+    rc = expert_block_backward(b->blk, w->ws, want_gx ? gx : NULL, gy, x, rows, version);
+    if (rc == 0 && !single && want_gx) {
+        size_t off = 0;
+        for (peer_task *t = head; t; t = t->next_) {
+            if (t->outputs)
+                memcpy(t->outputs, w->out_buf + off * in, (size_t)t->rows * in * sizeof(float));
+            off += (size_t)t->rows;
+        }
+    }
+    if (rc == 0) {
+        int s = expert_block_maybe_step(b->blk, &b->cfg.optim, step);
+        if (s > 0)
+            *stepped = 1;
+        else if (s < 0)
+            rc = s;
+    }
+    return rc;
+}
+
+static void *worker_main(void *arg)
+{
+    worker *w = arg;
+    peer_batcher *b = w->b;
+    pthread_mutex_lock(&b->mu);
+    for (;;) {
+        int fwd = 0, rows = 0;
+        peer_task *head = take_batch(b, &fwd, &rows);
+        if (!head)
+            break;
+        pthread_mutex_unlock(&b->mu);
+
+        uint64_t version = 0;
+        struct expert_step_info step;
+        int stepped = 0;
+        double t0 = now_s();
+        int rc = compute(w, head, fwd, rows, &version, &step, &stepped);
+        double per_row = (now_s() - t0) / rows;
+
+        pthread_mutex_lock(&b->mu);
+        b->st.batches++;
+        if (rc == 0) {
+            double *ew = fwd ? &b->st.fwd_row_s : &b->st.bwd_row_s;
+            *ew = *ew == 0 ? per_row : (1 - EWMA_ALPHA) * *ew + EWMA_ALPHA * per_row;
+        }
+        b->st.steps += (uint64_t)stepped;
+        for (peer_task *t = head; t; t = t->next_) {
+            b->st.tasks[t->kind]++;
+            b->st.rows[t->kind] += (uint64_t)t->rows;
+            if (rc != 0)
+                b->st.errors++;
+        }
+        pthread_mutex_unlock(&b->mu);
+
+        /* Complete without the lock: a callback may submit again. */
+        for (peer_task *t = head, *next; t; t = next) {
+            next = t->next_;
+            t->next_ = NULL;
+            t->version = version;
+            t->done(t, rc);
+        }
+        pthread_mutex_lock(&b->mu);
+    }
+    pthread_mutex_unlock(&b->mu);
+    return NULL;
+}
+
+static void free_workers(peer_batcher *b)
+{
+    for (int i = 0; i < b->cfg.threads; i++) {
+        worker *w = &b->workers[i];
+        expert_workspace_destroy(&w->ws);
+        free(w->in_buf);
+        free(w->go_buf);
+        free(w->out_buf);
+    }
+    free(b->workers);
+}
+
+peer_batcher *peer_batcher_create(expert_block *blk, const peer_batcher_config *cfg)
+{
+    if (!blk || !cfg || cfg->threads < 1 || cfg->threads > 256 || cfg->max_batch < 1 ||
+        cfg->max_queue_rows < cfg->max_batch || expert_optim_check(&cfg->optim) != 0)
+        return NULL;
+    peer_batcher *b = calloc(1, sizeof *b);
+    if (!b)
+        return NULL;
+    b->blk = blk;
+    b->cfg = *cfg;
+    const struct expert_block_config *bc = expert_block_config(blk);
+    b->in = bc->in;
+    b->out = bc->out;
+    size_t wide = (size_t)(b->in > b->out ? b->in : b->out);
+    b->workers = calloc((size_t)cfg->threads, sizeof *b->workers);
+    if (!b->workers) {
+        free(b);
+        return NULL;
+    }
+    for (int i = 0; i < cfg->threads; i++) {
+        worker *w = &b->workers[i];
+        w->b = b;
+        w->ws = expert_workspace_create(bc, cfg->max_batch);
+        w->in_buf = malloc((size_t)cfg->max_batch * (size_t)b->in * sizeof(float));
+        w->go_buf = malloc((size_t)cfg->max_batch * (size_t)b->out * sizeof(float));
+        w->out_buf = malloc((size_t)cfg->max_batch * wide * sizeof(float));
+        if (!w->ws || !w->in_buf || !w->go_buf || !w->out_buf) {
+            free_workers(b);
+            free(b);
+            return NULL;
+        }
+    }
+    pthread_mutex_init(&b->mu, NULL);
+    pthread_cond_init(&b->cv, NULL);
+    for (int i = 0; i < cfg->threads; i++) {
+        if (pthread_create(&b->workers[i].thread, NULL, worker_main, &b->workers[i]) != 0) {
+            peer_batcher_destroy(&b);
+            return NULL;
+        }
+        b->workers[i].started = 1;
+    }
+    return b;
+}
+
+void peer_batcher_destroy(peer_batcher **pp)
+{
+    if (!pp || !*pp)
+        return;
+    peer_batcher *b = *pp;
+    pthread_mutex_lock(&b->mu);
+    b->stopping = 1;
+    pthread_cond_broadcast(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+    for (int i = 0; i < b->cfg.threads; i++)
+        if (b->workers[i].started)
+            pthread_join(b->workers[i].thread, NULL);
+    pthread_cond_destroy(&b->cv);
+    pthread_mutex_destroy(&b->mu);
+    free_workers(b);
+    free(b);
+    *pp = NULL;
+}
+
+int peer_batcher_submit(peer_batcher *b, peer_task *t)
+{
+    if (!b || !t || !t->done || !t->inputs || t->rows < 1 || t->rows > b->cfg.max_batch)
+        return -EINVAL;
+    if (t->kind == PEER_TASK_BACKWARD) {
+        if (!t->grad_outputs)
+            return -EINVAL;
+    } else if (!is_forward(t->kind) || !t->outputs) {
+        return -EINVAL;
+    }
+    pthread_mutex_lock(&b->mu);
+    if (b->stopping) {
+        pthread_mutex_unlock(&b->mu);
+        return -ESHUTDOWN;
+    }
+    /* Inference may use the whole bound; training leaves room for it, so a
+     * queue full of training work still admits inference. */
+    int limit = t->kind == PEER_TASK_INFER ? b->cfg.max_queue_rows + b->cfg.max_batch
+                                           : b->cfg.max_queue_rows;
+    if (b->queued_rows + t->rows > limit) {
+        b->st.rejected++;
+        pthread_mutex_unlock(&b->mu);
+        return -EAGAIN;
+    }
+    q_push(t->kind == PEER_TASK_INFER ? &b->infer : &b->train, t);
+    b->queued_rows += t->rows;
+    b->queued_tasks++;
+    pthread_cond_signal(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+    return 0;
+}
+
+void peer_batcher_get_stats(peer_batcher *b, peer_batcher_stats *out)
+{
+    pthread_mutex_lock(&b->mu);
+    *out = b->st;
+    out->queued_rows = b->queued_rows;
+    out->queued_tasks = b->queued_tasks;
+    pthread_mutex_unlock(&b->mu);
+    out->version = expert_block_version(b->blk);
+}
+
+double peer_batcher_train_throughput(const peer_batcher_stats *s)
+{
+    double t = s->fwd_row_s + s->bwd_row_s;
+    if (s->fwd_row_s <= 0 || s->bwd_row_s <= 0 || !(t > 0))
+        return 0.0;
+    return 1.0 / t;
+}
