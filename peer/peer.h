@@ -7,6 +7,10 @@
 #ifndef PEER_PEER_H
 #define PEER_PEER_H
 
+#include "peer/channel.h"
 #include "peer/device.h"
+#include "peer/rpc_client.h"
+#include "peer/rpc_server.h"
+#include "peer/wire.h"
 
 #endif

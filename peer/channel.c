@@ -1,0 +1,421 @@
+/* peer/channel.c: handshake and record protection (see channel.h, docs/rpc.md). */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <sodium.h>
+
+#include "dht/id.h"
+#include "peer/channel.h"
+
+#define HS_VERSION 1
+#define FLAG_AES 0x01u        /* sender can do AES-256-GCM in hardware */
+#define FLAG_PLAINTEXT 0x02u  /* sender wants plaintext records (benchmarks) */
+
+enum hs_state { HS_SEND1, HS_WAIT1, HS_WAIT2, HS_WAIT3, HS_DONE, HS_DEAD };
+
+struct peer_channel {
+    int initiator;
+    enum hs_state st;
+    uint8_t my_flags, peer_flags;
+    dht_identity self;
+    int have_expect;
+    uint8_t expect_id[DHT_ID_LEN];
+    uint8_t swarm[32];              /* all zero when no swarm key: same code path */
+    size_t max_record;
+    uint8_t e_sk[32], e_pk[32];     /* our ephemeral X25519 pair */
+    uint8_t peer_e[32];
+    uint8_t peer_pk[32], peer_id[DHT_ID_LEN];
+    uint8_t msg1[PEER_CHANNEL_HS1_LEN], msg2[PEER_CHANNEL_HS2_LEN];
+    peer_cipher cipher;
+    uint64_t tx_n, rx_n;
+    crypto_aead_aes256gcm_state aes_tx, aes_rx; /* precomputed AES key schedules */
+    uint8_t k_tx[32], k_rx[32];
+};
+
+static void put_hdr(uint8_t *p, char which, uint8_t flags)
+{
+    p[0] = 'S'; p[1] = 'R'; p[2] = 'H'; p[3] = (uint8_t)which;
+    p[4] = HS_VERSION; p[5] = flags; p[6] = 0; p[7] = 0;
+}
+
+static int check_hdr(const uint8_t *p, char which)
+{
+    if (p[0] != 'S' || p[1] != 'R' || p[2] != 'H' || p[3] != (uint8_t)which || p[4] != HS_VERSION)
+        return -EPROTO;
+    return 0;
+}
+
+/* BLAKE2b keyed with the swarm key (zeros without one) over label || a || b || c. */
+static void khash(const peer_channel *ch, uint8_t *out, size_t outlen, const char *label,
+                  const uint8_t *a, size_t alen, const uint8_t *b, size_t blen,
+                  const uint8_t *c, size_t clen)
+{
+    crypto_generichash_state st;
+    crypto_generichash_init(&st, ch->swarm, sizeof ch->swarm, outlen);
+    crypto_generichash_update(&st, (const uint8_t *)label, strlen(label));
+    if (alen) crypto_generichash_update(&st, a, alen);
+    if (blen) crypto_generichash_update(&st, b, blen);
+    if (clen) crypto_generichash_update(&st, c, clen);
+    crypto_generichash_final(&st, out, outlen);
+    sodium_memzero(&st, sizeof st);
+}
+
+peer_channel *peer_channel_create(const peer_channel_config *cfg, int initiator)
+{
+    if (!cfg || !cfg->self)
+        return NULL;
+    if (sodium_init() < 0)
+        return NULL;
+    /* 64-byte alignment for the AES key schedule (CRYPTO_ALIGN(16)). */
+    size_t sz = (sizeof(peer_channel) + 63) & ~(size_t)63;
+    peer_channel *ch = aligned_alloc(64, sz);
+    if (!ch)
+        return NULL;
+    memset(ch, 0, sizeof *ch);
+    ch->initiator = initiator != 0;
+    ch->st = ch->initiator ? HS_SEND1 : HS_WAIT1;
+    ch->self = *cfg->self;
+    if (cfg->expect_id) {
+        ch->have_expect = 1;
+        memcpy(ch->expect_id, cfg->expect_id, DHT_ID_LEN);
+    }
+    if (cfg->swarm_key)
+        memcpy(ch->swarm, cfg->swarm_key, 32);
+    ch->max_record = cfg->max_record ? cfg->max_record : PEER_CHANNEL_MAX_RECORD;
+    if (!cfg->no_aes && crypto_aead_aes256gcm_is_available())
+        ch->my_flags |= FLAG_AES;
+    if (cfg->plaintext)
+        ch->my_flags |= FLAG_PLAINTEXT;
+    crypto_box_keypair(ch->e_pk, ch->e_sk); /* X25519 pair */
+    return ch;
+}
+
+void peer_channel_destroy(peer_channel **p)
+{
+    if (!p || !*p)
+        return;
+    sodium_memzero(*p, sizeof **p);
+    free(*p);
+    *p = NULL;
+}
+
+static int die(peer_channel *ch, int err)
+{
+    ch->st = HS_DEAD;
+    sodium_memzero(ch->k_tx, 32);
+    sodium_memzero(ch->k_rx, 32);
+    return err;
+}
+
+/* Both flags must agree on plaintext; AES only if both can. */
+static int negotiate(peer_channel *ch)
+{
+    if ((ch->my_flags ^ ch->peer_flags) & FLAG_PLAINTEXT)
+        return -EPROTO;
+    if (ch->my_flags & FLAG_PLAINTEXT)
+        ch->cipher = PEER_CIPHER_NONE;
+    else if (ch->my_flags & ch->peer_flags & FLAG_AES)
+        ch->cipher = PEER_CIPHER_AES256GCM;
+    else
+        ch->cipher = PEER_CIPHER_CHACHA20POLY1305;
+    return 0;
+}
+
+/* Checks the peer's ed25519 key against the expected ID and records it. */
+static int take_peer_pk(peer_channel *ch, const uint8_t *pk)
+{
+    memcpy(ch->peer_pk, pk, 32);
+    dht_id_of_pubkey(ch->peer_id, pk);
+    if (ch->have_expect && sodium_memcmp(ch->peer_id, ch->expect_id, DHT_ID_LEN) != 0)
+        return -EPERM;
+    return 0;
+}
+
+/* Derives both directions' keys from the transcript hash h3 and three DH
+ * products. Returns 0 or -EBADMSG (a key that converts or multiplies to a
+ * degenerate point). */
+static int derive(peer_channel *ch, const uint8_t h3[32])
+{
+    uint8_t my_x_sk[32], peer_x_pk[32], ee[32], es[32], se[32], okm[64];
+    int rc = -EBADMSG;
+    if (crypto_sign_ed25519_sk_to_curve25519(my_x_sk, ch->self.sk) != 0 ||
+        crypto_sign_ed25519_pk_to_curve25519(peer_x_pk, ch->peer_pk) != 0)
+        goto out;
+    if (crypto_scalarmult(ee, ch->e_sk, ch->peer_e) != 0)
+        goto out;
+    /* es = initiator ephemeral * responder static, se = initiator static *
+     * responder ephemeral; each side computes the same two products. */
+    if (ch->initiator) {
+        if (crypto_scalarmult(es, ch->e_sk, peer_x_pk) != 0 ||
+            crypto_scalarmult(se, my_x_sk, ch->peer_e) != 0)
+            goto out;
+    } else {
+        if (crypto_scalarmult(es, my_x_sk, ch->peer_e) != 0 ||
+            crypto_scalarmult(se, ch->e_sk, peer_x_pk) != 0)
+            goto out;
+    }
+    uint8_t dh[96];
+    memcpy(dh, ee, 32);
+    memcpy(dh + 32, es, 32);
+    memcpy(dh + 64, se, 32);
+    khash(ch, okm, 64, "starling-keys-v1", h3, 32, dh, 96, NULL, 0);
+    sodium_memzero(dh, sizeof dh);
+    /* okm[0..32) protects initiator -> responder, okm[32..64) the reverse. */
+    memcpy(ch->k_tx, ch->initiator ? okm : okm + 32, 32);
+    memcpy(ch->k_rx, ch->initiator ? okm + 32 : okm, 32);
+    if (ch->cipher == PEER_CIPHER_AES256GCM) {
+        crypto_aead_aes256gcm_beforenm(&ch->aes_tx, ch->k_tx);
+        crypto_aead_aes256gcm_beforenm(&ch->aes_rx, ch->k_rx);
+    }
+    ch->tx_n = ch->rx_n = 0;
+    rc = 0;
+out:
+    sodium_memzero(my_x_sk, 32);
+    sodium_memzero(ee, 32);
+    sodium_memzero(es, 32);
+    sodium_memzero(se, 32);
+    sodium_memzero(okm, 64);
+    sodium_memzero(ch->e_sk, 32);
+    return rc;
+}
+
+int peer_channel_hello(peer_channel *ch, uint8_t out[PEER_CHANNEL_HS_MAX])
+{
+    if (!ch || !out || ch->st != HS_SEND1)
+        return -EINVAL;
+    uint8_t *m = ch->msg1;
+    put_hdr(m, '1', ch->my_flags);
+    memcpy(m + 8, ch->e_pk, 32);
+    khash(ch, m + 40, 32, "starling-swarm-v1", m, 40, NULL, 0, NULL, 0);
+    memcpy(out, m, PEER_CHANNEL_HS1_LEN);
+    ch->st = HS_WAIT2;
+    return PEER_CHANNEL_HS1_LEN;
+}
+
+size_t peer_channel_hs_expect(const peer_channel *ch)
+{
+    if (!ch)
+        return 0;
+    switch (ch->st) {
+    case HS_WAIT1: return PEER_CHANNEL_HS1_LEN;
+    case HS_WAIT2: return PEER_CHANNEL_HS2_LEN;
+    case HS_WAIT3: return PEER_CHANNEL_HS3_LEN;
+    default: return 0;
+    }
+}
+
+static int on_msg1(peer_channel *ch, const uint8_t *m, uint8_t *out, size_t *out_len)
+{
+    uint8_t tag[32];
+    int rc = check_hdr(m, '1');
+    if (rc)
+        return rc;
+    khash(ch, tag, 32, "starling-swarm-v1", m, 40, NULL, 0, NULL, 0);
+    if (sodium_memcmp(tag, m + 40, 32) != 0)
+        return -EACCES;
+    ch->peer_flags = m[5];
+    if ((rc = negotiate(ch)) != 0)
+        return rc;
+    memcpy(ch->msg1, m, PEER_CHANNEL_HS1_LEN);
+    memcpy(ch->peer_e, m + 8, 32);
+
+    uint8_t *r = ch->msg2, h2[32];
+    put_hdr(r, '2', ch->my_flags);
+    memcpy(r + 8, ch->e_pk, 32);
+    memcpy(r + 40, ch->self.pk, 32);
+    khash(ch, h2, 32, "starling-hs2-v1", ch->msg1, PEER_CHANNEL_HS1_LEN, r, 72, NULL, 0);
+    crypto_sign_detached(r + 72, NULL, h2, 32, ch->self.sk);
+    khash(ch, r + 136, 32, "starling-swarm-v1", ch->msg1, PEER_CHANNEL_HS1_LEN, r, 136, NULL, 0);
+    memcpy(out, r, PEER_CHANNEL_HS2_LEN);
+    *out_len = PEER_CHANNEL_HS2_LEN;
+    ch->st = HS_WAIT3;
+    return 0;
+}
+
+static int on_msg2(peer_channel *ch, const uint8_t *m, uint8_t *out, size_t *out_len)
+{
+    uint8_t tag[32], h2[32], h3[32];
+    int rc = check_hdr(m, '2');
+    if (rc)
+        return rc;
+    khash(ch, tag, 32, "starling-swarm-v1", ch->msg1, PEER_CHANNEL_HS1_LEN, m, 136, NULL, 0);
+    if (sodium_memcmp(tag, m + 136, 32) != 0)
+        return -EACCES;
+    ch->peer_flags = m[5];
+    if ((rc = negotiate(ch)) != 0)
+        return rc;
+    if ((rc = take_peer_pk(ch, m + 40)) != 0)
+        return rc;
+    khash(ch, h2, 32, "starling-hs2-v1", ch->msg1, PEER_CHANNEL_HS1_LEN, m, 72, NULL, 0);
+    if (crypto_sign_verify_detached(m + 72, h2, 32, ch->peer_pk) != 0)
+        return -EBADMSG;
+    memcpy(ch->msg2, m, PEER_CHANNEL_HS2_LEN);
+    memcpy(ch->peer_e, m + 8, 32);
+
+    uint8_t *r = out;
+    put_hdr(r, '3', ch->my_flags);
+    memcpy(r + 8, ch->self.pk, 32);
+    khash(ch, h3, 32, "starling-hs3-v1", ch->msg1, PEER_CHANNEL_HS1_LEN, ch->msg2,
+          PEER_CHANNEL_HS2_LEN, r, 40);
+    crypto_sign_detached(r + 40, NULL, h3, 32, ch->self.sk);
+    *out_len = PEER_CHANNEL_HS3_LEN;
+    if ((rc = derive(ch, h3)) != 0)
+        return rc;
+    ch->st = HS_DONE;
+    return 1;
+}
+
+static int on_msg3(peer_channel *ch, const uint8_t *m)
+{
+    uint8_t h3[32];
+    int rc = check_hdr(m, '3');
+    if (rc)
+        return rc;
+    /* msg3's flags must repeat msg1's: both are signed, so this closes the
+     * door on a downgrade of the cipher choice in msg1. */
+    if (m[5] != ch->peer_flags)
+        return -EBADMSG;
+    if ((rc = take_peer_pk(ch, m + 8)) != 0)
+        return rc;
+    khash(ch, h3, 32, "starling-hs3-v1", ch->msg1, PEER_CHANNEL_HS1_LEN, ch->msg2,
+          PEER_CHANNEL_HS2_LEN, m, 40);
+    if (crypto_sign_verify_detached(m + 40, h3, 32, ch->peer_pk) != 0)
+        return -EBADMSG;
+    if ((rc = derive(ch, h3)) != 0)
+        return rc;
+    ch->st = HS_DONE;
+    return 1;
+}
+
+int peer_channel_hs_input(peer_channel *ch, const uint8_t *msg,
+                          uint8_t out[PEER_CHANNEL_HS_MAX], size_t *out_len)
+{
+    if (!ch || !msg || !out || !out_len)
+        return -EINVAL;
+    *out_len = 0;
+    int rc;
+    switch (ch->st) {
+    case HS_WAIT1: rc = on_msg1(ch, msg, out, out_len); break;
+    case HS_WAIT2: rc = on_msg2(ch, msg, out, out_len); break;
+    case HS_WAIT3: rc = on_msg3(ch, msg); break;
+    default: return -EINVAL;
+    }
+    if (rc < 0) {
+        *out_len = 0;
+        return die(ch, rc);
+    }
+    return rc;
+}
+
+int peer_channel_established(const peer_channel *ch)
+{
+    return ch && ch->st == HS_DONE;
+}
+
+const uint8_t *peer_channel_peer_pk(const peer_channel *ch)
+{
+    return ch->peer_pk;
+}
+
+const uint8_t *peer_channel_peer_id(const peer_channel *ch)
+{
+    return ch->peer_id;
+}
+
+peer_cipher peer_channel_cipher(const peer_channel *ch)
+{
+    return ch->cipher;
+}
+
+size_t peer_channel_tag_len(const peer_channel *ch)
+{
+    return ch->cipher == PEER_CIPHER_NONE ? 0 : PEER_CHANNEL_TAG_LEN;
+}
+
+static void make_nonce(uint8_t nonce[12], uint64_t n)
+{
+    for (int i = 0; i < 8; i++)
+        nonce[i] = (uint8_t)(n >> (8 * i));
+    nonce[8] = nonce[9] = nonce[10] = nonce[11] = 0;
+}
+
+static void put_le32(uint8_t *p, uint32_t v)
+{
+    p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); p[2] = (uint8_t)(v >> 16); p[3] = (uint8_t)(v >> 24);
+}
+
+long peer_channel_seal(peer_channel *ch, uint8_t *rec, size_t plain_len)
+{
+    if (!ch || !rec || ch->st != HS_DONE)
+        return -EINVAL;
+    if (plain_len > ch->max_record)
+        return -EMSGSIZE;
+    size_t tag = peer_channel_tag_len(ch);
+    put_le32(rec, (uint32_t)(plain_len + tag));
+    uint8_t *m = rec + PEER_CHANNEL_HDR_LEN, nonce[12];
+    make_nonce(nonce, ch->tx_n++);
+    switch (ch->cipher) {
+    case PEER_CIPHER_NONE:
+        break;
+    case PEER_CIPHER_AES256GCM:
+        crypto_aead_aes256gcm_encrypt_detached_afternm(m, m + plain_len, NULL, m, plain_len,
+                                                        rec, PEER_CHANNEL_HDR_LEN, NULL,
+                                                        nonce, &ch->aes_tx);
+        break;
+    case PEER_CIPHER_CHACHA20POLY1305:
+        crypto_aead_chacha20poly1305_ietf_encrypt_detached(m, m + plain_len, NULL, m, plain_len,
+                                                           rec, PEER_CHANNEL_HDR_LEN, NULL,
+                                                           nonce, ch->k_tx);
+        break;
+    }
+    return (long)(PEER_CHANNEL_HDR_LEN + plain_len + tag);
+}
+
+int peer_channel_record_len(const peer_channel *ch, const uint8_t hdr[PEER_CHANNEL_HDR_LEN],
+                            size_t *rec_len)
+{
+    size_t L = (size_t)hdr[0] | (size_t)hdr[1] << 8 | (size_t)hdr[2] << 16 | (size_t)hdr[3] << 24;
+    size_t tag = peer_channel_tag_len(ch);
+    if (L < tag)
+        return -EBADMSG;
+    if (L - tag > ch->max_record)
+        return -EMSGSIZE;
+    *rec_len = PEER_CHANNEL_HDR_LEN + L;
+    return 0;
+}
+
+int peer_channel_open(peer_channel *ch, uint8_t *rec, size_t rec_len,
+                      uint8_t **plain, size_t *plain_len)
+{
+    if (!ch || !rec || !plain || !plain_len || ch->st != HS_DONE)
+        return -EINVAL;
+    size_t want;
+    if (rec_len < PEER_CHANNEL_HDR_LEN || peer_channel_record_len(ch, rec, &want) != 0 ||
+        want != rec_len)
+        return die(ch, -EBADMSG);
+    size_t tag = peer_channel_tag_len(ch);
+    size_t n = rec_len - PEER_CHANNEL_HDR_LEN - tag;
+    uint8_t *c = rec + PEER_CHANNEL_HDR_LEN, nonce[12];
+    make_nonce(nonce, ch->rx_n++);
+    int bad = 0;
+    switch (ch->cipher) {
+    case PEER_CIPHER_NONE:
+        break;
+    case PEER_CIPHER_AES256GCM:
+        bad = crypto_aead_aes256gcm_decrypt_detached_afternm(c, NULL, c, n, c + n, rec,
+                                                             PEER_CHANNEL_HDR_LEN, nonce,
+                                                             &ch->aes_rx) != 0;
+        break;
+    case PEER_CIPHER_CHACHA20POLY1305:
+        bad = crypto_aead_chacha20poly1305_ietf_decrypt_detached(c, NULL, c, n, c + n, rec,
+                                                                 PEER_CHANNEL_HDR_LEN, nonce,
+                                                                 ch->k_rx) != 0;
+        break;
+    }
+    if (bad)
+        return die(ch, -EBADMSG);
+    *plain = c;
+    *plain_len = n;
+    return 0;
+}

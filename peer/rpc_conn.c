@@ -1,0 +1,275 @@
+/* peer/rpc_conn.c: handshake, record reassembly and sends on one TCP
+ * connection (see rpc_conn.h). */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "peer/rpc_conn.h"
+
+/* A record tail this large is read straight into c->rec instead of being
+ * copied out of the staging buffer. */
+#define DIRECT_MIN 16384
+
+int peer__buf_reserve(peer__buf *b, size_t n)
+{
+    if (b->cap >= n)
+        return 0;
+    /* Round up so repeated, slightly varying shapes settle on one size. */
+    size_t cap = n < 4096 ? 4096 : n + n / 8;
+    void *p = malloc(cap);
+    if (!p)
+        return -ENOMEM;
+    free(b->p);
+    b->p = p;
+    b->cap = cap;
+    return 0;
+}
+
+void peer__buf_free(peer__buf *b)
+{
+    free(b->p);
+    b->p = NULL;
+    b->cap = 0;
+}
+
+static void fail(peer__conn *c, int err)
+{
+    if (c->failed)
+        return;
+    c->failed = 1;
+    if (c->reading) {
+        uv_read_stop((uv_stream_t *)&c->tcp);
+        c->reading = 0;
+    }
+    if (!c->closing)
+        c->ops->on_error(c, err);
+}
+
+static void hs_write_cb(uv_write_t *wr, int status)
+{
+    (void)wr;
+    (void)status; /* a failed write shows up as a read error or EOF */
+}
+
+static int hs_send(peer__conn *c, int slot, size_t len)
+{
+    uv_buf_t b = uv_buf_init((char *)c->hs_out[slot], (unsigned)len);
+    return uv_write(&c->hs_wr[slot], (uv_stream_t *)&c->tcp, &b, 1, hs_write_cb);
+}
+
+static void deliver(peer__conn *c)
+{
+    uint8_t *plain;
+    size_t plain_len;
+    c->in_rec = 0;
+    c->hdr_have = 0;
+    int rc = peer_channel_open(c->ch, c->rec.p, c->rec_len, &plain, &plain_len);
+    if (rc) {
+        fail(c, rc);
+        return;
+    }
+    peer_msg m;
+    rc = peer_wire_decode(plain, plain_len, &c->lim, &m);
+    c->ops->on_message(c, rc ? NULL : &m, rc);
+}
+
+/* Consumes staged bytes until they run out, the owner pauses, or we fail. */
+static void process(peer__conn *c)
+{
+    while (!c->paused && !c->failed && !c->closing && c->stage_off < c->stage_len) {
+        const uint8_t *p = c->stage + c->stage_off;
+        size_t n = c->stage_len - c->stage_off, take;
+        size_t want = peer_channel_hs_expect(c->ch);
+        if (want) {
+            take = want - c->hs_have < n ? want - c->hs_have : n;
+            memcpy(c->hs_in + c->hs_have, p, take);
+            c->hs_have += take;
+            c->stage_off += take;
+            if (c->hs_have < want)
+                continue;
+            c->hs_have = 0;
+            size_t out_len;
+            /* msg2 goes in slot 0 (responder), msg3 in slot 1 (initiator). */
+            int slot = want == PEER_CHANNEL_HS2_LEN ? 1 : 0;
+            int rc = peer_channel_hs_input(c->ch, c->hs_in, c->hs_out[slot], &out_len);
+            if (rc < 0) {
+                fail(c, rc);
+                return;
+            }
+            if (out_len && hs_send(c, slot, out_len) != 0) {
+                fail(c, -EPIPE);
+                return;
+            }
+            if (rc == 1)
+                c->ops->on_established(c);
+            continue;
+        }
+        if (!peer_channel_established(c->ch)) {
+            fail(c, -EPROTO); /* bytes before we sent msg1: not our protocol */
+            return;
+        }
+        if (!c->in_rec) {
+            take = PEER_CHANNEL_HDR_LEN - c->hdr_have < n ? PEER_CHANNEL_HDR_LEN - c->hdr_have : n;
+            memcpy(c->hdr + c->hdr_have, p, take);
+            c->hdr_have += take;
+            c->stage_off += take;
+            if (c->hdr_have < PEER_CHANNEL_HDR_LEN)
+                continue;
+            int rc = peer_channel_record_len(c->ch, c->hdr, &c->rec_len);
+            if (rc == 0 && peer__buf_reserve(&c->rec, c->rec_len) != 0)
+                rc = -ENOMEM;
+            if (rc) {
+                fail(c, rc);
+                return;
+            }
+            memcpy(c->rec.p, c->hdr, PEER_CHANNEL_HDR_LEN);
+            c->rec_have = PEER_CHANNEL_HDR_LEN;
+            c->in_rec = 1;
+            if (c->rec_have == c->rec_len) /* plaintext mode, empty record */
+                deliver(c);
+            continue;
+        }
+        take = c->rec_len - c->rec_have < n ? c->rec_len - c->rec_have : n;
+        memcpy(c->rec.p + c->rec_have, p, take);
+        c->rec_have += take;
+        c->stage_off += take;
+        if (c->rec_have == c->rec_len)
+            deliver(c);
+    }
+}
+
+static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
+{
+    (void)suggested;
+    peer__conn *c = h->data;
+    if (c->in_rec && c->rec_len - c->rec_have >= DIRECT_MIN) {
+        c->alloc_direct = 1;
+        *buf = uv_buf_init((char *)c->rec.p + c->rec_have, (unsigned)(c->rec_len - c->rec_have));
+        return;
+    }
+    c->alloc_direct = 0;
+    /* We only read when the stage is fully consumed (see resume). */
+    c->stage_off = c->stage_len = 0;
+    *buf = uv_buf_init((char *)c->stage, PEER__STAGE_LEN);
+}
+
+static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
+{
+    (void)buf;
+    peer__conn *c = s->data;
+    if (nread == 0)
+        return;
+    if (nread < 0) {
+        fail(c, nread == UV_EOF ? -ECONNRESET : (int)nread);
+        return;
+    }
+    if (c->alloc_direct) {
+        c->rec_have += (size_t)nread;
+        if (c->rec_have == c->rec_len)
+            deliver(c);
+        return;
+    }
+    c->stage_len = (size_t)nread;
+    c->stage_off = 0;
+    process(c);
+    if (c->paused && c->reading) {
+        uv_read_stop(s);
+        c->reading = 0;
+    }
+}
+
+int peer__conn_init(peer__conn *c, uv_loop_t *loop, const peer_channel_config *cc, int initiator,
+                    const peer__conn_ops *ops, void *owner, size_t max_frame)
+{
+    memset(c, 0, sizeof *c);
+    c->ops = ops;
+    c->owner = owner;
+    c->lim.max_frame = max_frame;
+    c->stage = malloc(PEER__STAGE_LEN);
+    c->ch = peer_channel_create(cc, initiator);
+    if (!c->stage || !c->ch) {
+        free(c->stage);
+        peer_channel_destroy(&c->ch);
+        return -ENOMEM;
+    }
+    int rc = uv_tcp_init(loop, &c->tcp);
+    if (rc) {
+        free(c->stage);
+        peer_channel_destroy(&c->ch);
+        return rc;
+    }
+    c->tcp.data = c;
+    return 0;
+}
+
+int peer__conn_start(peer__conn *c)
+{
+    uv_tcp_nodelay(&c->tcp, 1);
+    int rc = uv_read_start((uv_stream_t *)&c->tcp, alloc_cb, read_cb);
+    if (rc)
+        return rc;
+    c->reading = 1;
+    int n = peer_channel_hello(c->ch, c->hs_out[0]);
+    if (n > 0)
+        return hs_send(c, 0, (size_t)n);
+    return 0;
+}
+
+void peer__conn_pause(peer__conn *c)
+{
+    c->paused = 1;
+    /* read_cb stops the handle after process() returns; outside a read
+     * callback we stop it here. */
+    if (c->reading) {
+        uv_read_stop((uv_stream_t *)&c->tcp);
+        c->reading = 0;
+    }
+}
+
+void peer__conn_resume(peer__conn *c)
+{
+    if (!c->paused || c->failed || c->closing)
+        return;
+    c->paused = 0;
+    process(c);
+    if (!c->paused && !c->failed && !c->closing && !c->reading) {
+        if (uv_read_start((uv_stream_t *)&c->tcp, alloc_cb, read_cb) == 0)
+            c->reading = 1;
+        else
+            fail(c, -EPIPE);
+    }
+}
+
+int peer__conn_send(peer__conn *c, uint8_t *rec, size_t plain_len, uv_write_t *wr, uv_write_cb cb)
+{
+    /* A connection whose reading failed may still send (the server explains
+     * an oversize frame before it hangs up); a dead channel refuses to seal. */
+    if (c->closing)
+        return -ENOTCONN;
+    long n = peer_channel_seal(c->ch, rec, plain_len);
+    if (n < 0)
+        return (int)n;
+    uv_buf_t b = uv_buf_init((char *)rec, (unsigned)n);
+    int rc = uv_write(wr, (uv_stream_t *)&c->tcp, &b, 1, cb);
+    return rc ? -EPIPE : 0;
+}
+
+void peer__conn_close(peer__conn *c, uv_close_cb close_cb)
+{
+    if (c->closing)
+        return;
+    c->closing = 1;
+    if (c->reading) {
+        uv_read_stop((uv_stream_t *)&c->tcp);
+        c->reading = 0;
+    }
+    uv_close((uv_handle_t *)&c->tcp, close_cb);
+}
+
+void peer__conn_free(peer__conn *c)
+{
+    peer_channel_destroy(&c->ch);
+    peer__buf_free(&c->rec);
+    free(c->stage);
+    c->stage = NULL;
+}

@@ -1,0 +1,486 @@
+/* peer/rpc_server.c: tensor RPC server (see rpc_server.h). */
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "peer/rpc_conn.h"
+#include "peer/rpc_server.h"
+
+typedef struct sconn sconn;
+
+struct peer_rpc_request {
+    sconn *conn;
+    peer__buf in;          /* the request's record: msg borrows it */
+    peer__buf out;         /* the reply record, sealed in place */
+    size_t plain_len;
+    int ok;                /* reply encoded */
+    uint64_t id;
+    peer_method method;
+    peer_msg msg;
+    uv_write_t wr;
+    peer_rpc_request *next; /* free list or completion queue */
+};
+
+struct sconn {
+    peer__conn c;          /* first: c.tcp.data == this */
+    peer_rpc_server *srv;
+    sconn *prev, *next;
+    peer_rpc_request *free_reqs;
+    int inflight;          /* requests taken and not yet released */
+    int handle_closed;
+    int close_after_write;
+    uint64_t hs_deadline;
+};
+
+struct peer_rpc_server {
+    uv_loop_t *loop;
+    pthread_t loop_thread;
+    peer_rpc_server_config cfg;
+    dht_identity self;
+    uint8_t swarm[32];
+    int have_swarm;
+    uv_tcp_t listener;
+    uv_timer_t sweep;
+    uv_async_t async;
+    int listening, closing, handles_open;
+    int port;
+    sconn *conns;
+    pthread_mutex_t mu;
+    peer_rpc_request *done_head, *done_tail; /* answered off the loop thread */
+    peer_rpc_server_stats st;
+    void (*close_cb)(peer_rpc_server *, void *);
+    void *close_arg;
+};
+
+static void maybe_finish_close(peer_rpc_server *srv);
+
+/* ---- requests ---- */
+
+static peer_rpc_request *take_req(sconn *sc)
+{
+    peer_rpc_request *r = sc->free_reqs;
+    if (r) {
+        sc->free_reqs = r->next;
+    } else {
+        r = calloc(1, sizeof *r);
+        if (!r)
+            return NULL;
+    }
+    r->next = NULL;
+    r->conn = sc;
+    r->wr.data = r;
+    r->ok = 0;
+    sc->inflight++;
+    return r;
+}
+
+static void conn_maybe_free(sconn *sc);
+
+static void release_req(peer_rpc_request *r)
+{
+    sconn *sc = r->conn;
+    r->next = sc->free_reqs;
+    sc->free_reqs = r;
+    sc->inflight--;
+    if (sc->c.closing) {
+        conn_maybe_free(sc);
+        return;
+    }
+    if (sc->c.paused && sc->inflight < sc->srv->cfg.max_inflight)
+        peer__conn_resume(&sc->c);
+}
+
+static void close_conn(sconn *sc);
+
+static void reply_written(uv_write_t *wr, int status)
+{
+    (void)status;
+    peer_rpc_request *r = wr->data;
+    sconn *sc = r->conn;
+    int close_now = sc->close_after_write;
+    release_req(r);
+    if (close_now)
+        close_conn(sc);
+}
+
+/* Loop thread: seal and write an encoded reply, or drop it. */
+static void finish(peer_rpc_request *r)
+{
+    sconn *sc = r->conn;
+    if (!r->ok || sc->c.closing) {
+        release_req(r);
+        return;
+    }
+    if (peer__conn_send(&sc->c, r->out.p, r->plain_len, &r->wr, reply_written) != 0) {
+        release_req(r);
+        return;
+    }
+    sc->srv->st.replies++;
+}
+
+static int encode(peer_rpc_request *r, const peer_msg *m)
+{
+    long n = peer_wire_size(m);
+    if (n < 0)
+        return (int)n;
+    if (peer__buf_reserve(&r->out, PEER_CHANNEL_HDR_LEN + (size_t)n + PEER_CHANNEL_TAG_LEN))
+        return -ENOMEM;
+    n = peer_wire_encode(m, r->out.p + PEER_CHANNEL_HDR_LEN, r->out.cap - PEER_CHANNEL_HDR_LEN);
+    if (n < 0)
+        return (int)n;
+    r->plain_len = (size_t)n;
+    return 0;
+}
+
+static void error_msg(peer_msg *m, const peer_rpc_request *r, int code, const char *text)
+{
+    peer_msg_init(m, PEER_KIND_ERROR, r->method, r->id);
+    m->err_code = code;
+    snprintf(m->err_msg, sizeof m->err_msg, "%s", text ? text : "");
+}
+
+static void dispatch(peer_rpc_request *r)
+{
+    peer_rpc_server *srv = r->conn->srv;
+    if (pthread_equal(pthread_self(), srv->loop_thread)) {
+        finish(r);
+        return;
+    }
+    pthread_mutex_lock(&srv->mu);
+    if (srv->done_tail)
+        srv->done_tail->next = r;
+    else
+        srv->done_head = r;
+    srv->done_tail = r;
+    pthread_mutex_unlock(&srv->mu);
+    uv_async_send(&srv->async);
+}
+
+int peer_rpc_respond(peer_rpc_request *r, const peer_msg *reply)
+{
+    if (!r)
+        return -EINVAL;
+    peer_msg m;
+    if (reply)
+        m = *reply;
+    else
+        peer_msg_init(&m, PEER_KIND_REPLY, r->method, r->id);
+    if (m.kind != PEER_KIND_ERROR)
+        m.kind = PEER_KIND_REPLY;
+    m.id = r->id;
+    m.method = r->method;
+    int rc = encode(r, &m);
+    if (rc == -EINVAL) {
+        /* The handler built a bad reply: tell the client rather than hang it. */
+        error_msg(&m, r, EIO, "server produced a malformed reply");
+        if (encode(r, &m) == 0)
+            r->ok = 1;
+    } else {
+        r->ok = rc == 0;
+    }
+    dispatch(r);
+    return rc;
+}
+
+int peer_rpc_respond_error(peer_rpc_request *r, int code, const char *message)
+{
+    if (!r)
+        return -EINVAL;
+    peer_msg m;
+    error_msg(&m, r, code, message);
+    return peer_rpc_respond(r, &m);
+}
+
+const uint8_t *peer_rpc_request_peer_id(const peer_rpc_request *r)
+{
+    return peer_channel_peer_id(r->conn->c.ch);
+}
+
+static void async_cb(uv_async_t *a)
+{
+    peer_rpc_server *srv = a->data;
+    pthread_mutex_lock(&srv->mu);
+    peer_rpc_request *r = srv->done_head;
+    srv->done_head = srv->done_tail = NULL;
+    pthread_mutex_unlock(&srv->mu);
+    while (r) {
+        peer_rpc_request *next = r->next;
+        r->next = NULL;
+        finish(r);
+        r = next;
+    }
+}
+
+/* ---- connections ---- */
+
+static void conn_maybe_free(sconn *sc)
+{
+    if (!sc->handle_closed || sc->inflight > 0)
+        return;
+    peer_rpc_server *srv = sc->srv;
+    if (sc->prev)
+        sc->prev->next = sc->next;
+    else
+        srv->conns = sc->next;
+    if (sc->next)
+        sc->next->prev = sc->prev;
+    while (sc->free_reqs) {
+        peer_rpc_request *r = sc->free_reqs;
+        sc->free_reqs = r->next;
+        peer__buf_free(&r->in);
+        peer__buf_free(&r->out);
+        free(r);
+    }
+    peer__conn_free(&sc->c);
+    free(sc);
+    srv->st.conns_open--;
+    maybe_finish_close(srv);
+}
+
+static void conn_closed(uv_handle_t *h)
+{
+    sconn *sc = h->data;
+    sc->handle_closed = 1;
+    conn_maybe_free(sc);
+}
+
+static void close_conn(sconn *sc)
+{
+    peer__conn_close(&sc->c, conn_closed);
+}
+
+/* Answers a frame the handler never sees. */
+static void server_error(sconn *sc, uint64_t id, peer_method method, int code, const char *text)
+{
+    peer_rpc_request *r = take_req(sc);
+    if (!r) {
+        close_conn(sc);
+        return;
+    }
+    r->id = id;
+    r->method = method;
+    peer_rpc_respond_error(r, code, text);
+}
+
+static void on_established(peer__conn *c)
+{
+    (void)c;
+}
+
+static void on_message(peer__conn *c, const peer_msg *m, int rc)
+{
+    sconn *sc = (sconn *)c;
+    peer_rpc_server *srv = sc->srv;
+    if (rc || m->kind != PEER_KIND_REQUEST) {
+        srv->st.bad_frames++;
+        server_error(sc, rc ? 0 : m->id, rc ? 0 : m->method, rc == -EMSGSIZE ? EMSGSIZE : EBADMSG,
+                     rc ? "malformed frame" : "expected a request");
+    } else {
+        peer_rpc_request *r = take_req(sc);
+        if (!r) {
+            close_conn(sc);
+            return;
+        }
+        /* The request keeps the record; the connection gets the request's
+         * old buffer, so steady traffic allocates nothing. */
+        peer__buf t = r->in;
+        r->in = c->rec;
+        c->rec = t;
+        r->id = m->id;
+        r->method = m->method;
+        r->msg = *m;
+        srv->st.requests++;
+        srv->cfg.handler(r, &r->msg, srv->cfg.arg);
+    }
+    if (!c->closing && sc->inflight >= srv->cfg.max_inflight)
+        peer__conn_pause(c);
+}
+
+static void on_error(peer__conn *c, int err)
+{
+    sconn *sc = (sconn *)c;
+    if (!peer_channel_established(c->ch) && err != -ECONNRESET)
+        sc->srv->st.handshakes_failed++;
+    if (err == -EMSGSIZE && peer_channel_established(c->ch)) {
+        /* Say why before hanging up; the unread record makes the stream
+         * unusable, so the connection closes once this is written. */
+        sc->srv->st.oversize_frames++;
+        sc->close_after_write = 1;
+        server_error(sc, 0, 0, EMSGSIZE, "frame exceeds the server's limit");
+        return;
+    }
+    close_conn(sc);
+}
+
+static const peer__conn_ops server_ops = {on_established, on_message, on_error};
+
+static void on_connection(uv_stream_t *l, int status)
+{
+    peer_rpc_server *srv = l->data;
+    if (status < 0 || srv->closing)
+        return;
+    sconn *sc = calloc(1, sizeof *sc);
+    if (!sc)
+        return;
+    peer_channel_config cc = {.self = &srv->self, .swarm_key = srv->have_swarm ? srv->swarm : NULL,
+                              .max_record = srv->cfg.max_frame, .plaintext = srv->cfg.plaintext,
+                              .no_aes = srv->cfg.no_aes};
+    if (peer__conn_init(&sc->c, srv->loop, &cc, 0, &server_ops, srv, srv->cfg.max_frame) != 0) {
+        free(sc);
+        return;
+    }
+    sc->srv = srv;
+    sc->next = srv->conns;
+    if (srv->conns)
+        srv->conns->prev = sc;
+    srv->conns = sc;
+    srv->st.conns_accepted++;
+    srv->st.conns_open++;
+    sc->hs_deadline = uv_now(srv->loop) + srv->cfg.handshake_timeout_ms;
+    if (uv_accept(l, (uv_stream_t *)&sc->c.tcp) != 0 ||
+        srv->st.conns_open > (uint64_t)srv->cfg.max_conns || peer__conn_start(&sc->c) != 0)
+        close_conn(sc);
+}
+
+static void sweep_cb(uv_timer_t *t)
+{
+    peer_rpc_server *srv = t->data;
+    uint64_t now = uv_now(srv->loop);
+    for (sconn *sc = srv->conns; sc; sc = sc->next)
+        if (!sc->c.closing && !peer_channel_established(sc->c.ch) && now >= sc->hs_deadline) {
+            srv->st.handshakes_failed++;
+            close_conn(sc);
+        }
+}
+
+/* ---- server ---- */
+
+peer_rpc_server *peer_rpc_server_create(uv_loop_t *loop, const peer_rpc_server_config *cfg)
+{
+    if (!loop || !cfg || !cfg->self || !cfg->handler)
+        return NULL;
+    peer_rpc_server *srv = calloc(1, sizeof *srv);
+    if (!srv)
+        return NULL;
+    srv->loop = loop;
+    srv->loop_thread = pthread_self();
+    srv->cfg = *cfg;
+    srv->self = *cfg->self;
+    srv->cfg.self = &srv->self;
+    if (cfg->swarm_key) {
+        memcpy(srv->swarm, cfg->swarm_key, 32);
+        srv->have_swarm = 1;
+    }
+    srv->cfg.swarm_key = NULL;
+    if (!srv->cfg.max_frame)
+        srv->cfg.max_frame = PEER_CHANNEL_MAX_RECORD;
+    if (srv->cfg.max_inflight <= 0)
+        srv->cfg.max_inflight = 64;
+    if (srv->cfg.max_conns <= 0)
+        srv->cfg.max_conns = 1024;
+    if (!srv->cfg.handshake_timeout_ms)
+        srv->cfg.handshake_timeout_ms = 5000;
+    srv->port = -1;
+    if (pthread_mutex_init(&srv->mu, NULL) != 0) {
+        free(srv);
+        return NULL;
+    }
+    return srv;
+}
+
+int peer_rpc_server_listen(peer_rpc_server *srv, const struct sockaddr *addr)
+{
+    if (!srv || !addr || srv->listening || srv->closing)
+        return -EINVAL;
+    int rc = uv_tcp_init(srv->loop, &srv->listener);
+    if (rc)
+        return rc;
+    srv->listener.data = srv;
+    srv->listening = 1;
+    srv->handles_open = 3;
+    uv_timer_init(srv->loop, &srv->sweep);
+    srv->sweep.data = srv;
+    uv_async_init(srv->loop, &srv->async, async_cb);
+    srv->async.data = srv;
+    if ((rc = uv_tcp_bind(&srv->listener, addr, 0)) != 0 ||
+        (rc = uv_listen((uv_stream_t *)&srv->listener, 128, on_connection)) != 0)
+        return rc; /* the caller closes the server */
+    struct sockaddr_storage ss;
+    int len = sizeof ss;
+    if (uv_tcp_getsockname(&srv->listener, (struct sockaddr *)&ss, &len) == 0) {
+        if (ss.ss_family == AF_INET)
+            srv->port = ntohs(((struct sockaddr_in *)&ss)->sin_port);
+        else if (ss.ss_family == AF_INET6)
+            srv->port = ntohs(((struct sockaddr_in6 *)&ss)->sin6_port);
+    }
+    uv_timer_start(&srv->sweep, sweep_cb, 250, 250);
+    return 0;
+}
+
+int peer_rpc_server_port(const peer_rpc_server *srv)
+{
+    return srv ? srv->port : -1;
+}
+
+void peer_rpc_server_stats_get(const peer_rpc_server *srv, peer_rpc_server_stats *out)
+{
+    *out = srv->st;
+}
+
+static void handle_closed(uv_handle_t *h)
+{
+    peer_rpc_server *srv = h->data;
+    srv->handles_open--;
+    maybe_finish_close(srv);
+}
+
+static void maybe_finish_close(peer_rpc_server *srv)
+{
+    if (!srv->closing)
+        return;
+    /* The async handle closes last: workers may still answer until every
+     * connection (and so every request) is gone. */
+    if (srv->handles_open == 1 && !srv->conns && !uv_is_closing((uv_handle_t *)&srv->async)) {
+        uv_close((uv_handle_t *)&srv->async, handle_closed);
+        return;
+    }
+    if (srv->handles_open == 0 && srv->close_cb) {
+        void (*cb)(peer_rpc_server *, void *) = srv->close_cb;
+        srv->close_cb = NULL;
+        cb(srv, srv->close_arg);
+    }
+}
+
+void peer_rpc_server_close(peer_rpc_server *srv, void (*close_cb)(peer_rpc_server *, void *),
+                           void *arg)
+{
+    if (!srv || srv->closing)
+        return;
+    srv->closing = 1;
+    srv->close_cb = close_cb;
+    srv->close_arg = arg;
+    if (!srv->listening) {
+        if (close_cb)
+            close_cb(srv, arg);
+        srv->close_cb = NULL;
+        return;
+    }
+    uv_close((uv_handle_t *)&srv->listener, handle_closed);
+    uv_timer_stop(&srv->sweep);
+    uv_close((uv_handle_t *)&srv->sweep, handle_closed);
+    for (sconn *sc = srv->conns, *next; sc; sc = next) {
+        next = sc->next; /* close_conn never frees synchronously */
+        close_conn(sc);
+    }
+}
+
+void peer_rpc_server_destroy(peer_rpc_server **p)
+{
+    if (!p || !*p)
+        return;
+    pthread_mutex_destroy(&(*p)->mu);
+    free(*p);
+    *p = NULL;
+}

@@ -1,0 +1,93 @@
+/* peer/rpc_server.h: the tensor RPC server on libuv TCP.
+ *
+ * The server accepts connections, runs the channel handshake (peer/channel.h)
+ * as responder, decodes requests (peer/wire.h) and hands each to the user's
+ * handler on the loop thread. The handler answers later, exactly once, with
+ * peer_rpc_respond or peer_rpc_respond_error, from the loop thread or from any
+ * other thread (a worker computing the block): off-loop replies are encoded
+ * on the calling thread and handed to the loop through a uv_async.
+ *
+ * The server answers by itself, without calling the handler: a frame that
+ * decodes to garbage or is not a request (EBADMSG); an oversize frame
+ * (EMSGSIZE, then it closes the connection, since it cannot skip the record
+ * without its bytes). A forged record or a failed handshake closes the
+ * connection at once. Each connection holds at most max_inflight requests
+ * the handler has not answered; beyond that the server stops reading from it
+ * (TCP backpressure) until answers go out.
+ *
+ * Thread-safety: everything runs on the loop thread except peer_rpc_respond*
+ * and peer_rpc_request_* getters, which may be called from any thread for a
+ * request that has not yet been answered.
+ */
+#ifndef PEER_RPC_SERVER_H
+#define PEER_RPC_SERVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "dht/identity.h"
+#include "peer/wire.h"
+
+typedef struct peer_rpc_server peer_rpc_server;
+typedef struct peer_rpc_request peer_rpc_request;
+
+/* Called on the loop thread for each request. msg (and its tensors, which
+ * live in the request's own receive buffer) stays valid until the request is
+ * answered, so a worker may read the inputs in place. */
+typedef void (*peer_rpc_handler)(peer_rpc_request *req, const peer_msg *msg, void *arg);
+
+typedef struct peer_rpc_server_config {
+    const dht_identity *self;       /* required; copied */
+    const uint8_t *swarm_key;       /* 32 bytes or NULL; copied */
+    int plaintext;                  /* benchmarks only: must match the clients */
+    int no_aes;                     /* do not offer AES-GCM (tests) */
+    size_t max_frame;               /* largest message; 0 = 256 MiB */
+    int max_inflight;               /* unanswered requests per connection; 0 = 64 */
+    int max_conns;                  /* 0 = 1024; extra connections are closed */
+    uint64_t handshake_timeout_ms;  /* 0 = 5000 */
+    peer_rpc_handler handler;       /* required */
+    void *arg;
+} peer_rpc_server_config;
+
+typedef struct peer_rpc_server_stats {
+    uint64_t conns_accepted, conns_open, handshakes_failed;
+    uint64_t requests, replies, bad_frames, oversize_frames;
+} peer_rpc_server_stats;
+
+/* Returns NULL on bad arguments or no memory. */
+peer_rpc_server *peer_rpc_server_create(uv_loop_t *loop, const peer_rpc_server_config *cfg);
+
+/* Binds and listens. Returns 0 or a libuv error (negative errno). */
+int peer_rpc_server_listen(peer_rpc_server *srv, const struct sockaddr *addr);
+
+/* The port bound by listen (useful after binding port 0), or -1. */
+int peer_rpc_server_port(const peer_rpc_server *srv);
+
+void peer_rpc_server_stats_get(const peer_rpc_server *srv, peer_rpc_server_stats *out);
+
+/* Answers req with reply's tensors, meta and block (kind and id are set by
+ * the server). Tensor bytes are copied before this returns, so the caller
+ * may free them. reply may be NULL for an empty reply. Returns 0, or
+ * -EINVAL (reply malformed: the client gets EIO instead) or -ENOMEM (the
+ * request is dropped and the client times out). Either way req is gone. */
+int peer_rpc_respond(peer_rpc_request *req, const peer_msg *reply);
+
+/* Answers req with an error (code: a positive errno, see wire.h). */
+int peer_rpc_respond_error(peer_rpc_request *req, int code, const char *message);
+
+/* The caller's node ID (DHT_ID_LEN bytes), valid until req is answered. */
+const uint8_t *peer_rpc_request_peer_id(const peer_rpc_request *req);
+
+/* Stops listening and closes every connection. close_cb runs on the loop
+ * once every handle is closed, which waits for every request already handed
+ * to the handler to be answered (their replies are dropped). */
+void peer_rpc_server_close(peer_rpc_server *srv, void (*close_cb)(peer_rpc_server *, void *),
+                           void *arg);
+
+/* Frees a server that was never listened on or whose close_cb has run.
+ * Accepts NULL; sets *p = NULL. */
+void peer_rpc_server_destroy(peer_rpc_server **p);
+
+#endif

@@ -1,0 +1,95 @@
+/* peer/wire.h: tensor RPC messages (the plaintext inside one channel record).
+ *
+ * A message is
+ *     u32 LE  hlen            length of the msgpack header
+ *     hlen    header          msgpack map with small integer keys (below)
+ *     pad     0..3 zero bytes so the tensor bytes start at a multiple of 4
+ *     data    raw tensor bytes, tensor after tensor, little-endian f32, C order
+ * Tensor bytes never pass through msgpack. Header keys (unknown keys are
+ * skipped, so later versions can add fields):
+ *     0 kind (uint: 0 request, 1 reply, 2 error)   1 method (uint)
+ *     2 id (uint64)   3 block (str)   4 tensors: array of [dtype, [dims...]]
+ *     5 error code (int)   6 error message (str)   7 meta (bin, opaque)
+ * docs/rpc.md is the byte-level reference.
+ *
+ * The decoder treats its input as hostile: every length is bounded, every
+ * type checked, and it returns -EBADMSG or -EMSGSIZE, never asserts. It does
+ * not allocate: a decoded message borrows the input bytes.
+ * All functions are thread-safe (no shared state).
+ */
+#ifndef PEER_WIRE_H
+#define PEER_WIRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define PEER_WIRE_MAX_DIMS 8        /* compile-time caps; runtime limits may be lower */
+#define PEER_WIRE_MAX_TENSORS 16
+#define PEER_WIRE_MAX_BLOCK 128     /* bytes in a block name, without the NUL */
+#define PEER_WIRE_MAX_ERRMSG 256    /* bytes in an error message, without the NUL */
+#define PEER_WIRE_MAX_META 65536    /* bytes of opaque meta (e.g. an info reply) */
+
+typedef enum peer_kind { PEER_KIND_REQUEST = 0, PEER_KIND_REPLY = 1, PEER_KIND_ERROR = 2 } peer_kind;
+typedef enum peer_method {
+    PEER_METHOD_INFO = 1,       /* no tensors; the reply carries meta */
+    PEER_METHOD_FORWARD = 2,    /* inputs -> outputs */
+    PEER_METHOD_BACKWARD = 3,   /* inputs, grad_outputs -> grad_inputs */
+} peer_method;
+typedef enum peer_dtype { PEER_DTYPE_F32 = 0 } peer_dtype;
+
+/* Error codes carried by PEER_KIND_ERROR replies: positive errno values, so
+ * both ends can strerror() them (EINVAL wrong shape or arguments, ENOENT
+ * block not hosted, ENOSYS unknown method, EMSGSIZE too large, EBADMSG
+ * malformed, EBUSY overloaded, EIO compute failed). */
+
+typedef struct peer_tensor {
+    peer_dtype dtype;
+    int ndim;                          /* 0..PEER_WIRE_MAX_DIMS */
+    uint64_t shape[PEER_WIRE_MAX_DIMS];
+    const void *data;                  /* borrowed; nbytes bytes, 4-byte aligned when decoded */
+    size_t nbytes;                     /* = 4 * prod(shape); set by the decoder, and by
+                                          peer_tensor_f32 for the encoder */
+} peer_tensor;
+
+typedef struct peer_msg {
+    peer_kind kind;
+    peer_method method;
+    uint64_t id;                       /* request id, echoed in the reply */
+    char block[PEER_WIRE_MAX_BLOCK + 1];
+    int32_t err_code;                  /* PEER_KIND_ERROR: positive errno */
+    char err_msg[PEER_WIRE_MAX_ERRMSG + 1];
+    const void *meta;                  /* borrowed opaque bytes, or NULL */
+    size_t meta_len;
+    int n_tensors;
+    peer_tensor t[PEER_WIRE_MAX_TENSORS];
+} peer_msg;
+
+typedef struct peer_wire_limits {
+    size_t max_frame;                  /* largest message; 0 = 256 MiB */
+    int max_dims;                      /* 0 = PEER_WIRE_MAX_DIMS */
+    int max_tensors;                   /* 0 = PEER_WIRE_MAX_TENSORS */
+} peer_wire_limits;
+
+/* Fills t as an f32 tensor of the given shape over data (borrowed).
+ * Returns 0, or -EINVAL (too many dims) or -EOVERFLOW (size overflows). */
+int peer_tensor_f32(peer_tensor *t, const float *data, int ndim, const uint64_t *shape);
+
+/* Clears m and sets kind, method and id (block empty, no tensors). */
+void peer_msg_init(peer_msg *m, peer_kind kind, peer_method method, uint64_t id);
+
+/* Exact encoded length of m in bytes, or a negative errno (-EINVAL for a
+ * malformed message: bad counts, a tensor whose nbytes does not match its
+ * shape, names too long). */
+long peer_wire_size(const peer_msg *m);
+
+/* Encodes m into out (cap bytes). Returns the length, -ENOBUFS if cap is
+ * too small, or -EINVAL as peer_wire_size. */
+long peer_wire_encode(const peer_msg *m, uint8_t *out, size_t cap);
+
+/* Decodes len bytes at p into out; out's tensors and meta point into p
+ * (p must stay alive and unchanged while out is used). lim may be NULL
+ * for the defaults. Returns 0, -EMSGSIZE (over a limit) or -EBADMSG
+ * (anything malformed). On failure out is unspecified. */
+int peer_wire_decode(const uint8_t *p, size_t len, const peer_wire_limits *lim, peer_msg *out);
+
+#endif
