@@ -1,0 +1,827 @@
+/* expert/block.c: blocks (linear, residual FFN, head) on the CPU backend:
+ * flat parameter/gradient/optimizer arrays, double-buffered weights, the
+ * recomputing backward, optimizer steps and serialisation. */
+#include "expert/block.h"
+#include "expert/ops.h"
+#include "expert/simd.h"
+
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cblas.h>
+#include <zlib.h>
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the checkpoint format stores floats little-endian; port the (de)serialiser first"
+#endif
+
+struct expert_block {
+    struct expert_block_config cfg;
+    struct expert_tensor_info t[EXPERT_BLOCK_MAX_TENSORS];
+    int nt;
+    size_t n;              /* floats per parameter set */
+
+    float *params;         /* 2*n: slot 0 then slot 1 */
+    float *grads;          /* n */
+    float *m;              /* n: AdamW first moment / SGD momentum */
+    float *v;              /* n: AdamW second moment */
+
+    /* Snapshot state, under mu. */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int cur;
+    int refs[2];
+    uint64_t version;
+
+    /* Gradient / optimizer state, under grad_mu (taken before mu). */
+    pthread_mutex_t grad_mu;
+    int accum;
+    uint64_t steps;
+    int optim_kind;        /* 0 until the first step */
+};
+
+struct expert_workspace {
+    struct expert_block_config cfg;
+    int max_batch;
+    float *buf;            /* the one allocation; views below */
+    float *ln, *mean, *rstd, *act, *dgelu, *dln;
+};
+
+/* ------------------------------------------------------------ config -- */
+
+int expert_block_config_check(const struct expert_block_config *cfg)
+{
+    if (!cfg)
+        return -EINVAL;
+    if (cfg->in < 1 || cfg->in > EXPERT_BLOCK_MAX_DIM || cfg->out < 1 ||
+        cfg->out > EXPERT_BLOCK_MAX_DIM)
+        return -EINVAL;
+    switch (cfg->kind) {
+    case EXPERT_BLOCK_LINEAR:
+    case EXPERT_BLOCK_HEAD:
+        return cfg->hidden == 0 ? 0 : -EINVAL;
+    case EXPERT_BLOCK_RESFFN:
+        if (cfg->in != cfg->out || cfg->hidden < 1 || cfg->hidden > EXPERT_BLOCK_MAX_DIM)
+            return -EINVAL;
+        return 0;
+    default:
+        return -EINVAL;
+    }
+}
+
+/* The tensor list, written down once (llm.c fill_in_parameter_sizes). */
+int expert_block_config_tensors(const struct expert_block_config *cfg,
+                                struct expert_tensor_info *t, size_t *total_out)
+{
+    if (expert_block_config_check(cfg) < 0 || !t)
+        return -EINVAL;
+    int n = 0, in = cfg->in, out = cfg->out, h = cfg->hidden;
+#define T(nm, r, c) t[n++] = (struct expert_tensor_info){ .name = nm, .rows = (r), .cols = (c) }
+    switch (cfg->kind) {
+    case EXPERT_BLOCK_LINEAR:
+        T("w", out, in); T("b", out, 1);
+        break;
+    case EXPERT_BLOCK_RESFFN:
+        T("ln_w", in, 1); T("ln_b", in, 1);
+        T("fc1_w", h, in); T("fc1_b", h, 1);
+        T("fc2_w", in, h); T("fc2_b", in, 1);
+        break;
+    case EXPERT_BLOCK_HEAD:
+        T("ln_w", in, 1); T("ln_b", in, 1);
+        T("fc_w", out, in); T("fc_b", out, 1);
+        break;
+    }
+#undef T
+    size_t off = 0;
+    for (int i = 0; i < n; i++) {
+        t[i].offset = off;
+        t[i].count = (size_t)t[i].rows * (size_t)t[i].cols;
+        off += t[i].count;
+    }
+    if (total_out)
+        *total_out = off;
+    return n;
+}
+
+static uint64_t fnv1a(uint64_t h, const void *data, size_t len)
+{
+    const uint8_t *p = data;
+    for (size_t i = 0; i < len; i++) {
+        h ^= p[i];
+        h *= 0x100000001b3ULL;
+    }
+    return h;
+}
+
+static void put_u32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put_u64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint32_t get_u32(const uint8_t *p)
+{
+    uint32_t v = 0;
+    for (int i = 0; i < 4; i++)
+        v |= (uint32_t)p[i] << (8 * i);
+    return v;
+}
+
+static uint64_t get_u64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+uint64_t expert_block_config_hash(const struct expert_block_config *cfg)
+{
+    if (expert_block_config_check(cfg) < 0)
+        return 0;
+    static const char tag[] = "starling.block.v1";
+    uint8_t enc[sizeof tag - 1 + 6 * 4];
+    float eps = EXPERT_LN_EPS;
+    uint32_t eps_bits;
+    memcpy(&eps_bits, &eps, sizeof eps_bits);
+    memcpy(enc, tag, sizeof tag - 1);
+    uint8_t *p = enc + sizeof tag - 1;
+    put_u32(p, (uint32_t)cfg->kind);
+    put_u32(p + 4, (uint32_t)cfg->in);
+    put_u32(p + 8, (uint32_t)cfg->out);
+    put_u32(p + 12, (uint32_t)cfg->hidden);
+    put_u32(p + 16, eps_bits);
+    put_u32(p + 20, 1u); /* GELU variant: 1 = exact erf */
+    return fnv1a(0xcbf29ce484222325ULL, enc, sizeof enc);
+}
+
+double expert_block_config_flops(const struct expert_block_config *cfg, int B)
+{
+    if (expert_block_config_check(cfg) < 0 || B < 0)
+        return 0.0;
+    if (cfg->kind == EXPERT_BLOCK_RESFFN)
+        return 2.0 * 2.0 * B * (double)cfg->in * cfg->hidden;
+    return 2.0 * B * (double)cfg->in * cfg->out;
+}
+
+/* ----------------------------------------------------------- create -- */
+
+static uint64_t splitmix64(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+/* Uniform in [-bound, bound) with 24 random bits. */
+static float uniform_pm(uint64_t *s, float bound)
+{
+    float u = (float)(splitmix64(s) >> 40) * (1.0f / 16777216.0f);
+    return (2.0f * u - 1.0f) * bound;
+}
+
+static void *alloc_floats(size_t n)
+{
+    void *p = NULL;
+    /* 64-byte alignment: full cache lines and AVX-512 vectors. */
+    if (posix_memalign(&p, 64, (n ? n : 1) * sizeof(float)) != 0)
+        return NULL;
+    return p;
+}
+
+static void init_params(const struct expert_block *b, float *p, uint64_t seed)
+{
+    uint64_t s = seed;
+    for (int i = 0; i < b->nt; i++) {
+        const struct expert_tensor_info *t = &b->t[i];
+        float *x = p + t->offset;
+        const char *nm = t->name;
+        if (strcmp(nm, "ln_w") == 0) {
+            for (size_t j = 0; j < t->count; j++)
+                x[j] = 1.0f;
+        } else if (strcmp(nm, "ln_b") == 0) {
+            memset(x, 0, t->count * sizeof *x);
+        } else {
+            /* torch nn.Linear: kaiming_uniform_(a=√5) on w gives bound
+             * gain·√(3/fan_in) = √(1/3)·√(3/fan_in) = 1/√fan_in, and the bias
+             * is U(±1/√fan_in) too. fan_in = the layer's input width, which is
+             * the weight's cols; a bias shares its weight's fan_in. */
+            int fan_in = t->cols > 1 ? t->cols : b->t[i - 1].cols;
+            float bound = 1.0f / sqrtf((float)fan_in);
+            for (size_t j = 0; j < t->count; j++)
+                x[j] = uniform_pm(&s, bound);
+        }
+    }
+}
+
+expert_block *expert_block_create(const struct expert_block_config *cfg, uint64_t seed)
+{
+    if (expert_block_config_check(cfg) < 0)
+        return NULL;
+    expert_block *b = calloc(1, sizeof *b);
+    if (!b)
+        return NULL;
+    b->cfg = *cfg;
+    b->nt = expert_block_config_tensors(cfg, b->t, &b->n);
+    b->params = alloc_floats(2 * b->n);
+    b->grads = alloc_floats(b->n);
+    b->m = alloc_floats(b->n);
+    b->v = alloc_floats(b->n);
+    if (!b->params || !b->grads || !b->m || !b->v)
+        goto fail;
+    if (pthread_mutex_init(&b->mu, NULL) != 0)
+        goto fail;
+    if (pthread_cond_init(&b->cv, NULL) != 0) {
+        pthread_mutex_destroy(&b->mu);
+        goto fail;
+    }
+    if (pthread_mutex_init(&b->grad_mu, NULL) != 0) {
+        pthread_cond_destroy(&b->cv);
+        pthread_mutex_destroy(&b->mu);
+        goto fail;
+    }
+    init_params(b, b->params, seed);
+    memcpy(b->params + b->n, b->params, b->n * sizeof(float));
+    memset(b->grads, 0, b->n * sizeof(float));
+    memset(b->m, 0, b->n * sizeof(float));
+    memset(b->v, 0, b->n * sizeof(float));
+    return b;
+fail:
+    free(b->params);
+    free(b->grads);
+    free(b->m);
+    free(b->v);
+    free(b);
+    return NULL;
+}
+
+void expert_block_destroy(expert_block **p)
+{
+    if (!p || !*p)
+        return;
+    expert_block *b = *p;
+    pthread_mutex_destroy(&b->grad_mu);
+    pthread_cond_destroy(&b->cv);
+    pthread_mutex_destroy(&b->mu);
+    free(b->params);
+    free(b->grads);
+    free(b->m);
+    free(b->v);
+    free(b);
+    *p = NULL;
+}
+
+const struct expert_block_config *expert_block_config(const expert_block *b)
+{
+    return &b->cfg;
+}
+
+const struct expert_tensor_info *expert_block_tensors(const expert_block *b, int *n_out,
+                                                      size_t *total_out)
+{
+    if (n_out)
+        *n_out = b->nt;
+    if (total_out)
+        *total_out = b->n;
+    return b->t;
+}
+
+size_t expert_block_nparams(const expert_block *b)
+{
+    return b->n;
+}
+
+/* -------------------------------------------------------- workspace -- */
+
+expert_workspace *expert_workspace_create(const struct expert_block_config *cfg,
+                                          int max_batch)
+{
+    if (expert_block_config_check(cfg) < 0 || max_batch < 1 || max_batch > (1 << 20))
+        return NULL;
+    expert_workspace *ws = calloc(1, sizeof *ws);
+    if (!ws)
+        return NULL;
+    ws->cfg = *cfg;
+    ws->max_batch = max_batch;
+    size_t B = (size_t)max_batch, in = (size_t)cfg->in, h = (size_t)cfg->hidden;
+    /* Each view rounded up to 16 floats so every one starts on a cache line. */
+#define R16(x) (((x) + 15) & ~(size_t)15)
+    size_t n_ln = 0, n_stat = 0, n_h = 0;
+    if (cfg->kind != EXPERT_BLOCK_LINEAR) {
+        n_ln = R16(B * in);
+        n_stat = R16(B);
+    }
+    if (cfg->kind == EXPERT_BLOCK_RESFFN)
+        n_h = R16(B * h);
+    ws->buf = alloc_floats(2 * n_ln + 2 * n_stat + 2 * n_h);
+#undef R16
+    if (!ws->buf) {
+        free(ws);
+        return NULL;
+    }
+    float *p = ws->buf;
+    ws->ln = p;    p += n_ln;
+    ws->dln = p;   p += n_ln;
+    ws->mean = p;  p += n_stat;
+    ws->rstd = p;  p += n_stat;
+    ws->act = p;   p += n_h;
+    ws->dgelu = p;
+    return ws;
+}
+
+void expert_workspace_destroy(expert_workspace **p)
+{
+    if (!p || !*p)
+        return;
+    free((*p)->buf);
+    free(*p);
+    *p = NULL;
+}
+
+int expert_workspace_max_batch(const expert_workspace *ws)
+{
+    return ws ? ws->max_batch : 0;
+}
+
+/* -------------------------------------------------------- snapshots -- */
+
+void expert_block_snapshot_acquire(expert_block *b, struct expert_snapshot *s)
+{
+    pthread_mutex_lock(&b->mu);
+    s->slot = b->cur;
+    b->refs[s->slot]++;
+    s->version = b->version;
+    s->params = b->params + (size_t)s->slot * b->n;
+    pthread_mutex_unlock(&b->mu);
+}
+
+void expert_block_snapshot_release(expert_block *b, struct expert_snapshot *s)
+{
+    pthread_mutex_lock(&b->mu);
+    if (--b->refs[s->slot] == 0)
+        pthread_cond_broadcast(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+    s->params = NULL;
+}
+
+uint64_t expert_block_version(expert_block *b)
+{
+    pthread_mutex_lock(&b->mu);
+    uint64_t v = b->version;
+    pthread_mutex_unlock(&b->mu);
+    return v;
+}
+
+/* Writers hold grad_mu, so there is one at a time and cur only changes under
+ * them. Returns the spare slot once no reader pins it; new readers pin cur,
+ * so it stays unpinned until publish(). */
+static float *spare_begin(expert_block *b)
+{
+    pthread_mutex_lock(&b->mu);
+    int back = 1 - b->cur;
+    while (b->refs[back] > 0)
+        pthread_cond_wait(&b->cv, &b->mu);
+    pthread_mutex_unlock(&b->mu);
+    return b->params + (size_t)back * b->n;
+}
+
+static void spare_publish(expert_block *b, uint64_t version)
+{
+    pthread_mutex_lock(&b->mu);
+    b->cur = 1 - b->cur;
+    b->version = version;
+    pthread_mutex_unlock(&b->mu);
+}
+
+/* The current slot, for a writer holding grad_mu (cur cannot change). */
+static const float *current_params(expert_block *b)
+{
+    pthread_mutex_lock(&b->mu);
+    const float *p = b->params + (size_t)b->cur * b->n;
+    pthread_mutex_unlock(&b->mu);
+    return p;
+}
+
+/* ---------------------------------------------------- forward/backward -- */
+
+#define P(name_idx) (params + b->t[name_idx].offset)
+#define G(name_idx) (b->grads + b->t[name_idx].offset)
+
+static int check_call(const expert_block *b, const expert_workspace *ws, int B)
+{
+    if (!ws || B < 1 || B > ws->max_batch)
+        return -EINVAL;
+    const struct expert_block_config *c = &ws->cfg;
+    if (c->kind != b->cfg.kind || c->in != b->cfg.in || c->out != b->cfg.out ||
+        c->hidden != b->cfg.hidden)
+        return -EINVAL;
+    return 0;
+}
+
+/* RESFFN forward into the workspace: ln = LN(x), act = gelu(ln·W1ᵀ + b1)
+ * (and dgelu = gelu' when want_dgelu); out = x + act·W2ᵀ + b2 if out. */
+static void resffn_fwd(const expert_block *b, const float *params, expert_workspace *ws,
+                       float *out, const float *inp, int B, int want_dgelu)
+{
+    int d = b->cfg.in, h = b->cfg.hidden;
+    expert_layernorm_forward(ws->ln, ws->mean, ws->rstd, inp, P(0), P(1), B, d);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, B, h, d,
+                1.0f, ws->ln, d, P(2), d, 0.0f, ws->act, h);
+    expert_bias_gelu_forward(ws->act, want_dgelu ? ws->dgelu : NULL, ws->act, P(3), B, h);
+    if (out) {
+        /* out = x + b2 first, then sgemm accumulates W2·act onto it (beta=1):
+         * bias and residual cost one pass, fused with the GEMM's C read. */
+        expert_bias_forward(out, inp, P(5), B, d);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, B, d, h,
+                    1.0f, ws->act, h, P(4), h, 1.0f, out, d);
+    }
+}
+
+static void forward_params(const expert_block *b, const float *params, expert_workspace *ws,
+                           float *out, const float *inp, int B, int want_dgelu)
+{
+    const struct expert_block_config *c = &b->cfg;
+    switch (c->kind) {
+    case EXPERT_BLOCK_LINEAR:
+        if (out)
+            expert_linear_forward(out, inp, P(0), P(1), B, c->in, c->out);
+        break;
+    case EXPERT_BLOCK_RESFFN:
+        resffn_fwd(b, params, ws, out, inp, B, want_dgelu);
+        break;
+    case EXPERT_BLOCK_HEAD:
+        expert_layernorm_forward(ws->ln, ws->mean, ws->rstd, inp, P(0), P(1), B, c->in);
+        if (out)
+            expert_linear_forward(out, ws->ln, P(2), P(3), B, c->in, c->out);
+        break;
+    }
+}
+
+int expert_block_forward_snapshot(expert_block *b, const struct expert_snapshot *s,
+                                  expert_workspace *ws, float *out,
+                                  const float *inp, int B)
+{
+    if (!b || !s || !s->params || !out || !inp)
+        return -EINVAL;
+    int rc = check_call(b, ws, B);
+    if (rc < 0)
+        return rc;
+    forward_params(b, s->params, ws, out, inp, B, 0);
+    return 0;
+}
+
+int expert_block_forward(expert_block *b, expert_workspace *ws, float *out,
+                         const float *inp, int B, uint64_t *version_out)
+{
+    if (!b || !out || !inp)
+        return -EINVAL;
+    int rc = check_call(b, ws, B);
+    if (rc < 0)
+        return rc;
+    struct expert_snapshot s;
+    expert_block_snapshot_acquire(b, &s);
+    forward_params(b, s.params, ws, out, inp, B, 0);
+    if (version_out)
+        *version_out = s.version;
+    expert_block_snapshot_release(b, &s);
+    return 0;
+}
+
+static void backward_params(expert_block *b, const float *params, expert_workspace *ws,
+                            float *out, float *dinp, const float *dout,
+                            const float *inp, int B)
+{
+    const struct expert_block_config *c = &b->cfg;
+    int in = c->in, o = c->out, h = c->hidden;
+    forward_params(b, params, ws, out, inp, B, 1);
+    switch (c->kind) {
+    case EXPERT_BLOCK_LINEAR:
+        expert_linear_backward(dinp, G(0), G(1), dout, inp, P(0), B, in, o);
+        break;
+    case EXPERT_BLOCK_RESFFN: {
+        /* fc2: db2 += Σ dout; dW2 += doutᵀ·act; then dact = dout·W2 may
+         * overwrite act, which nothing reads any more. */
+        expert_bias_backward(G(5), dout, B, in);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, in, h, B,
+                    1.0f, dout, in, ws->act, h, 1.0f, G(4), h);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, B, h, in,
+                    1.0f, dout, in, P(4), h, 0.0f, ws->act, h);
+        /* GELU and b1 in one pass: dpre = dact·gelu'(pre), db1 += Σ dpre. */
+        expert_bias_gelu_backward(ws->act, G(3), ws->act, ws->dgelu, B, h);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, h, in, B,
+                    1.0f, ws->act, h, ws->ln, in, 1.0f, G(2), in);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, B, in, h,
+                    1.0f, ws->act, h, P(2), in, 0.0f, ws->dln, in);
+        /* LN's grads are needed even when dinp is not; ln is free now. */
+        float *dx = dinp ? dinp : ws->ln;
+        expert_layernorm_backward(dx, G(0), G(1), ws->dln, inp, P(0), ws->mean,
+                                  ws->rstd, B, in);
+        if (dinp)
+            expert_residual_forward(dinp, dinp, dout, (long)B * in);
+        break;
+    }
+    case EXPERT_BLOCK_HEAD: {
+        expert_linear_backward(ws->dln, G(2), G(3), dout, ws->ln, P(2), B, in, o);
+        float *dx = dinp ? dinp : ws->ln;
+        expert_layernorm_backward(dx, G(0), G(1), ws->dln, inp, P(0), ws->mean,
+                                  ws->rstd, B, in);
+        break;
+    }
+    }
+}
+
+int expert_block_backward(expert_block *b, expert_workspace *ws, float *dinp,
+                          const float *dout, const float *inp, int B,
+                          uint64_t *version_out)
+{
+    return expert_block_forward_backward(b, ws, NULL, dinp, dout, inp, B, version_out);
+}
+
+int expert_block_forward_backward(expert_block *b, expert_workspace *ws, float *out,
+                                  float *dinp, const float *dout, const float *inp,
+                                  int B, uint64_t *version_out)
+{
+    if (!b || !dout || !inp)
+        return -EINVAL;
+    int rc = check_call(b, ws, B);
+    if (rc < 0)
+        return rc;
+    pthread_mutex_lock(&b->grad_mu);
+    if (b->accum > (1 << 30) - B) {
+        pthread_mutex_unlock(&b->grad_mu);
+        return -EOVERFLOW;
+    }
+    struct expert_snapshot s;
+    expert_block_snapshot_acquire(b, &s);
+    backward_params(b, s.params, ws, out, dinp, dout, inp, B);
+    if (version_out)
+        *version_out = s.version;
+    expert_block_snapshot_release(b, &s);
+    b->accum += B;
+    pthread_mutex_unlock(&b->grad_mu);
+    return 0;
+}
+
+#undef P
+#undef G
+
+/* ------------------------------------------------------------- steps -- */
+
+int expert_block_accumulated(expert_block *b)
+{
+    pthread_mutex_lock(&b->grad_mu);
+    int n = b->accum;
+    pthread_mutex_unlock(&b->grad_mu);
+    return n;
+}
+
+uint64_t expert_block_steps(expert_block *b)
+{
+    pthread_mutex_lock(&b->grad_mu);
+    uint64_t n = b->steps;
+    pthread_mutex_unlock(&b->grad_mu);
+    return n;
+}
+
+void expert_block_zero_grad(expert_block *b)
+{
+    pthread_mutex_lock(&b->grad_mu);
+    memset(b->grads, 0, b->n * sizeof(float));
+    b->accum = 0;
+    pthread_mutex_unlock(&b->grad_mu);
+}
+
+static int step_locked(expert_block *b, const struct expert_optim *o,
+                       struct expert_step_info *info)
+{
+    if (expert_optim_check(o) < 0)
+        return -EINVAL;
+    if (b->optim_kind && b->optim_kind != o->kind)
+        return -EINVAL; /* m/v hold the other optimizer's state */
+    if (b->accum <= 0)
+        return -EAGAIN;
+    float gscale = 1.0f / (float)b->accum;
+    double norm = sqrt(expert_sqnorm(b->grads, b->n)) * gscale;
+    if (o->clip_norm > 0.0f && norm > o->clip_norm)
+        gscale *= (float)(o->clip_norm / (norm + 1e-6)); /* torch clip_grad_norm_ */
+    const float *src = current_params(b);
+    float *dst = spare_begin(b);
+    uint64_t t = b->steps + 1;
+    if (o->kind == EXPERT_OPTIM_ADAMW)
+        expert_adamw_update(dst, src, b->grads, b->m, b->v, b->n, gscale, o, t);
+    else
+        expert_sgd_update(dst, src, b->grads, b->m, b->n, gscale, o);
+    uint64_t version = b->version + 1; /* only writers change it; we are one */
+    spare_publish(b, version);
+    b->steps = t;
+    b->optim_kind = o->kind;
+    if (info) {
+        info->grad_norm = norm;
+        info->version = version;
+        info->samples = b->accum;
+    }
+    memset(b->grads, 0, b->n * sizeof(float));
+    b->accum = 0;
+    return 0;
+}
+
+int expert_block_step(expert_block *b, const struct expert_optim *o,
+                      struct expert_step_info *info)
+{
+    if (!b)
+        return -EINVAL;
+    pthread_mutex_lock(&b->grad_mu);
+    int rc = step_locked(b, o, info);
+    pthread_mutex_unlock(&b->grad_mu);
+    return rc;
+}
+
+int expert_block_maybe_step(expert_block *b, const struct expert_optim *o,
+                            struct expert_step_info *info)
+{
+    if (!b || expert_optim_check(o) < 0)
+        return -EINVAL;
+    pthread_mutex_lock(&b->grad_mu);
+    int rc = 0;
+    if (b->accum >= o->target_batch) {
+        rc = step_locked(b, o, info);
+        if (rc == 0)
+            rc = 1;
+    }
+    pthread_mutex_unlock(&b->grad_mu);
+    return rc;
+}
+
+void expert_block_copy_grads(expert_block *b, float *out)
+{
+    pthread_mutex_lock(&b->grad_mu);
+    memcpy(out, b->grads, b->n * sizeof(float));
+    pthread_mutex_unlock(&b->grad_mu);
+}
+
+int expert_block_set_params(expert_block *b, const float *params)
+{
+    if (!b || !params)
+        return -EINVAL;
+    pthread_mutex_lock(&b->grad_mu);
+    float *dst = spare_begin(b);
+    memcpy(dst, params, b->n * sizeof(float));
+    spare_publish(b, b->version + 1);
+    pthread_mutex_unlock(&b->grad_mu);
+    return 0;
+}
+
+/* ----------------------------------------------------- serialisation -- */
+
+#define HDR_LEN 64
+#define ENTRY_LEN 48
+#define FORMAT_VERSION 1
+static const char magic[8] = { 'S', 'T', 'R', 'L', 'C', 'K', 'P', 'T' };
+
+enum { ROLE_PARAM = 0, ROLE_M = 1, ROLE_V = 2 };
+
+static size_t n_entries(const expert_block *b, int with_optim)
+{
+    return (size_t)b->nt * (with_optim ? 3 : 1);
+}
+
+size_t expert_block_serialized_size(const expert_block *b, int with_optim)
+{
+    size_t ne = n_entries(b, with_optim);
+    return HDR_LEN + ENTRY_LEN * ne + sizeof(float) * b->n * (with_optim ? 3 : 1) + 4;
+}
+
+long expert_block_serialize(expert_block *b, int with_optim, void *buf, size_t cap)
+{
+    if (!b || !buf)
+        return -EINVAL;
+    with_optim = with_optim != 0;
+    size_t len = expert_block_serialized_size(b, with_optim);
+    if (cap < len)
+        return -ENOSPC;
+    uint8_t *p = buf;
+    size_t ne = n_entries(b, with_optim);
+    size_t data_off = HDR_LEN + ENTRY_LEN * ne;
+
+    /* grad_mu keeps a step from changing m/v/cur while we copy. */
+    pthread_mutex_lock(&b->grad_mu);
+    const float *params = current_params(b);
+    memset(p, 0, data_off);
+    memcpy(p, magic, 8);
+    put_u32(p + 8, FORMAT_VERSION);
+    put_u32(p + 12, (uint32_t)with_optim);
+    put_u64(p + 16, expert_block_config_hash(&b->cfg));
+    put_u64(p + 24, b->version);
+    put_u64(p + 32, with_optim ? b->steps : 0);
+    put_u32(p + 40, (uint32_t)b->cfg.kind);
+    put_u32(p + 44, (uint32_t)b->cfg.in);
+    put_u32(p + 48, (uint32_t)b->cfg.out);
+    put_u32(p + 52, (uint32_t)b->cfg.hidden);
+    put_u32(p + 56, with_optim ? (uint32_t)b->optim_kind : 0);
+    put_u32(p + 60, (uint32_t)ne);
+    const float *src[3] = { params, b->m, b->v };
+    size_t off = data_off;
+    for (size_t e = 0; e < ne; e++) {
+        const struct expert_tensor_info *t = &b->t[e % (size_t)b->nt];
+        int role = (int)(e / (size_t)b->nt);
+        uint8_t *q = p + HDR_LEN + ENTRY_LEN * e;
+        memcpy(q, t->name, strlen(t->name));
+        put_u32(q + 24, (uint32_t)role);
+        put_u32(q + 28, 0); /* dtype 0 = f32 little-endian */
+        put_u64(q + 32, off);
+        put_u64(q + 40, t->count);
+        memcpy(p + off, src[role] + t->offset, t->count * sizeof(float));
+        off += t->count * sizeof(float);
+    }
+    pthread_mutex_unlock(&b->grad_mu);
+    put_u32(p + off, (uint32_t)crc32_z(0L, p, off));
+    return (long)len;
+}
+
+int expert_block_deserialize(expert_block *b, const void *buf, size_t len)
+{
+    if (!b || (!buf && len))
+        return -EINVAL;
+    const uint8_t *p = buf;
+    if (len < HDR_LEN + 4 || memcmp(p, magic, 8) != 0)
+        return -EBADMSG;
+    if (get_u32(p + 8) != FORMAT_VERSION)
+        return -EPROTONOSUPPORT;
+    if (get_u32(p + len - 4) != (uint32_t)crc32_z(0L, p, len - 4))
+        return -EBADMSG;
+    uint32_t flags = get_u32(p + 12);
+    if (flags & ~1u)
+        return -EBADMSG;
+    int with_optim = (int)(flags & 1u);
+    if (get_u64(p + 16) != expert_block_config_hash(&b->cfg) ||
+        get_u32(p + 40) != (uint32_t)b->cfg.kind || get_u32(p + 44) != (uint32_t)b->cfg.in ||
+        get_u32(p + 48) != (uint32_t)b->cfg.out || get_u32(p + 52) != (uint32_t)b->cfg.hidden)
+        return -ESTALE;
+    uint64_t version = get_u64(p + 24);
+    uint64_t steps = get_u64(p + 32);
+    uint32_t okind = get_u32(p + 56);
+    if (with_optim ? (okind != 0 && okind != EXPERT_OPTIM_ADAMW && okind != EXPERT_OPTIM_SGD)
+                   : (okind != 0 || steps != 0))
+        return -EBADMSG;
+    if (with_optim && (okind == 0) != (steps == 0))
+        return -EBADMSG;
+    size_t ne = n_entries(b, with_optim);
+    if (get_u32(p + 60) != ne || len != expert_block_serialized_size(b, with_optim))
+        return -EBADMSG;
+    /* The table must be exactly the canonical one: every name, role, dtype,
+     * offset and count checked, so no field can point outside the buffer. */
+    size_t off = HDR_LEN + ENTRY_LEN * ne;
+    for (size_t e = 0; e < ne; e++) {
+        const struct expert_tensor_info *t = &b->t[e % (size_t)b->nt];
+        const uint8_t *q = p + HDR_LEN + ENTRY_LEN * e;
+        char name[EXPERT_TENSOR_NAME_LEN] = { 0 };
+        memcpy(name, t->name, strlen(t->name));
+        if (memcmp(q, name, EXPERT_TENSOR_NAME_LEN) != 0 ||
+            get_u32(q + 24) != (uint32_t)(e / (size_t)b->nt) || get_u32(q + 28) != 0 ||
+            get_u64(q + 32) != off || get_u64(q + 40) != t->count)
+            return -EBADMSG;
+        off += t->count * sizeof(float);
+    }
+    if (off != len - 4)
+        return -EBADMSG;
+    /* Non-finite weights would poison every forward: refuse them. */
+    size_t nf = b->n * (with_optim ? 3 : 1);
+    for (size_t i = 0; i < nf; i++) {
+        float x;
+        memcpy(&x, p + HDR_LEN + ENTRY_LEN * ne + i * sizeof x, sizeof x);
+        if (!isfinite(x))
+            return -EBADMSG;
+    }
+
+    const uint8_t *src = p + HDR_LEN + ENTRY_LEN * ne;
+    pthread_mutex_lock(&b->grad_mu);
+    float *dst = spare_begin(b);
+    memcpy(dst, src, b->n * sizeof(float));
+    if (with_optim) {
+        memcpy(b->m, src + b->n * sizeof(float), b->n * sizeof(float));
+        memcpy(b->v, src + 2 * b->n * sizeof(float), b->n * sizeof(float));
+        b->steps = steps;
+        b->optim_kind = (int)okind;
+    } else {
+        /* Weights alone: the optimizer starts afresh on them. */
+        memset(b->m, 0, b->n * sizeof(float));
+        memset(b->v, 0, b->n * sizeof(float));
+        b->steps = 0;
+        b->optim_kind = 0;
+    }
+    spare_publish(b, version);
+    memset(b->grads, 0, b->n * sizeof(float));
+    b->accum = 0;
+    pthread_mutex_unlock(&b->grad_mu);
+    return 0;
+}

@@ -1,0 +1,216 @@
+/* expert/block.h: the model blocks a peer serves (one block = one stage).
+ *
+ * Kinds (PyTorch equivalents in ../shared/bench/torch/common.py):
+ *   LINEAR  y = x·Wᵀ + b                                  nn.Linear(in, out)
+ *   RESFFN  y = x + W2·gelu(W1·LN(x) + b1) + b2            ResFFN(d, hidden), in = out = d
+ *   HEAD    y = W·LN(x) + b                                Head(in, out)
+ * Parameter tensors, in order (the order of torch's state_dict):
+ *   LINEAR  w (out,in), b (out)
+ *   RESFFN  ln_w (d), ln_b (d), fc1_w (hidden,d), fc1_b (hidden), fc2_w (d,hidden), fc2_b (d)
+ *   HEAD    ln_w (in), ln_b (in), fc_w (out,in), fc_b (out)
+ * A block's parameters, gradients, first and second optimizer moments are one
+ * allocation each, with the tensors above as views at fixed offsets
+ * (expert_block_tensors()). Parameters are double-buffered: see "Snapshots".
+ *
+ * Activations live in an expert_workspace, one per calling thread, sized for
+ * a maximum batch; forward and backward allocate nothing.
+ *
+ * Backward is stateless between calls: it takes the same input the forward
+ * took, recomputes the forward into the workspace and then back-propagates,
+ * so a server need not keep activations between a forward and a backward.
+ * Parameter gradients ACCUMULATE (sum over samples, +=) until a step; the
+ * input gradient is WRITTEN (=).
+ *
+ * Snapshots and threads. Parameters live in two slots. Readers (forward,
+ * backward, serialise) pin the current slot with a reference count; a step
+ * writes the new weights into the other slot (reading the current one, so no
+ * copy is needed), waiting first until no reader still pins that older
+ * slot, then publishes it as current and bumps the weight version. So any
+ * number of threads may run forwards concurrently with a step; each forward
+ * sees one consistent version and never blocks on the step; a step waits at
+ * most for forwards that started two versions ago. Gradients and optimizer
+ * state are single-buffered and guarded by a mutex: backward, step, load and
+ * serialise exclude each other (backwards on one block are serialised; BLAS
+ * threads parallelise each one). All functions on one block are thread-safe
+ * except expert_block_destroy.
+ */
+#ifndef EXPERT_BLOCK_H
+#define EXPERT_BLOCK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "expert/optim.h"
+
+enum expert_block_kind {
+    EXPERT_BLOCK_LINEAR = 1,
+    EXPERT_BLOCK_RESFFN = 2,
+    EXPERT_BLOCK_HEAD = 3,
+};
+
+#define EXPERT_BLOCK_MAX_TENSORS 6
+#define EXPERT_TENSOR_NAME_LEN 24
+/* Largest width a block accepts, so sizes stay far from int overflow. */
+#define EXPERT_BLOCK_MAX_DIM (1 << 16)
+
+struct expert_block_config {
+    int kind;    /* enum expert_block_kind */
+    int in;      /* input width */
+    int out;     /* output width (RESFFN: = in) */
+    int hidden;  /* RESFFN hidden width; 0 otherwise */
+};
+
+/* One tensor of a block: a named view into the flat arrays. */
+struct expert_tensor_info {
+    const char *name;   /* static, e.g. "fc1_w" */
+    size_t offset;      /* in floats, into params/grads/m/v */
+    size_t count;
+    int rows, cols;     /* cols = 1 for vectors */
+};
+
+typedef struct expert_block expert_block;
+typedef struct expert_workspace expert_workspace;
+
+/* -EINVAL for an unknown kind, dims out of [1, EXPERT_BLOCK_MAX_DIM], RESFFN
+ * with in != out or hidden < 1, or hidden set on other kinds. */
+int expert_block_config_check(const struct expert_block_config *cfg);
+
+/* Fills out[] (capacity EXPERT_BLOCK_MAX_TENSORS) with the tensor list and
+ * returns its length, or -EINVAL. *total_out (may be NULL) = total floats. */
+int expert_block_config_tensors(const struct expert_block_config *cfg,
+                                struct expert_tensor_info *out, size_t *total_out);
+
+/* 64-bit FNV-1a over the canonical encoding of the config (docs/expert.md):
+ * "starling.block.v1", then kind, in, out, hidden as u32 little-endian, then
+ * the fixed numerics (LN eps as f32 bits, GELU variant 1 = exact erf). Stable
+ * across builds and machines; 0 for an invalid config. */
+uint64_t expert_block_config_hash(const struct expert_block_config *cfg);
+
+/* Matmul FLOPs of one forward over B samples (2·m·n·k); fwd+bwd is 3×. */
+double expert_block_config_flops(const struct expert_block_config *cfg, int B);
+
+/* Creates a block with parameters initialised from seed as PyTorch's
+ * defaults draw them (Linear w and b ~ U(±1/√fan_in), LayerNorm w=1 b=0),
+ * from our own generator (splitmix64), so the same seed gives the same
+ * weights on every machine. Gradients and optimizer state start at zero,
+ * weight version 0. Returns NULL on a bad config or out of memory. */
+expert_block *expert_block_create(const struct expert_block_config *cfg, uint64_t seed);
+
+/* Frees the block; NULL-safe, sets *p = NULL. No call may be in flight. */
+void expert_block_destroy(expert_block **p);
+
+const struct expert_block_config *expert_block_config(const expert_block *b);
+/* Tensor list (static per config) and count; total floats in *total_out. */
+const struct expert_tensor_info *expert_block_tensors(const expert_block *b, int *n_out,
+                                                      size_t *total_out);
+/* The number of parameters (floats). */
+size_t expert_block_nparams(const expert_block *b);
+
+/* Workspace for one thread's forward/backward calls on blocks with this
+ * config, for batches up to max_batch. Owned by the caller; destroy with
+ * expert_workspace_destroy. NULL on bad arguments or out of memory. */
+expert_workspace *expert_workspace_create(const struct expert_block_config *cfg,
+                                          int max_batch);
+void expert_workspace_destroy(expert_workspace **p);
+int expert_workspace_max_batch(const expert_workspace *ws);
+
+/* A pinned weight version. params points at the slot's flat parameters
+ * (read-only, expert_block_nparams floats), valid until release. */
+struct expert_snapshot {
+    const float *params;
+    uint64_t version;
+    int slot;
+};
+/* Pins the current weights. Never blocks on a step. Each acquire must be
+ * paired with exactly one release; keep pins short (a step waits for them). */
+void expert_block_snapshot_acquire(expert_block *b, struct expert_snapshot *s);
+void expert_block_snapshot_release(expert_block *b, struct expert_snapshot *s);
+
+/* The current weight version: 0 after create, +1 per step or load. */
+uint64_t expert_block_version(expert_block *b);
+
+/* out (B,out) = block(inp (B,in)) on the current weights (or on snapshot s
+ * for the _snapshot variant, which the caller pinned). 1 <= B <= the
+ * workspace's max batch; the workspace must match the config. Inference
+ * only: touches no gradient. *version_out (may be NULL) = version used.
+ * Returns 0, -EINVAL. */
+int expert_block_forward(expert_block *b, expert_workspace *ws, float *out,
+                         const float *inp, int B, uint64_t *version_out);
+int expert_block_forward_snapshot(expert_block *b, const struct expert_snapshot *s,
+                                  expert_workspace *ws, float *out,
+                                  const float *inp, int B);
+
+/* Recomputes the forward on inp (B,in) with the current weights, then
+ * back-propagates dout (B,out): dinp (B,in) = ∂/∂inp (=; may be NULL when
+ * not needed, e.g. the first stage), parameter grads += ∂/∂params, and the
+ * accumulated sample count += B. dout is the gradient of a loss SUMMED over
+ * samples; the step divides by the accumulated count. dinp must not alias
+ * dout or inp. Returns 0, -EINVAL, -EOVERFLOW (over 2^30 samples pending). */
+int expert_block_backward(expert_block *b, expert_workspace *ws, float *dinp,
+                          const float *dout, const float *inp, int B,
+                          uint64_t *version_out);
+
+/* backward plus the forward's output: out (B,out) = block(inp) as well.
+ * Exactly the work of a framework's forward+backward; the benchmark uses it. */
+int expert_block_forward_backward(expert_block *b, expert_workspace *ws, float *out,
+                                  float *dinp, const float *dout, const float *inp,
+                                  int B, uint64_t *version_out);
+
+/* Samples accumulated in the gradients since the last step. */
+int expert_block_accumulated(expert_block *b);
+
+struct expert_step_info {
+    double grad_norm;     /* L2 norm of the averaged gradient, before clipping */
+    uint64_t version;     /* the weight version published */
+    int samples;          /* samples averaged into this step */
+};
+
+/* Applies one optimizer step using the gradients averaged over the
+ * accumulated samples (clipped to o->clip_norm when > 0; the norm is this
+ * block's own, since a peer holds one block), publishes the new weights as a
+ * new version, zeroes the gradients and the sample count. Waits for readers
+ * of the old spare slot. Returns 0, -EINVAL (bad optimizer config, or a
+ * kind that differs from the block's earlier steps' state), -EAGAIN (no
+ * samples accumulated). info may be NULL. */
+int expert_block_step(expert_block *b, const struct expert_optim *o,
+                      struct expert_step_info *info);
+/* Steps only when at least o->target_batch samples have accumulated.
+ * Returns 1 if it stepped, 0 if not yet, or a negative errno. */
+int expert_block_maybe_step(expert_block *b, const struct expert_optim *o,
+                            struct expert_step_info *info);
+/* Drops the accumulated gradients and sample count without stepping. */
+void expert_block_zero_grad(expert_block *b);
+/* Optimizer steps taken (the AdamW t). */
+uint64_t expert_block_steps(expert_block *b);
+
+/* Copies the current gradients (nparams floats) into out. Test/diagnostic. */
+void expert_block_copy_grads(expert_block *b, float *out);
+/* Replaces the parameters with params (nparams floats) as a new version. */
+int expert_block_set_params(expert_block *b, const float *params);
+
+/* ---- Serialisation (the checkpoint file format; docs/expert.md) ---- */
+
+/* Bytes expert_block_serialize writes: with_optim != 0 adds the optimizer
+ * state (AdamW m and v, or the SGD momentum buffer in m). */
+size_t expert_block_serialized_size(const expert_block *b, int with_optim);
+/* Writes the current version's parameters (and optimizer state) into buf.
+ * Returns the bytes written, or -ENOSPC if cap is too small, -EINVAL. */
+long expert_block_serialize(expert_block *b, int with_optim, void *buf, size_t cap);
+/* Loads bytes from expert_block_serialize (e.g. a newcomer's download, or a
+ * file): validates everything before touching the block, then installs the
+ * parameters as the file's weight version and, if present, the optimizer
+ * state and step count; gradients are zeroed. Never trusts the input:
+ * -EBADMSG (truncated, bad magic, bad checksum, malformed table),
+ * -EPROTONOSUPPORT (unknown format version), -ESTALE (the config hash or
+ * dims are another block's). On error the block is unchanged. */
+int expert_block_deserialize(expert_block *b, const void *buf, size_t len);
+
+/* Atomic checkpoint file: written to a temporary file in the same directory,
+ * fsync'd, renamed over path, then the directory fsync'd, so a crash leaves
+ * either the old file or the new one, never a torn one. Returns 0 or -errno. */
+int expert_block_save(expert_block *b, const char *path, int with_optim);
+/* Reads and deserialises path. Errors as deserialize, plus -errno from I/O;
+ * a file of the wrong size is -EBADMSG without being read whole. */
+int expert_block_load(expert_block *b, const char *path);
+
+#endif

@@ -1,0 +1,142 @@
+/* expert/model.c: the model table. */
+#include "expert/model.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+static const struct expert_block_config fmnist_mlp_stages[] = {
+    { EXPERT_BLOCK_LINEAR, 784, 512, 0 },
+    { EXPERT_BLOCK_RESFFN, 512, 512, 2048 },
+    { EXPERT_BLOCK_RESFFN, 512, 512, 2048 },
+    { EXPERT_BLOCK_RESFFN, 512, 512, 2048 },
+    { EXPERT_BLOCK_RESFFN, 512, 512, 2048 },
+    { EXPERT_BLOCK_HEAD, 512, 10, 0 },
+};
+
+static const struct expert_model_spec models[] = {
+    { "fmnist-mlp",
+      "Linear(784,512) -> 4 x ResFFN(512, hidden 2048, pre-LN, GELU) -> "
+      "LayerNorm(512) -> Linear(512,10); softmax cross-entropy",
+      6, fmnist_mlp_stages, 784, 10 },
+};
+
+const struct expert_model_spec *expert_model_at(int i)
+{
+    if (i < 0 || (size_t)i >= sizeof models / sizeof models[0])
+        return NULL;
+    return &models[i];
+}
+
+const struct expert_model_spec *expert_model_find(const char *name)
+{
+    if (!name)
+        return NULL;
+    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++)
+        if (strcmp(models[i].name, name) == 0)
+            return &models[i];
+    return NULL;
+}
+
+int expert_model_stage(const struct expert_model_spec *m, int index,
+                       struct expert_block_config *cfg_out)
+{
+    if (!m || !cfg_out)
+        return -EINVAL;
+    if (index < 0 || index >= m->n_stages)
+        return -ENOENT;
+    *cfg_out = m->stages[index];
+    return 0;
+}
+
+int expert_stage_parse(const char *id, const struct expert_model_spec **model_out,
+                       int *index_out)
+{
+    if (!id)
+        return -EINVAL;
+    const char *dot = strrchr(id, '.');
+    if (!dot || dot == id || dot[1] == '\0')
+        return -EINVAL;
+    size_t nlen = (size_t)(dot - id);
+    if (nlen >= EXPERT_STAGE_NAME_MAX)
+        return -EINVAL;
+    const char *s = dot + 1;
+    if (s[0] == '0' && s[1] != '\0')
+        return -EINVAL;
+    long idx = 0;
+    for (; *s; s++) {
+        if (*s < '0' || *s > '9')
+            return -EINVAL;
+        idx = idx * 10 + (*s - '0');
+        if (idx > 1000000)
+            return -ENOENT;
+    }
+    char name[EXPERT_STAGE_NAME_MAX];
+    memcpy(name, id, nlen);
+    name[nlen] = '\0';
+    const struct expert_model_spec *m = expert_model_find(name);
+    if (!m || idx >= m->n_stages)
+        return -ENOENT;
+    if (model_out)
+        *model_out = m;
+    if (index_out)
+        *index_out = (int)idx;
+    return 0;
+}
+
+int expert_stage_name(char *buf, size_t len, const struct expert_model_spec *m, int index)
+{
+    if (!buf || !m || index < 0 || index >= m->n_stages)
+        return -EINVAL;
+    int n = snprintf(buf, len, "%s.%d", m->name, index);
+    if (n < 0)
+        return -EINVAL;
+    if ((size_t)n >= len)
+        return -ENOSPC;
+    return n;
+}
+
+static uint64_t fnv1a(uint64_t h, const void *data, size_t len)
+{
+    const unsigned char *p = data;
+    for (size_t i = 0; i < len; i++) {
+        h ^= p[i];
+        h *= 0x100000001b3ULL;
+    }
+    return h;
+}
+
+uint64_t expert_stage_hash(const struct expert_model_spec *m, int index)
+{
+    if (!m || index < 0 || index >= m->n_stages)
+        return 0;
+    static const char tag[] = "starling.stage.v1";
+    unsigned char le[12];
+    uint64_t ch = expert_block_config_hash(&m->stages[index]);
+    for (int i = 0; i < 4; i++)
+        le[i] = (unsigned char)((uint32_t)index >> (8 * i));
+    for (int i = 0; i < 8; i++)
+        le[4 + i] = (unsigned char)(ch >> (8 * i));
+    uint64_t h = 0xcbf29ce484222325ULL;
+    h = fnv1a(h, tag, sizeof tag - 1);
+    h = fnv1a(h, m->name, strlen(m->name) + 1); /* with its NUL */
+    return fnv1a(h, le, sizeof le);
+}
+
+uint64_t expert_stage_seed(uint64_t model_seed, int index)
+{
+    uint64_t z = model_seed + 0x9e3779b97f4a7c15ULL * (uint64_t)(index + 1);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+double expert_model_flops_per_sample(const struct expert_model_spec *m)
+{
+    double f = 0.0;
+    if (!m)
+        return 0.0;
+    for (int i = 0; i < m->n_stages; i++)
+        f += expert_block_config_flops(&m->stages[i], 1);
+    return f;
+}

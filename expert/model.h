@@ -1,0 +1,61 @@
+/* expert/model.h: named models as ordered lists of stages.
+ *
+ * A stage is one block with a fixed config, named "<model>.<index>"
+ * (e.g. "fmnist-mlp.3"); every parameterised stage can live on a peer, and
+ * trainers/inference clients keep only the data and the loss.
+ *
+ * fmnist-mlp (= ../shared/bench/torch/common.py build_model(), 8 811 018
+ * parameters):
+ *   .0  LINEAR  784 -> 512
+ *   .1  RESFFN  d 512, hidden 2048      .2, .3, .4 the same
+ *   .5  HEAD    LN(512) + Linear 512 -> 10
+ *   loss (trainer): softmax cross-entropy over 10 classes
+ * Specs are static tables: every function here is thread-safe.
+ */
+#ifndef EXPERT_MODEL_H
+#define EXPERT_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "expert/block.h"
+
+#define EXPERT_STAGE_NAME_MAX 64
+
+struct expert_model_spec {
+    const char *name;
+    const char *desc;
+    int n_stages;
+    const struct expert_block_config *stages;   /* n_stages entries */
+    int n_in, n_out;                            /* model input/output widths */
+};
+
+/* The model called name, or NULL. */
+const struct expert_model_spec *expert_model_find(const char *name);
+/* The i-th known model (0-based), or NULL past the end. */
+const struct expert_model_spec *expert_model_at(int i);
+
+/* Stage index's config into *cfg_out. -EINVAL / -ENOENT (index out of range). */
+int expert_model_stage(const struct expert_model_spec *m, int index,
+                       struct expert_block_config *cfg_out);
+
+/* Parses "<model>.<index>" (index decimal, no sign, no leading zeros except
+ * "0"). -EINVAL for a malformed id, -ENOENT for an unknown model or index. */
+int expert_stage_parse(const char *id, const struct expert_model_spec **model_out,
+                       int *index_out);
+/* Writes "<model>.<index>" into buf. Returns its length or -ENOSPC/-EINVAL. */
+int expert_stage_name(char *buf, size_t len, const struct expert_model_spec *m, int index);
+
+/* Stage hash: 64-bit FNV-1a over "starling.stage.v1", the model name, a NUL,
+ * the index as u32 LE, then the block config hash as u64 LE. Two peers that
+ * agree on it run the same computation for the same stage. 0 if invalid. */
+uint64_t expert_stage_hash(const struct expert_model_spec *m, int index);
+
+/* Per-stage init seed from a model seed (splitmix64 of seed and index), so a
+ * whole model is reproducible from one number. */
+uint64_t expert_stage_seed(uint64_t model_seed, int index);
+
+/* Matmul FLOPs of one forward of the whole model per sample. */
+double expert_model_flops_per_sample(const struct expert_model_spec *m);
+
+#endif

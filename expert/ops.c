@@ -1,0 +1,24 @@
+/* expert/ops.c: the CPU backend's function table. */
+#include "expert/ops.h"
+
+#include <string.h>
+
+void expert_ops_init_cpu(struct expert_ops *ops)
+{
+    memset(ops, 0, sizeof *ops);
+    ops->name = "cpu";
+    ops->linear_forward = expert_linear_forward;
+    ops->linear_backward = expert_linear_backward;
+    ops->bias_forward = expert_bias_forward;
+    ops->bias_backward = expert_bias_backward;
+    ops->layernorm_forward = expert_layernorm_forward;
+    ops->layernorm_backward = expert_layernorm_backward;
+    ops->gelu_forward = expert_gelu_forward;
+    ops->gelu_backward = expert_gelu_backward;
+    ops->bias_gelu_forward = expert_bias_gelu_forward;
+    ops->bias_gelu_backward = expert_bias_gelu_backward;
+    ops->residual_forward = expert_residual_forward;
+    ops->residual_backward = expert_residual_backward;
+    ops->crossentropy_forward = expert_crossentropy_forward;
+    ops->crossentropy_backward = expert_crossentropy_backward;
+}

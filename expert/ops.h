@@ -1,0 +1,138 @@
+/* expert/ops.h: the backend interface of the math layer.
+ *
+ * Every op is a _forward/_backward pair with one argument order, shared by the
+ * CPU reference (expert/<op>.c) and the CUDA twin (cuda/<op>.cu):
+ *     outputs, saved-for-backward, inputs, weights, dims.
+ * All tensors are fp32, row-major, contiguous; shapes are given per argument.
+ * Linear weights use PyTorch's layout, w is (OC, C), so checkpoints and
+ * reference fixtures compare one to one with nn.Linear.
+ *
+ * Backward contract (llm.c): parameter grads are ACCUMULATED (+=), activation
+ * grads are WRITTEN (=). Running a backward twice therefore doubles the
+ * parameter grads and leaves the activation grads unchanged. A NULL
+ * activation-grad pointer means "not wanted" where the op says so.
+ *
+ * All ops return 0 or -EINVAL (bad dims / NULL). They allocate nothing and keep
+ * no state, so any number of threads may call them on disjoint outputs.
+ * BLAS-backed ops use OpenBLAS's thread pool (expert_blas_set_threads).
+ */
+#ifndef EXPERT_OPS_H
+#define EXPERT_OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* out = inp · wᵀ + bias.  out (B,OC), inp (B,C), w (OC,C), bias (OC) or NULL. */
+#define decl_linear_fwd_fn(name) \
+int (name)(float *out, const float *inp, const float *w, const float *bias, \
+           int B, int C, int OC)
+/* dinp = dout · w (= ; skipped when dinp is NULL); dw += doutᵀ · inp;
+ * dbias += Σ_b dout (skipped when dbias is NULL).
+ * dinp (B,C), dw (OC,C), dbias (OC), dout (B,OC), inp (B,C), w (OC,C). */
+#define decl_linear_bwd_fn(name) \
+int (name)(float *dinp, float *dw, float *dbias, const float *dout, \
+           const float *inp, const float *w, int B, int C, int OC)
+
+/* out = inp + bias (broadcast over rows); out may alias inp.
+ * out (B,C), inp (B,C), bias (C). */
+#define decl_bias_fwd_fn(name) \
+int (name)(float *out, const float *inp, const float *bias, int B, int C)
+/* dbias += Σ_b dout. (dinp = dout is the identity and is left to the caller.)
+ * dbias (C), dout (B,C). */
+#define decl_bias_bwd_fn(name) \
+int (name)(float *dbias, const float *dout, int B, int C)
+
+/* out = (inp - mean) * rstd * w + b per row; mean, rstd (N) are saved for
+ * backward (may be NULL). eps is fixed at EXPERT_LN_EPS (PyTorch's 1e-5).
+ * out (N,C), inp (N,C), w (C), b (C). */
+#define decl_layernorm_fwd_fn(name) \
+int (name)(float *out, float *mean, float *rstd, const float *inp, \
+           const float *w, const float *b, int N, int C)
+/* dinp = ∂L/∂inp (=), dw += , db += .  mean/rstd from the forward.
+ * dinp (N,C), dw (C), db (C), dout (N,C), inp (N,C), w (C), mean/rstd (N). */
+#define decl_layernorm_bwd_fn(name) \
+int (name)(float *dinp, float *dw, float *db, const float *dout, \
+           const float *inp, const float *w, const float *mean, \
+           const float *rstd, int N, int C)
+
+/* GELU, exact erf form (PyTorch nn.GELU() default): out = x·Φ(x).
+ * out (N), inp (N); out may alias inp. */
+#define decl_gelu_fwd_fn(name) \
+int (name)(float *out, const float *inp, long N)
+/* dinp = dout · GELU'(inp) (=). dinp may alias dout. */
+#define decl_gelu_bwd_fn(name) \
+int (name)(float *dinp, const float *dout, const float *inp, long N)
+
+/* Fused bias + GELU over a hidden activation, one pass over memory:
+ * pre = pre + bias (in place, saved for backward), out = GELU(pre) and
+ * dgelu = GELU'(pre) (saved for backward; may be NULL).
+ * out, pre, dgelu (B,C); bias (C). */
+#define decl_bias_gelu_fwd_fn(name) \
+int (name)(float *out, float *dgelu, float *pre, const float *bias, int B, int C)
+/* Fused backward: dpre = dout · dgelu (=, may alias dout), dbias += Σ_b dpre.
+ * dpre (B,C), dbias (C), dout (B,C), dgelu (B,C) from the forward. */
+#define decl_bias_gelu_bwd_fn(name) \
+int (name)(float *dpre, float *dbias, const float *dout, const float *dgelu, \
+           int B, int C)
+
+/* out = a + b (elementwise); out may alias a or b. (N) each. */
+#define decl_residual_fwd_fn(name) \
+int (name)(float *out, const float *a, const float *b, long N)
+/* da = dout, db = dout (=); either may be NULL; either may alias dout. */
+#define decl_residual_bwd_fn(name) \
+int (name)(float *da, float *db, const float *dout, long N)
+
+/* Softmax cross-entropy. losses (B) = -log softmax(logits)[target];
+ * probs (B,V) saved for backward; logits (B,V); targets (B) in [0,V).
+ * Returns -EINVAL for an out-of-range target (nothing written past it). */
+#define decl_crossentropy_fwd_fn(name) \
+int (name)(float *losses, float *probs, const float *logits, \
+           const int32_t *targets, int B, int V)
+/* dlogits = (probs - onehot(target)) · dloss (=), where dloss is the gradient
+ * of the loss with respect to each sample's loss (1 for a summed loss,
+ * 1/B for a mean). dlogits (B,V), probs (B,V), targets (B). */
+#define decl_crossentropy_bwd_fn(name) \
+int (name)(float *dlogits, const float *probs, const int32_t *targets, \
+           float dloss, int B, int V)
+
+#define EXPERT_LN_EPS 1e-5f
+
+/* The function table a backend fills in. */
+struct expert_ops {
+    const char *name;                          /* "cpu", "cuda" */
+    decl_linear_fwd_fn(*linear_forward);
+    decl_linear_bwd_fn(*linear_backward);
+    decl_bias_fwd_fn(*bias_forward);
+    decl_bias_bwd_fn(*bias_backward);
+    decl_layernorm_fwd_fn(*layernorm_forward);
+    decl_layernorm_bwd_fn(*layernorm_backward);
+    decl_gelu_fwd_fn(*gelu_forward);
+    decl_gelu_bwd_fn(*gelu_backward);
+    decl_bias_gelu_fwd_fn(*bias_gelu_forward);
+    decl_bias_gelu_bwd_fn(*bias_gelu_backward);
+    decl_residual_fwd_fn(*residual_forward);
+    decl_residual_bwd_fn(*residual_backward);
+    decl_crossentropy_fwd_fn(*crossentropy_forward);
+    decl_crossentropy_bwd_fn(*crossentropy_backward);
+};
+
+/* Fills ops with the CPU reference backend. Always available. */
+void expert_ops_init_cpu(struct expert_ops *ops);
+
+/* The CPU implementations, callable directly. */
+decl_linear_fwd_fn(expert_linear_forward);
+decl_linear_bwd_fn(expert_linear_backward);
+decl_bias_fwd_fn(expert_bias_forward);
+decl_bias_bwd_fn(expert_bias_backward);
+decl_layernorm_fwd_fn(expert_layernorm_forward);
+decl_layernorm_bwd_fn(expert_layernorm_backward);
+decl_gelu_fwd_fn(expert_gelu_forward);
+decl_gelu_bwd_fn(expert_gelu_backward);
+decl_bias_gelu_fwd_fn(expert_bias_gelu_forward);
+decl_bias_gelu_bwd_fn(expert_bias_gelu_backward);
+decl_residual_fwd_fn(expert_residual_forward);
+decl_residual_bwd_fn(expert_residual_backward);
+decl_crossentropy_fwd_fn(expert_crossentropy_forward);
+decl_crossentropy_bwd_fn(expert_crossentropy_backward);
+
+#endif
