@@ -22,6 +22,32 @@ int cuda_device_count(void);
  * -EINVAL. */
 int cuda_device_describe(int index, char *buf, size_t len);
 
+struct expert_ops;
+
+/* Fills ops with the CUDA backend (cuda/<op>.cu twins of expert/<op>.c) on
+ * the current device, creating the backend's context (cuBLASLt handle,
+ * stream, matmul workspace) on first use. Every pointer the CUDA ops take is
+ * device memory; ops are asynchronous on the backend's stream (call
+ * cuda_sync before reading results on the host) except crossentropy_forward,
+ * which synchronises to report an out-of-range target.
+ * Returns 0, -ENOSYS (no CUDA in this build), -ENODEV (no device) or -ENOMEM. */
+int cuda_ops_init(struct expert_ops *ops);
+
+/* Matrix products in TF32 (on != 0) or full fp32 (the default). */
+int cuda_set_tf32(int on);
+
+/* Device memory for tests, benchmarks and the GPU blocks. cuda_malloc
+ * returns NULL on failure (or in a build without CUDA); cuda_free accepts
+ * NULL. The copy and set calls are synchronous and return 0, -EIO or -ENOSYS. */
+void *cuda_malloc(size_t bytes);
+void cuda_free(void *p);
+int cuda_memcpy_h2d(void *dst, const void *src, size_t bytes);
+int cuda_memcpy_d2h(void *dst, const void *src, size_t bytes);
+int cuda_memset(void *dst, int byte, size_t bytes);
+
+/* Waits for all work on the backend's stream. Returns 0, -EIO, -ENOSYS. */
+int cuda_sync(void);
+
 /* A sentence for users explaining err from the functions above. Static. */
 const char *cuda_strerror(int err);
 
