@@ -7,6 +7,7 @@
 #ifndef PEER_PEER_H
 #define PEER_PEER_H
 
+#include "peer/batcher.h"
 #include "peer/channel.h"
 #include "peer/device.h"
 #include "peer/rpc_client.h"
