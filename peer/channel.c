@@ -5,6 +5,10 @@
 
 #include <sodium.h>
 
+#ifdef PEER_HAVE_OPENSSL
+#include <openssl/evp.h>
+#endif
+
 #include "dht/id.h"
 #include "peer/channel.h"
 
@@ -31,6 +35,13 @@ struct peer_channel {
     uint64_t tx_n, rx_n;
     crypto_aead_aes256gcm_state aes_tx, aes_rx; /* precomputed AES key schedules */
     uint8_t k_tx[32], k_rx[32];
+#ifdef PEER_HAVE_OPENSSL
+    /* OpenSSL's AES-GCM (VAES/AVX-512) runs about twice as fast as
+     * libsodium 1.0.18's on current x86, and its ChaCha20-Poly1305 three
+     * times; the records are byte-identical either way (same RFC
+     * constructions), so a peer built without OpenSSL interoperates. */
+    EVP_CIPHER_CTX *ossl_tx, *ossl_rx;
+#endif
 };
 
 static void put_hdr(uint8_t *p, char which, uint8_t flags)
@@ -60,6 +71,71 @@ static void khash(const peer_channel *ch, uint8_t *out, size_t outlen, const cha
     crypto_generichash_final(&st, out, outlen);
     sodium_memzero(&st, sizeof st);
 }
+
+#ifdef PEER_HAVE_OPENSSL
+static void ossl_free(peer_channel *ch)
+{
+    EVP_CIPHER_CTX_free(ch->ossl_tx);
+    EVP_CIPHER_CTX_free(ch->ossl_rx);
+    ch->ossl_tx = ch->ossl_rx = NULL;
+}
+
+/* Keys the two OpenSSL contexts; on any failure we stay on libsodium. */
+static void ossl_setup(peer_channel *ch)
+{
+    const EVP_CIPHER *c = ch->cipher == PEER_CIPHER_AES256GCM ? EVP_aes_256_gcm()
+                          : ch->cipher == PEER_CIPHER_CHACHA20POLY1305 ? EVP_chacha20_poly1305()
+                                                                       : NULL;
+    if (!c)
+        return;
+    ch->ossl_tx = EVP_CIPHER_CTX_new();
+    ch->ossl_rx = EVP_CIPHER_CTX_new();
+    if (!ch->ossl_tx || !ch->ossl_rx ||
+        EVP_EncryptInit_ex(ch->ossl_tx, c, NULL, ch->k_tx, NULL) != 1 ||
+        EVP_DecryptInit_ex(ch->ossl_rx, c, NULL, ch->k_rx, NULL) != 1)
+        ossl_free(ch);
+}
+
+/* One AEAD record with OpenSSL: 12-byte nonce, 4-byte AD, 16-byte tag. */
+static int ossl_seal(EVP_CIPHER_CTX *x, uint8_t *c, uint8_t *tag, const uint8_t *m, size_t n,
+                     const uint8_t *ad, const uint8_t nonce[12])
+{
+    int len;
+    if (EVP_EncryptInit_ex(x, NULL, NULL, NULL, nonce) != 1 ||
+        EVP_EncryptUpdate(x, NULL, &len, ad, PEER_CHANNEL_HDR_LEN) != 1)
+        return -1;
+    /* EVP lengths are int: feed large records in 1 GiB pieces. */
+    for (size_t off = 0; off < n;) {
+        int piece = n - off > (1u << 30) ? (1 << 30) : (int)(n - off);
+        if (EVP_EncryptUpdate(x, c + off, &len, m + off, piece) != 1)
+            return -1;
+        off += (size_t)piece;
+    }
+    if (EVP_EncryptFinal_ex(x, c + n, &len) != 1 ||
+        EVP_CIPHER_CTX_ctrl(x, EVP_CTRL_AEAD_GET_TAG, PEER_CHANNEL_TAG_LEN, tag) != 1)
+        return -1;
+    return 0;
+}
+
+static int ossl_open(EVP_CIPHER_CTX *x, uint8_t *m, const uint8_t *c, size_t n, const uint8_t *tag,
+                     const uint8_t *ad, const uint8_t nonce[12])
+{
+    int len;
+    if (EVP_DecryptInit_ex(x, NULL, NULL, NULL, nonce) != 1 ||
+        EVP_DecryptUpdate(x, NULL, &len, ad, PEER_CHANNEL_HDR_LEN) != 1)
+        return -1;
+    for (size_t off = 0; off < n;) {
+        int piece = n - off > (1u << 30) ? (1 << 30) : (int)(n - off);
+        if (EVP_DecryptUpdate(x, m + off, &len, c + off, piece) != 1)
+            return -1;
+        off += (size_t)piece;
+    }
+    if (EVP_CIPHER_CTX_ctrl(x, EVP_CTRL_AEAD_SET_TAG, PEER_CHANNEL_TAG_LEN, (void *)tag) != 1 ||
+        EVP_DecryptFinal_ex(x, m + n, &len) != 1)
+        return -1;
+    return 0;
+}
+#endif
 
 peer_channel *peer_channel_create(const peer_channel_config *cfg, int initiator)
 {
@@ -95,6 +171,9 @@ void peer_channel_destroy(peer_channel **p)
 {
     if (!p || !*p)
         return;
+#ifdef PEER_HAVE_OPENSSL
+    ossl_free(*p);
+#endif
     sodium_memzero(*p, sizeof **p);
     free(*p);
     *p = NULL;
@@ -103,6 +182,9 @@ void peer_channel_destroy(peer_channel **p)
 static int die(peer_channel *ch, int err)
 {
     ch->st = HS_DEAD;
+#ifdef PEER_HAVE_OPENSSL
+    ossl_free(ch);
+#endif
     sodium_memzero(ch->k_tx, 32);
     sodium_memzero(ch->k_rx, 32);
     return err;
@@ -168,6 +250,9 @@ static int derive(peer_channel *ch, const uint8_t h3[32])
         crypto_aead_aes256gcm_beforenm(&ch->aes_tx, ch->k_tx);
         crypto_aead_aes256gcm_beforenm(&ch->aes_rx, ch->k_rx);
     }
+#ifdef PEER_HAVE_OPENSSL
+    ossl_setup(ch);
+#endif
     ch->tx_n = ch->rx_n = 0;
     rc = 0;
 out:
@@ -355,6 +440,13 @@ long peer_channel_seal(peer_channel *ch, uint8_t *rec, size_t plain_len)
     put_le32(rec, (uint32_t)(plain_len + tag));
     uint8_t *m = rec + PEER_CHANNEL_HDR_LEN, nonce[12];
     make_nonce(nonce, ch->tx_n++);
+#ifdef PEER_HAVE_OPENSSL
+    if (ch->ossl_tx) {
+        if (ossl_seal(ch->ossl_tx, m, m + plain_len, m, plain_len, rec, nonce) != 0)
+            return die(ch, -EIO);
+        return (long)(PEER_CHANNEL_HDR_LEN + plain_len + tag);
+    }
+#endif
     switch (ch->cipher) {
     case PEER_CIPHER_NONE:
         break;
@@ -399,6 +491,15 @@ int peer_channel_open(peer_channel *ch, uint8_t *rec, size_t rec_len,
     uint8_t *c = rec + PEER_CHANNEL_HDR_LEN, nonce[12];
     make_nonce(nonce, ch->rx_n++);
     int bad = 0;
+#ifdef PEER_HAVE_OPENSSL
+    if (ch->ossl_rx) {
+        if (ossl_open(ch->ossl_rx, c, c, n, c + n, rec, nonce) != 0)
+            return die(ch, -EBADMSG);
+        *plain = c;
+        *plain_len = n;
+        return 0;
+    }
+#endif
     switch (ch->cipher) {
     case PEER_CIPHER_NONE:
         break;
@@ -418,4 +519,65 @@ int peer_channel_open(peer_channel *ch, uint8_t *rec, size_t rec_len,
     *plain = c;
     *plain_len = n;
     return 0;
+}
+
+int peer__channel_selftest(void)
+{
+#ifdef PEER_HAVE_OPENSSL
+    if (sodium_init() < 0)
+        return -EIO;
+    static const size_t sizes[] = {0, 1, 15, 16, 17, 1000, 65536 + 3};
+    uint8_t key[32], nonce[12], ad[4], tag[16];
+    size_t maxn = 65536 + 3;
+    uint8_t *m = malloc(maxn), *c = malloc(maxn), *back = malloc(maxn);
+    EVP_CIPHER_CTX *x = EVP_CIPHER_CTX_new();
+    int rc = -EIO;
+    if (!m || !c || !back || !x)
+        goto out;
+    for (int alg = 0; alg < 2; alg++) {
+        if (alg == 0 && !crypto_aead_aes256gcm_is_available())
+            continue;
+        const EVP_CIPHER *ev = alg == 0 ? EVP_aes_256_gcm() : EVP_chacha20_poly1305();
+        for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+            size_t n = sizes[i];
+            randombytes_buf(key, 32);
+            randombytes_buf(nonce, 12);
+            randombytes_buf(ad, 4);
+            randombytes_buf(m, n);
+            /* OpenSSL seals, libsodium opens. */
+            if (EVP_EncryptInit_ex(x, ev, NULL, key, NULL) != 1 ||
+                ossl_seal(x, c, tag, m, n, ad, nonce) != 0)
+                goto out;
+            int bad;
+            if (alg == 0)
+                bad = crypto_aead_aes256gcm_decrypt_detached(back, NULL, c, n, tag, ad, 4, nonce, key);
+            else
+                bad = crypto_aead_chacha20poly1305_ietf_decrypt_detached(back, NULL, c, n, tag, ad, 4,
+                                                                         nonce, key);
+            if (bad || memcmp(back, m, n) != 0)
+                goto out;
+            /* libsodium seals, OpenSSL opens; then a flipped tag bit fails. */
+            if (alg == 0)
+                crypto_aead_aes256gcm_encrypt_detached(c, tag, NULL, m, n, ad, 4, NULL, nonce, key);
+            else
+                crypto_aead_chacha20poly1305_ietf_encrypt_detached(c, tag, NULL, m, n, ad, 4, NULL,
+                                                                   nonce, key);
+            if (EVP_DecryptInit_ex(x, ev, NULL, key, NULL) != 1 ||
+                ossl_open(x, back, c, n, tag, ad, nonce) != 0 || memcmp(back, m, n) != 0)
+                goto out;
+            tag[3] ^= 1;
+            if (ossl_open(x, back, c, n, tag, ad, nonce) == 0)
+                goto out;
+        }
+    }
+    rc = 0;
+out:
+    EVP_CIPHER_CTX_free(x);
+    free(m);
+    free(c);
+    free(back);
+    return rc;
+#else
+    return -ENOSYS;
+#endif
 }

@@ -45,6 +45,12 @@
 
 #ifndef PEER_CHANNEL_MAX_RECORD
 #define PEER_CHANNEL_MAX_RECORD (256u << 20) /* default largest plaintext per record */
+/* For tests: when built with OpenSSL (which then does the record AEAD),
+ * checks that OpenSSL and libsodium produce and accept the same records in
+ * both directions for both ciphers. Returns 0, -EIO on a mismatch, or
+ * -ENOSYS in a build without OpenSSL (libsodium does everything). */
+int peer__channel_selftest(void);
+
 #endif
 
 typedef struct peer_channel peer_channel;
@@ -123,5 +129,11 @@ int peer_channel_record_len(const peer_channel *ch, const uint8_t hdr[PEER_CHANN
  * channel is then dead) or -EINVAL (not established). */
 int peer_channel_open(peer_channel *ch, uint8_t *rec, size_t rec_len,
                       uint8_t **plain, size_t *plain_len);
+
+/* For tests: when built with OpenSSL (which then does the record AEAD),
+ * checks that OpenSSL and libsodium produce and accept the same records in
+ * both directions for both ciphers. Returns 0, -EIO on a mismatch, or
+ * -ENOSYS in a build without OpenSSL (libsodium does everything). */
+int peer__channel_selftest(void);
 
 #endif

@@ -88,6 +88,11 @@ static void rearm(peer_rpc_client *cl, uint64_t due)
     uv_timer_start(&cl->timer, timer_cb, due > now ? due - now : 0, 0);
 }
 
+peer_cipher peer_rpc_client_cipher(const peer_rpc_client *cl)
+{
+    return cl && cl->state == ST_READY ? peer_channel_cipher(cl->c.ch) : PEER_CIPHER_NONE;
+}
+
 static void handle_closed(uv_handle_t *h)
 {
     peer_rpc_client *cl = h->data;

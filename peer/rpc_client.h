@@ -21,6 +21,7 @@
 #include <uv.h>
 
 #include "dht/identity.h"
+#include "peer/channel.h"
 #include "peer/wire.h"
 
 typedef struct peer_rpc_client peer_rpc_client;
@@ -69,6 +70,10 @@ int peer_rpc_client_pending(const peer_rpc_client *cl);
 
 /* The server's node ID once connected (DHT_ID_LEN bytes), else NULL. */
 const uint8_t *peer_rpc_client_peer_id(const peer_rpc_client *cl);
+
+/* The negotiated record protection once connected (PEER_CIPHER_NONE in
+ * plaintext mode or before the handshake). */
+peer_cipher peer_rpc_client_cipher(const peer_rpc_client *cl);
 
 /* Fails pending requests with -ECANCELED, closes every handle; close_cb
  * runs on the loop when done. Idempotent. */

@@ -314,6 +314,18 @@ static void test_limits(void **state)
     assert_null(peer_channel_create(NULL, 1));
 }
 
+/* With OpenSSL doing the AEAD, its records must be libsodium's records. */
+static void test_backends_agree(void **state)
+{
+    (void)state;
+    int rc = peer__channel_selftest();
+    if (rc == -ENOSYS) {
+        print_message("built without OpenSSL: libsodium only, nothing to compare\n");
+        return;
+    }
+    assert_int_equal(rc, 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -324,6 +336,7 @@ int main(void)
         cmocka_unit_test(test_tampered_handshake),
         cmocka_unit_test(test_tampered_records),
         cmocka_unit_test(test_limits),
+        cmocka_unit_test(test_backends_agree),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }
