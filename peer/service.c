@@ -1,0 +1,439 @@
+#include "peer/service.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "expert/block.h"
+#include "expert/model.h"
+#include "peer/rpc_server.h"
+#include "peer/wire.h"
+
+typedef struct svc_block svc_block;
+
+/* One request in flight: the batcher task plus what the reply needs. */
+typedef struct svc_task {
+    peer_task t;               /* first: the done callback casts back */
+    svc_block *blk;
+    peer_rpc_request *req;
+    int method;
+    struct svc_task *next_free;
+    float *out;                /* (max_batch, max(in, out)) */
+} svc_task;
+
+struct svc_block {
+    peer_service *svc;
+    int index;
+    char name[72];
+    char ckpt_path[PATH_MAX];
+    int restored;
+    uint64_t stage_hash;
+    struct expert_block_config cfg;
+    expert_block *block;
+    peer_batcher *batcher;
+    pthread_mutex_t pool_mu;
+    svc_task *free_list;
+    int pool_size, pool_cap;
+};
+
+struct peer_service {
+    uv_loop_t *loop;
+    peer_service_config cfg;
+    char model[64];
+    const struct expert_model_spec *spec;
+    int n_blocks;
+    svc_block blocks[PEER_SERVICE_MAX_BLOCKS];
+    peer_rpc_server *rpc;
+    int closing;
+    void (*close_cb)(peer_service *, int, void *);
+    void *close_arg;
+    char info_json[4096];
+};
+
+static svc_task *pool_get(svc_block *b)
+{
+    svc_task *t = NULL;
+    pthread_mutex_lock(&b->pool_mu);
+    if (b->free_list) {
+        t = b->free_list;
+        b->free_list = t->next_free;
+    } else if (b->pool_size < b->pool_cap) {
+        size_t wide = (size_t)(b->cfg.in > b->cfg.out ? b->cfg.in : b->cfg.out);
+        t = calloc(1, sizeof *t);
+        if (t)
+            t->out = malloc((size_t)b->svc->cfg.max_batch * wide * sizeof(float));
+        if (t && !t->out) {
+            free(t);
+            t = NULL;
+        }
+        if (t)
+            b->pool_size++;
+    }
+    pthread_mutex_unlock(&b->pool_mu);
+    if (t)
+        t->blk = b;
+    return t;
+}
+
+static void pool_put(svc_block *b, svc_task *t)
+{
+    pthread_mutex_lock(&b->pool_mu);
+    t->next_free = b->free_list;
+    b->free_list = t;
+    pthread_mutex_unlock(&b->pool_mu);
+}
+
+static void pool_free(svc_block *b)
+{
+    svc_task *t = b->free_list;
+    while (t) {
+        svc_task *n = t->next_free;
+        free(t->out);
+        free(t);
+        t = n;
+    }
+    b->free_list = NULL;
+}
+
+/* Runs on a compute thread: the reply is encoded and handed to the loop by
+ * the RPC server. */
+static void task_done(peer_task *pt, int status)
+{
+    svc_task *t = (svc_task *)pt;
+    svc_block *b = t->blk;
+    if (status != 0) {
+        peer_rpc_respond_error(t->req, EIO, "compute failed");
+    } else {
+        peer_msg reply;
+        uint8_t meta[8];
+        uint64_t v = pt->version;
+        for (int i = 0; i < 8; i++)
+            meta[i] = (uint8_t)(v >> (8 * i));
+        peer_msg_init(&reply, PEER_KIND_REPLY, (peer_method)t->method, 0);
+        reply.meta = meta;
+        reply.meta_len = sizeof meta;
+        uint64_t shape[2] = {(uint64_t)pt->rows,
+                             (uint64_t)(t->method == PEER_METHOD_FORWARD ? b->cfg.out : b->cfg.in)};
+        reply.n_tensors = 1;
+        if (peer_tensor_f32(&reply.t[0], t->out, 2, shape) != 0 ||
+            peer_rpc_respond(t->req, &reply) != 0) {
+            /* respond already answered the client (EIO) or dropped the
+             * request; either way the request is gone. */
+        }
+    }
+    pool_put(b, t);
+}
+
+static int is_f32_2d(const peer_tensor *t, int cols, int max_rows, uint64_t *rows_out)
+{
+    if (t->dtype != PEER_DTYPE_F32 || t->ndim != 2 || t->shape[1] != (uint64_t)cols ||
+        t->shape[0] < 1 || t->shape[0] > (uint64_t)max_rows)
+        return 0;
+    *rows_out = t->shape[0];
+    return 1;
+}
+
+static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
+{
+    peer_service *s = arg;
+    char why[256];
+
+    if (s->closing) {
+        peer_rpc_respond_error(req, ESHUTDOWN, "peer is shutting down");
+        return;
+    }
+    if (msg->method == PEER_METHOD_INFO) {
+        peer_msg reply;
+        peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_INFO, 0);
+        reply.meta = s->info_json;
+        reply.meta_len = strlen(s->info_json);
+        peer_rpc_respond(req, &reply);
+        return;
+    }
+    if (msg->method != PEER_METHOD_FORWARD && msg->method != PEER_METHOD_BACKWARD) {
+        peer_rpc_respond_error(req, ENOSYS, "unknown method");
+        return;
+    }
+    svc_block *b = NULL;
+    for (int i = 0; i < s->n_blocks; i++)
+        if (strcmp(s->blocks[i].name, msg->block) == 0)
+            b = &s->blocks[i];
+    if (!b) {
+        snprintf(why, sizeof why, "block '%.80s' is not hosted by this peer", msg->block);
+        peer_rpc_respond_error(req, ENOENT, why);
+        return;
+    }
+    const int fwd = msg->method == PEER_METHOD_FORWARD;
+    uint64_t rows = 0, rows2 = 0;
+    if (msg->n_tensors != (fwd ? 1 : 2) || !is_f32_2d(&msg->t[0], b->cfg.in, s->cfg.max_batch, &rows) ||
+        (!fwd && (!is_f32_2d(&msg->t[1], b->cfg.out, s->cfg.max_batch, &rows2) || rows2 != rows))) {
+        snprintf(why, sizeof why,
+                 "%s of %s takes %s f32 tensors of shape (B, %d)%s with 1 <= B <= %d", fwd ? "forward" : "backward",
+                 b->name, fwd ? "one" : "two", b->cfg.in, fwd ? "" : " and (B, out)", s->cfg.max_batch);
+        peer_rpc_respond_error(req, EINVAL, why);
+        return;
+    }
+    svc_task *t = pool_get(b);
+    if (!t) {
+        peer_rpc_respond_error(req, EBUSY, "peer overloaded; try another replica");
+        return;
+    }
+    t->req = req;
+    t->method = msg->method;
+    memset(&t->t, 0, sizeof t->t);
+    t->t.kind = fwd ? PEER_TASK_FORWARD : PEER_TASK_BACKWARD;
+    t->t.rows = (int)rows;
+    t->t.inputs = msg->t[0].data;
+    t->t.grad_outputs = fwd ? NULL : msg->t[1].data;
+    t->t.outputs = t->out;
+    t->t.done = task_done;
+    int rc = peer_batcher_submit(b->batcher, &t->t);
+    if (rc != 0) {
+        pool_put(b, t);
+        if (rc == -EAGAIN)
+            peer_rpc_respond_error(req, EBUSY, "queue full; try another replica");
+        else
+            peer_rpc_respond_error(req, rc == -ESHUTDOWN ? ESHUTDOWN : EIO, "cannot queue request");
+    }
+}
+
+static void build_info(peer_service *s)
+{
+    size_t off = 0, cap = sizeof s->info_json;
+    off += (size_t)snprintf(s->info_json + off, cap - off,
+                            "{\"model\":\"%s\",\"max_batch\":%d,\"blocks\":[", s->model, s->cfg.max_batch);
+    for (int i = 0; i < s->n_blocks && off < cap; i++) {
+        const svc_block *b = &s->blocks[i];
+        off += (size_t)snprintf(s->info_json + off, cap - off,
+                                "%s{\"name\":\"%s\",\"in\":%d,\"out\":%d,\"hash\":\"%016" PRIx64 "\"}",
+                                i ? "," : "", b->name, b->cfg.in, b->cfg.out, b->stage_hash);
+    }
+    if (off < cap)
+        snprintf(s->info_json + off, cap - off, "]}");
+}
+
+static void free_blocks(peer_service *s)
+{
+    for (int i = 0; i < s->n_blocks; i++) {
+        svc_block *b = &s->blocks[i];
+        peer_batcher_destroy(&b->batcher);
+        pool_free(b);
+        pthread_mutex_destroy(&b->pool_mu);
+        expert_block_destroy(&b->block);
+    }
+    s->n_blocks = 0;
+}
+
+peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cfg, char *err,
+                                  size_t errlen)
+{
+    char dummy[1];
+    if (!err) {
+        err = dummy;
+        errlen = sizeof dummy;
+    }
+    if (!loop || !cfg || !cfg->self || !cfg->model || !cfg->blocks || cfg->n_blocks < 1 ||
+        cfg->n_blocks > PEER_SERVICE_MAX_BLOCKS || cfg->threads < 1 || cfg->max_batch < 1 ||
+        cfg->max_queue_rows < cfg->max_batch) {
+        snprintf(err, errlen, "invalid service configuration");
+        return NULL;
+    }
+    if (expert_optim_check(&cfg->optim) != 0) {
+        snprintf(err, errlen, "invalid optimizer settings");
+        return NULL;
+    }
+    const struct expert_model_spec *spec = expert_model_find(cfg->model);
+    if (!spec) {
+        snprintf(err, errlen, "unknown model '%s'", cfg->model);
+        return NULL;
+    }
+    if (cfg->checkpoint_dir) {
+        struct stat st;
+        if (stat(cfg->checkpoint_dir, &st) != 0 && mkdir(cfg->checkpoint_dir, 0700) != 0) {
+            snprintf(err, errlen, "cannot create checkpoint directory '%s': %s", cfg->checkpoint_dir,
+                     strerror(errno));
+            return NULL;
+        }
+    }
+    peer_service *s = calloc(1, sizeof *s);
+    if (!s) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    s->loop = loop;
+    s->cfg = *cfg;
+    s->cfg.blocks = NULL; /* borrowed pointers are not kept */
+    s->cfg.self = NULL;
+    s->cfg.model = NULL;
+    s->cfg.checkpoint_dir = NULL;
+    s->cfg.swarm_key = NULL;
+    s->spec = spec;
+    snprintf(s->model, sizeof s->model, "%s", spec->name);
+
+    for (int i = 0; i < cfg->n_blocks; i++) {
+        int idx = cfg->blocks[i];
+        svc_block *b = &s->blocks[s->n_blocks];
+        for (int j = 0; j < s->n_blocks; j++)
+            if (s->blocks[j].index == idx) {
+                snprintf(err, errlen, "stage %d listed twice", idx);
+                goto fail;
+            }
+        if (expert_model_stage(spec, idx, &b->cfg) != 0) {
+            snprintf(err, errlen, "model %s has no stage %d (stages 0..%d)", spec->name, idx,
+                     spec->n_stages - 1);
+            goto fail;
+        }
+        b->svc = s;
+        b->index = idx;
+        expert_stage_name(b->name, sizeof b->name, spec, idx);
+        b->stage_hash = expert_stage_hash(spec, idx);
+        pthread_mutex_init(&b->pool_mu, NULL);
+        b->pool_cap = cfg->max_queue_rows + cfg->threads * cfg->max_batch + 16;
+        s->n_blocks++;
+        b->block = expert_block_create(&b->cfg, expert_stage_seed(cfg->seed, idx));
+        if (!b->block) {
+            snprintf(err, errlen, "out of memory for block %s", b->name);
+            goto fail;
+        }
+        if (cfg->checkpoint_dir) {
+            char name[sizeof b->name];
+            memcpy(name, b->name, sizeof name); /* a copy: gcc's -Wrestrict sees b->name in *b */
+            snprintf(b->ckpt_path, sizeof b->ckpt_path, "%s/%s.ckpt", cfg->checkpoint_dir, name);
+            struct stat st;
+            if (stat(b->ckpt_path, &st) == 0) {
+                int rc = expert_block_load(b->block, b->ckpt_path);
+                if (rc != 0) {
+                    snprintf(err, errlen,
+                             "cannot restore %s from %s: %s (move the file away to start fresh)",
+                             b->name, b->ckpt_path,
+                             rc == -ESTALE ? "it belongs to another block configuration"
+                             : rc == -EBADMSG ? "the file is corrupt or truncated"
+                                              : strerror(-rc));
+                    goto fail;
+                }
+                b->restored = 1;
+            }
+        }
+        peer_batcher_config bc = {cfg->threads, cfg->max_batch, cfg->max_queue_rows, cfg->optim};
+        b->batcher = peer_batcher_create(b->block, &bc);
+        if (!b->batcher) {
+            snprintf(err, errlen, "cannot start compute threads for %s", b->name);
+            goto fail;
+        }
+    }
+    build_info(s);
+
+    peer_rpc_server_config rc = {0};
+    rc.self = cfg->self;
+    rc.swarm_key = cfg->swarm_key;
+    /* Requests carry at most two (max_batch, width) tensors. */
+    size_t widest = 0;
+    for (int i = 0; i < s->n_blocks; i++) {
+        size_t w = (size_t)(s->blocks[i].cfg.in + s->blocks[i].cfg.out);
+        if (w > widest)
+            widest = w;
+    }
+    rc.max_frame = (size_t)cfg->max_batch * widest * sizeof(float) + 65536;
+    rc.handler = handle;
+    rc.arg = s;
+    s->rpc = peer_rpc_server_create(loop, &rc);
+    if (!s->rpc) {
+        snprintf(err, errlen, "cannot create the RPC server");
+        goto fail;
+    }
+    return s;
+fail:
+    free_blocks(s);
+    free(s);
+    return NULL;
+}
+
+int peer_service_listen(peer_service *s, const struct sockaddr *addr)
+{
+    if (!s || !addr || s->closing)
+        return -EINVAL;
+    return peer_rpc_server_listen(s->rpc, addr);
+}
+
+int peer_service_port(const peer_service *s)
+{
+    return s && s->rpc ? peer_rpc_server_port(s->rpc) : -1;
+}
+
+int peer_service_n_blocks(const peer_service *s)
+{
+    return s ? s->n_blocks : 0;
+}
+
+int peer_service_block_info(peer_service *s, int i, peer_block_info *info)
+{
+    if (!s || !info || i < 0 || i >= s->n_blocks)
+        return -EINVAL;
+    svc_block *b = &s->blocks[i];
+    memset(info, 0, sizeof *info);
+    snprintf(info->name, sizeof info->name, "%s", b->name);
+    info->index = b->index;
+    info->stage_hash = b->stage_hash;
+    info->in = b->cfg.in;
+    info->out = b->cfg.out;
+    info->restored = b->restored;
+    info->version = expert_block_version(b->block);
+    if (b->batcher)
+        peer_batcher_get_stats(b->batcher, &info->stats);
+    return 0;
+}
+
+int peer_service_checkpoint(peer_service *s)
+{
+    int first = 0;
+    if (!s)
+        return -EINVAL;
+    for (int i = 0; i < s->n_blocks; i++) {
+        svc_block *b = &s->blocks[i];
+        if (!b->ckpt_path[0])
+            continue;
+        int rc = expert_block_save(b->block, b->ckpt_path, 1);
+        if (rc != 0 && first == 0)
+            first = rc;
+    }
+    return first;
+}
+
+static void on_rpc_closed(peer_rpc_server *srv, void *arg)
+{
+    (void)srv;
+    peer_service *s = arg;
+    /* Every request handed to us has been answered: the queues are empty,
+     * so stopping the workers finishes at once. */
+    for (int i = 0; i < s->n_blocks; i++)
+        peer_batcher_destroy(&s->blocks[i].batcher);
+    int ck = peer_service_checkpoint(s);
+    if (s->close_cb)
+        s->close_cb(s, ck, s->close_arg);
+}
+
+void peer_service_close(peer_service *s, void (*cb)(peer_service *, int, void *), void *arg)
+{
+    if (!s || s->closing)
+        return;
+    s->closing = 1;
+    s->close_cb = cb;
+    s->close_arg = arg;
+    peer_rpc_server_close(s->rpc, on_rpc_closed, s);
+}
+
+void peer_service_destroy(peer_service **pp)
+{
+    if (!pp || !*pp)
+        return;
+    peer_service *s = *pp;
+    peer_rpc_server_destroy(&s->rpc);
+    free_blocks(s);
+    free(s);
+    *pp = NULL;
+}

@@ -1,0 +1,96 @@
+/* peer/service.h: the blocks a peer serves, behind the tensor RPC.
+ *
+ * A service hosts some stages of one model. For each it keeps an expert
+ * block (restored from its checkpoint when one exists), a batcher (compute
+ * threads, joined batches, backpressure, optimizer steps) and a pool of
+ * request contexts with output buffers, so steady traffic allocates nothing.
+ * The RPC server (peer/rpc_server.h) hands requests to the service on the
+ * loop thread; the service checks them, queues them on the block's batcher,
+ * and the worker that computes a batch sends each reply itself.
+ *
+ * Requests (docs/rpc.md): forward(block "<model>.<i>", inputs (B, in)) ->
+ * outputs (B, out); backward(block, inputs (B, in), grad_outputs (B, out))
+ * -> grad_inputs (B, in). B is 1..max_batch. The reply's meta is the weight
+ * version the computation used, as 8 bytes little-endian. Errors come back
+ * as codes with a sentence: ENOENT block not hosted, EINVAL wrong shapes or
+ * dtype, ENOSYS unknown method, EBUSY queue full (try another replica),
+ * ESHUTDOWN stopping, EIO compute failed. info returns a JSON document
+ * (meta) describing the hosted blocks.
+ *
+ * Thread-safety: create, listen, checkpoint, close and the getters run on
+ * the loop thread.
+ */
+#ifndef PEER_SERVICE_H
+#define PEER_SERVICE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "dht/identity.h"
+#include "expert/optim.h"
+#include "peer/batcher.h"
+
+#define PEER_SERVICE_MAX_BLOCKS 64
+
+typedef struct peer_service_config {
+    const dht_identity *self;     /* required; borrowed for create only */
+    const uint8_t *swarm_key;     /* 32 bytes or NULL */
+    const char *model;            /* e.g. "fmnist-mlp" */
+    const int *blocks;            /* stage indices to host */
+    int n_blocks;                 /* 1..PEER_SERVICE_MAX_BLOCKS */
+    int threads;                  /* compute threads per block (>= 1) */
+    int max_batch;                /* rows per request and per joined batch */
+    int max_queue_rows;           /* per block, before EBUSY */
+    struct expert_optim optim;    /* optimizer, incl. target_batch */
+    uint64_t seed;                /* init seed when no checkpoint exists */
+    const char *checkpoint_dir;   /* NULL: no checkpoints */
+} peer_service_config;
+
+/* What a service reports about one hosted block (for announcements and
+ * metrics). */
+typedef struct peer_block_info {
+    char name[72];                /* "<model>.<index>" */
+    int index;
+    uint64_t stage_hash;          /* expert_stage_hash */
+    int in, out;
+    uint64_t version;             /* current weight version */
+    int restored;                 /* loaded from a checkpoint at start */
+    peer_batcher_stats stats;
+} peer_block_info;
+
+typedef struct peer_service peer_service;
+
+/* Creates blocks (from checkpoints in checkpoint_dir when present), their
+ * batchers and the RPC server. Returns NULL on failure with a sentence in
+ * err (unknown model or stage, duplicate stage, corrupt or mismatched
+ * checkpoint, out of memory). */
+peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cfg, char *err,
+                                  size_t errlen);
+
+/* Listens for tensor RPC on addr. Returns 0 or a negative errno. */
+int peer_service_listen(peer_service *s, const struct sockaddr *addr);
+
+/* The TCP port listened on, or -1. */
+int peer_service_port(const peer_service *s);
+
+int peer_service_n_blocks(const peer_service *s);
+/* Fills info for hosted block i. Returns 0 or -EINVAL. */
+int peer_service_block_info(peer_service *s, int i, peer_block_info *info);
+
+/* Writes every block's checkpoint now (atomically; blocks the caller for the
+ * time of the writes). Returns 0 or the first error. */
+int peer_service_checkpoint(peer_service *s);
+
+/* Graceful stop: closes the RPC server (requests already queued are
+ * computed), stops the compute threads, writes the checkpoints, then calls
+ * cb on the loop. Idempotent. */
+void peer_service_close(peer_service *s, void (*cb)(peer_service *, int ckpt_status, void *),
+                        void *arg);
+
+/* Frees a service whose close callback has run (or that never listened).
+ * NULL-safe; sets *p = NULL. */
+void peer_service_destroy(peer_service **p);
+
+#endif

@@ -1,0 +1,320 @@
+/* The peer service over real loopback RPC: forward and backward equal the
+ * local expert computation exactly, bad requests get clear errors, and a
+ * graceful close writes checkpoints that a restart resumes from. */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <math.h>
+#include <netinet/in.h>
+
+#include <uv.h>
+
+#include "expert/block.h"
+#include "expert/model.h"
+#include "peer/peer.h"
+#include "peer/service.h"
+#include "test_util.h"
+
+static uv_loop_t loop;
+static dht_identity id_srv, id_cli;
+static char dir[256];
+
+/* ---- a tiny synchronous call helper on top of the async client ---- */
+
+typedef struct result {
+    int done, status;
+    peer_kind kind;
+    int err_code;
+    char err_msg[PEER_WIRE_MAX_ERRMSG + 1];
+    float data[64 * 1024];
+    uint64_t shape[2];
+    uint64_t version;
+    char meta[4096];
+} result;
+
+static void on_connect(peer_rpc_client *cl, int status, void *arg)
+{
+    (void)cl;
+    *(int *)arg = status == 0 ? 1 : status;
+}
+
+static void on_reply(void *arg, int status, const peer_msg *m)
+{
+    result *r = arg;
+    r->done = 1;
+    r->status = status;
+    if (status != 0)
+        return;
+    r->kind = m->kind;
+    r->err_code = m->err_code;
+    snprintf(r->err_msg, sizeof r->err_msg, "%s", m->err_msg);
+    if (m->kind == PEER_KIND_REPLY && m->n_tensors == 1) {
+        assert_true(m->t[0].nbytes <= sizeof r->data);
+        memcpy(r->data, m->t[0].data, m->t[0].nbytes);
+        r->shape[0] = m->t[0].shape[0];
+        r->shape[1] = m->t[0].shape[1];
+    }
+    r->version = 0;
+    if (m->meta && m->meta_len == 8)
+        for (int i = 0; i < 8; i++)
+            r->version |= (uint64_t)((const uint8_t *)m->meta)[i] << (8 * i);
+    if (m->meta && m->meta_len < sizeof r->meta) {
+        memcpy(r->meta, m->meta, m->meta_len);
+        r->meta[m->meta_len] = '\0';
+    }
+}
+
+/* Runs the loop until *flag is non-zero, at most ~20 s. */
+static void run_until(volatile int *flag)
+{
+    for (int i = 0; i < 20000 && !*flag; i++) {
+        uv_run(&loop, UV_RUN_NOWAIT);
+        if (!*flag)
+            usleep(1000);
+    }
+    assert_true(*flag);
+}
+
+static void call(peer_rpc_client *cl, peer_method method, const char *block, const float *a,
+                 int rows, int wa, const float *b, int wb, result *r)
+{
+    peer_msg m;
+    peer_msg_init(&m, PEER_KIND_REQUEST, method, 0);
+    snprintf(m.block, sizeof m.block, "%s", block);
+    uint64_t sa[2] = {(uint64_t)rows, (uint64_t)wa}, sb[2] = {(uint64_t)rows, (uint64_t)wb};
+    if (a) {
+        assert_int_equal(peer_tensor_f32(&m.t[m.n_tensors++], a, 2, sa), 0);
+    }
+    if (b) {
+        assert_int_equal(peer_tensor_f32(&m.t[m.n_tensors++], b, 2, sb), 0);
+    }
+    memset(r, 0, sizeof *r);
+    assert_int_equal(peer_rpc_call(cl, &m, 20000, on_reply, r, NULL), 0);
+    run_until(&r->done);
+    assert_int_equal(r->status, 0);
+}
+
+static void fill(float *x, size_t n, unsigned seed)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = (float)rand_r(&seed) / (float)RAND_MAX * 2.0f - 1.0f;
+}
+
+static peer_service *start(int *port, const int *blocks, int n)
+{
+    char err[256] = "";
+    peer_service_config c;
+    memset(&c, 0, sizeof c);
+    c.self = &id_srv;
+    c.model = "fmnist-mlp";
+    c.blocks = blocks;
+    c.n_blocks = n;
+    c.threads = 1;
+    c.max_batch = 16;
+    c.max_queue_rows = 64;
+    expert_optim_default_adamw(&c.optim);
+    c.optim.target_batch = 8;
+    c.seed = 42;
+    c.checkpoint_dir = dir;
+    peer_service *s = peer_service_create(&loop, &c, err, sizeof err);
+    if (!s)
+        fail_msg("peer_service_create: %s", err);
+    struct sockaddr_in sa;
+    uv_ip4_addr("127.0.0.1", 0, &sa);
+    assert_int_equal(peer_service_listen(s, (const struct sockaddr *)&sa), 0);
+    *port = peer_service_port(s);
+    assert_true(*port > 0);
+    return s;
+}
+
+static peer_rpc_client *connect_to(int port)
+{
+    peer_rpc_client_config cc;
+    memset(&cc, 0, sizeof cc);
+    cc.self = &id_cli;
+    cc.expect_id = id_srv.id;
+    peer_rpc_client *cl = peer_rpc_client_create(&loop, &cc);
+    assert_non_null(cl);
+    struct sockaddr_in sa;
+    uv_ip4_addr("127.0.0.1", port, &sa);
+    int ok = 0;
+    assert_int_equal(peer_rpc_client_connect(cl, (const struct sockaddr *)&sa, on_connect, &ok), 0);
+    run_until(&ok);
+    assert_int_equal(ok, 1);
+    return cl;
+}
+
+static void closed_cl(peer_rpc_client *cl, void *arg)
+{
+    (void)cl;
+    *(int *)arg = 1;
+}
+
+static void closed_svc(peer_service *s, int ck, void *arg)
+{
+    (void)s;
+    assert_int_equal(ck, 0);
+    *(int *)arg = 1;
+}
+
+static void stop(peer_service **s, peer_rpc_client **cl)
+{
+    int a = 0, b = 0;
+    peer_rpc_client_close(*cl, closed_cl, &a);
+    run_until(&a);
+    peer_rpc_client_destroy(cl);
+    peer_service_close(*s, closed_svc, &b);
+    run_until(&b);
+    peer_service_destroy(s);
+}
+
+static void test_rpc_equals_local_and_restart(void **state)
+{
+    (void)state;
+    static const int blocks[] = {1, 5};
+    int port;
+    peer_service *s = start(&port, blocks, 2);
+    peer_rpc_client *cl = connect_to(port);
+    const struct expert_model_spec *spec = expert_model_find("fmnist-mlp");
+    struct expert_block_config c1, c5;
+    assert_int_equal(expert_model_stage(spec, 1, &c1), 0);
+    assert_int_equal(expert_model_stage(spec, 5, &c5), 0);
+    expert_block *ref1 = expert_block_create(&c1, expert_stage_seed(42, 1));
+    expert_block *ref5 = expert_block_create(&c5, expert_stage_seed(42, 5));
+    expert_workspace *ws1 = expert_workspace_create(&c1, 16), *ws5 = expert_workspace_create(&c5, 16);
+    static float x[32 * 512], gy[32 * 512], want[32 * 512];
+    static result r;
+    const int B = 5;
+    fill(x, (size_t)B * 512, 1);
+    fill(gy, (size_t)B * 512, 2);
+
+    /* forward on stage 1 and stage 5: bit-for-bit the local computation */
+    call(cl, PEER_METHOD_FORWARD, "fmnist-mlp.1", x, B, 512, NULL, 0, &r);
+    assert_int_equal(r.kind, PEER_KIND_REPLY);
+    assert_true(r.shape[0] == (uint64_t)B && r.shape[1] == 512);
+    assert_int_equal(expert_block_forward(ref1, ws1, want, x, B, NULL), 0);
+    assert_memory_equal(r.data, want, (size_t)B * 512 * sizeof(float));
+    assert_true(r.version == 0);
+    call(cl, PEER_METHOD_FORWARD, "fmnist-mlp.5", x, B, 512, NULL, 0, &r);
+    assert_int_equal(expert_block_forward(ref5, ws5, want, x, B, NULL), 0);
+    assert_memory_equal(r.data, want, (size_t)B * 10 * sizeof(float));
+
+    /* backward: grad_inputs equal too */
+    call(cl, PEER_METHOD_BACKWARD, "fmnist-mlp.1", x, B, 512, gy, 512, &r);
+    assert_int_equal(r.kind, PEER_KIND_REPLY);
+    assert_int_equal(expert_block_backward(ref1, ws1, want, gy, x, B, NULL), 0);
+    assert_memory_equal(r.data, want, (size_t)B * 512 * sizeof(float));
+    /* 5 + 5 samples reach target_batch 8: the block steps; forward shows it */
+    call(cl, PEER_METHOD_BACKWARD, "fmnist-mlp.1", x, B, 512, gy, 512, &r);
+    call(cl, PEER_METHOD_FORWARD, "fmnist-mlp.1", x, B, 512, NULL, 0, &r);
+    assert_true(r.version == 1);
+
+    /* errors: unknown block, wrong width, too many rows, wrong tensor count */
+    call(cl, PEER_METHOD_FORWARD, "fmnist-mlp.3", x, B, 512, NULL, 0, &r);
+    assert_int_equal(r.kind, PEER_KIND_ERROR);
+    assert_int_equal(r.err_code, ENOENT);
+    assert_non_null(strstr(r.err_msg, "not hosted"));
+    call(cl, PEER_METHOD_FORWARD, "fmnist-mlp.1", x, B, 511, NULL, 0, &r);
+    assert_int_equal(r.err_code, EINVAL);
+    assert_non_null(strstr(r.err_msg, "(B, 512)"));
+    call(cl, PEER_METHOD_FORWARD, "fmnist-mlp.5", x, 17, 512, NULL, 0, &r);
+    assert_int_equal(r.err_code, EINVAL);
+    call(cl, PEER_METHOD_BACKWARD, "fmnist-mlp.5", x, B, 512, NULL, 0, &r);
+    assert_int_equal(r.err_code, EINVAL);
+    call(cl, PEER_METHOD_INFO, "", NULL, 0, 0, NULL, 0, &r);
+    assert_int_equal(r.kind, PEER_KIND_REPLY);
+    assert_non_null(strstr(r.meta, "\"fmnist-mlp.1\""));
+    assert_non_null(strstr(r.meta, "\"fmnist-mlp.5\""));
+
+    peer_block_info info;
+    assert_int_equal(peer_service_block_info(s, 0, &info), 0);
+    assert_string_equal(info.name, "fmnist-mlp.1");
+    assert_true(info.version == 1);
+    assert_true(info.stats.steps == 1);
+    assert_true(info.stats.rows[PEER_TASK_FORWARD] == 2 * (uint64_t)B && info.stats.rows[PEER_TASK_BACKWARD] == 2 * (uint64_t)B);
+    stop(&s, &cl);
+
+    /* Restart from the checkpoints written at close: same weights version,
+     * and the forward equals the stepped reference. */
+    s = start(&port, blocks, 2);
+    assert_int_equal(peer_service_block_info(s, 0, &info), 0);
+    assert_int_equal(info.restored, 1);
+    assert_true(info.version == 1);
+    cl = connect_to(port);
+    struct expert_optim o;
+    expert_optim_default_adamw(&o);
+    o.target_batch = 8;
+    assert_int_equal(expert_block_backward(ref1, ws1, NULL, gy, x, B, NULL), 0);
+    assert_int_equal(expert_block_step(ref1, &o, NULL), 0);
+    call(cl, PEER_METHOD_FORWARD, "fmnist-mlp.1", x, B, 512, NULL, 0, &r);
+    assert_int_equal(expert_block_forward(ref1, ws1, want, x, B, NULL), 0);
+    assert_memory_equal(r.data, want, (size_t)B * 512 * sizeof(float));
+    stop(&s, &cl);
+
+    expert_workspace_destroy(&ws1);
+    expert_workspace_destroy(&ws5);
+    expert_block_destroy(&ref1);
+    expert_block_destroy(&ref5);
+}
+
+static void test_bad_configs(void **state)
+{
+    (void)state;
+    char err[256];
+    peer_service_config c;
+    memset(&c, 0, sizeof c);
+    int blocks[2] = {1, 1};
+    c.self = &id_srv;
+    c.model = "fmnist-mlp";
+    c.blocks = blocks;
+    c.n_blocks = 2;
+    c.threads = 1;
+    c.max_batch = 8;
+    c.max_queue_rows = 8;
+    expert_optim_default_adamw(&c.optim);
+    assert_null(peer_service_create(&loop, &c, err, sizeof err));
+    assert_non_null(strstr(err, "twice"));
+    blocks[1] = 99;
+    assert_null(peer_service_create(&loop, &c, err, sizeof err));
+    assert_non_null(strstr(err, "no stage 99"));
+    c.model = "nope";
+    assert_null(peer_service_create(&loop, &c, err, sizeof err));
+    assert_non_null(strstr(err, "unknown model"));
+    /* A corrupt checkpoint is refused with a clear message, not ignored. */
+    c.model = "fmnist-mlp";
+    c.n_blocks = 1;
+    c.checkpoint_dir = dir;
+    char path[512];
+    snprintf(path, sizeof path, "%s/fmnist-mlp.1.ckpt", dir);
+    test_write_file(path, "garbage", 7, 0600);
+    assert_null(peer_service_create(&loop, &c, err, sizeof err));
+    assert_non_null(strstr(err, "cannot restore fmnist-mlp.1"));
+}
+
+static int setup(void **state)
+{
+    (void)state;
+    test_tmpdir(dir, sizeof dir, "svc");
+    assert_int_equal(uv_loop_init(&loop), 0);
+    uint8_t s1[32] = {1}, s2[32] = {2};
+    dht_identity_from_seed(&id_srv, s1);
+    dht_identity_from_seed(&id_cli, s2);
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    uv_run(&loop, UV_RUN_NOWAIT);
+    assert_int_equal(uv_loop_close(&loop), 0);
+    test_rmtree(dir);
+    return 0;
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_rpc_equals_local_and_restart, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_bad_configs, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
