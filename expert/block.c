@@ -748,6 +748,15 @@ long expert_block_serialize(expert_block *b, int with_optim, void *buf, size_t c
     return (long)len;
 }
 
+int expert_block_header_mismatch(const expert_block *b, const void *buf, size_t len)
+{
+    const uint8_t *p = buf;
+    if (!b || !buf || len < HDR_LEN || memcmp(p, magic, 8) != 0 ||
+        get_u32(p + 8) != FORMAT_VERSION)
+        return 0;
+    return get_u64(p + 16) != expert_block_config_hash(&b->cfg);
+}
+
 int expert_block_deserialize(expert_block *b, const void *buf, size_t len)
 {
     if (!b || (!buf && len))

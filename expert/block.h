@@ -205,12 +205,17 @@ long expert_block_serialize(expert_block *b, int with_optim, void *buf, size_t c
  * dims are another block's). On error the block is unchanged. */
 int expert_block_deserialize(expert_block *b, const void *buf, size_t len);
 
+/* 1 when buf (at least the 64-byte header) is a well-formed header of this
+ * format and version whose config hash is not this block's; 0 otherwise. */
+int expert_block_header_mismatch(const expert_block *b, const void *buf, size_t len);
+
 /* Atomic checkpoint file: written to a temporary file in the same directory,
  * fsync'd, renamed over path, then the directory fsync'd, so a crash leaves
  * either the old file or the new one, never a torn one. Returns 0 or -errno. */
 int expert_block_save(expert_block *b, const char *path, int with_optim);
 /* Reads and deserialises path. Errors as deserialize, plus -errno from I/O;
- * a file of the wrong size is -EBADMSG without being read whole. */
+ * a file of the wrong size is refused without being read whole: -ESTALE
+ * when its header names another config, else -EBADMSG. */
 int expert_block_load(expert_block *b, const char *path);
 
 #endif

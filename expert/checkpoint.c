@@ -103,10 +103,21 @@ int expert_block_load(expert_block *b, const char *path)
     /* Only the two sizes a checkpoint of this block can have are read; a
      * truncated, padded or foreign file is refused before any allocation. */
     size_t size = (size_t)st.st_size;
-    if (!S_ISREG(st.st_mode) || (size != expert_block_serialized_size(b, 0) &&
-                                 size != expert_block_serialized_size(b, 1))) {
+    if (!S_ISREG(st.st_mode)) {
         close(fd);
         return -EBADMSG;
+    }
+    if (size != expert_block_serialized_size(b, 0) &&
+        size != expert_block_serialized_size(b, 1)) {
+        /* Say "another block's checkpoint" when the header shows it, so the
+         * operator sees a mismatch rather than corruption. */
+        unsigned char hdr[64];
+        int rc = -EBADMSG;
+        if (size >= sizeof hdr && pread(fd, hdr, sizeof hdr, 0) == (ssize_t)sizeof hdr &&
+            expert_block_header_mismatch(b, hdr, sizeof hdr))
+            rc = -ESTALE;
+        close(fd);
+        return rc;
     }
     char *buf = malloc(size);
     if (!buf) {

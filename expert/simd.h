@@ -16,7 +16,7 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
     !defined(__SANITIZE_ADDRESS__)
-#define EXPERT__CLONES __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+#define EXPERT__CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define EXPERT__CLONES
 #endif
