@@ -255,6 +255,30 @@ static void test_crafted(void **state)
     free(b);
 }
 
+/* The worked example of docs/rpc.md section 5, byte for byte. */
+static void test_doc_example(void **state)
+{
+    (void)state;
+    float x[6] = {1, 2, 3, 4, 5, 6};
+    uint64_t shape[2] = {2, 3};
+    peer_msg m;
+    peer_msg_init(&m, PEER_KIND_REQUEST, PEER_METHOD_FORWARD, 1);
+    snprintf(m.block, sizeof m.block, "b");
+    peer_tensor_f32(&m.t[0], x, 2, shape);
+    m.n_tensors = 1;
+    static const uint8_t want[] = {
+        0x11, 0, 0, 0,                                     /* hlen = 17 */
+        0x85, 0x00, 0x00, 0x01, 0x02, 0x02, 0x01, 0x03, 0xa1, 'b',
+        0x04, 0x91, 0x92, 0x00, 0x92, 0x02, 0x03,
+        0, 0, 0,                                           /* pad to 24 */
+        0x00, 0x00, 0x80, 0x3f, 0x00, 0x00, 0x00, 0x40, 0x00, 0x00, 0x40, 0x40,
+        0x00, 0x00, 0x80, 0x40, 0x00, 0x00, 0xa0, 0x40, 0x00, 0x00, 0xc0, 0x40,
+    };
+    uint8_t out[64];
+    assert_int_equal(peer_wire_encode(&m, out, sizeof out), (long)sizeof want);
+    assert_memory_equal(out, want, sizeof want);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -263,6 +287,7 @@ int main(void)
         cmocka_unit_test(test_truncations),
         cmocka_unit_test(test_garbage_and_mutation),
         cmocka_unit_test(test_crafted),
+        cmocka_unit_test(test_doc_example),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -7,7 +7,9 @@
  *     reply carries the tensor back), one request at a time: p50/p99 in us;
  *   - stream throughput: 16 MiB tensors sent back to back (4 in flight) to a
  *     handler that answers with an empty reply: GB/s of tensor payload (1e9
- *     bytes/s), one connection.
+ *     bytes/s), one connection;
+ *   - 16 MiB echo round trip, one at a time: median ms and 2*bytes/RTT, the
+ *     figure ../shared/bench/torch/rpc_pingpong.py reports.
  * The last stdout line is one JSON object.
  *
  * usage: rpc_bench [--iters N] [--stream N] [--quick]
@@ -159,6 +161,7 @@ static void cl_close_cb(peer_rpc_client *c, void *a) { (void)c; (void)a; cl_clos
 
 typedef struct figures {
     double p50, p99, gbps;
+    double echo_ms, echo_gbps;   /* 16 MiB echo: median RTT, 2*bytes/RTT */
     const char *cipher;
 } figures;
 
@@ -221,6 +224,41 @@ static int measure(int plaintext, int no_aes, int iters, int stream_n, int do_la
         }
         free(s.lat);
         s.lat = NULL;
+        if (s.failed)
+            rc = -EIO;
+    }
+    if (rc == 0 && stream_n > 0) {
+        /* 16 MiB echo, one at a time: the figure rpc_pingpong.py reports
+         * (payload both ways, 2*bytes/RTT). */
+        size_t n = (16u << 20) / 4;
+        float *x = malloc(n * 4);
+        for (size_t i = 0; i < n; i++)
+            x[i] = (float)(i & 1023);
+        uint64_t shape[2] = {4096, 1024};
+        peer_msg_init(&s.req, PEER_KIND_REQUEST, PEER_METHOD_FORWARD, 0);
+        snprintf(s.req.block, sizeof s.req.block, "echo");
+        peer_tensor_f32(&s.req.t[0], x, 2, shape);
+        s.req.n_tensors = 1;
+        int reps = stream_n / 4 < 5 ? 5 : stream_n / 4;
+        s.remaining = 2; /* warm-up */
+        s.lat = NULL;
+        lat_send(&s);
+        while (s.remaining > 0 && !s.failed)
+            uv_run(&cloop, UV_RUN_ONCE);
+        s.lat = malloc(sizeof(double) * (size_t)reps);
+        s.nlat = 0;
+        s.remaining = reps;
+        lat_send(&s);
+        while (s.remaining > 0 && !s.failed)
+            uv_run(&cloop, UV_RUN_ONCE);
+        qsort(s.lat, (size_t)s.nlat, sizeof(double), cmp_d);
+        if (s.nlat) {
+            f->echo_ms = s.lat[s.nlat / 2] / 1e3;
+            f->echo_gbps = 2.0 * (double)(n * 4) / (f->echo_ms / 1e3) / 1e9;
+        }
+        free(s.lat);
+        s.lat = NULL;
+        free(x);
         if (s.failed)
             rc = -EIO;
     }
@@ -311,13 +349,17 @@ int main(int argc, char **argv)
             enc.cipher, enc.p50, enc.p99, plain.p50, plain.p99);
     fprintf(stderr, "16 MiB stream: %s %.2f GB/s, chacha20poly1305 %.2f GB/s, plaintext %.2f GB/s\n",
             enc.cipher, enc.gbps, chacha.gbps, plain.gbps);
+    fprintf(stderr, "16 MiB echo: %s %.2f ms (%.2f GB/s), plaintext %.2f ms (%.2f GB/s)\n",
+            enc.cipher, enc.echo_ms, enc.echo_gbps, plain.echo_ms, plain.echo_gbps);
     printf("{\"bench\":\"rpc_bench\",\"iters\":%d,\"stream_n\":%d,\"cipher\":\"%s\","
            "\"rtt_4k_p50_us\":%.1f,\"rtt_4k_p99_us\":%.1f,"
            "\"rtt_4k_plain_p50_us\":%.1f,\"rtt_4k_plain_p99_us\":%.1f,"
            "\"stream_16m_GBps\":%.3f,\"stream_16m_chacha_GBps\":%.3f,"
-           "\"stream_16m_plain_GBps\":%.3f}\n",
+           "\"stream_16m_plain_GBps\":%.3f,"
+           "\"echo_16m_ms\":%.2f,\"echo_16m_GBps\":%.3f,"
+           "\"echo_16m_plain_ms\":%.2f,\"echo_16m_plain_GBps\":%.3f}\n",
            iters, stream_n, enc.cipher, enc.p50, enc.p99, plain.p50, plain.p99, enc.gbps,
-           chacha.gbps, plain.gbps);
+           chacha.gbps, plain.gbps, enc.echo_ms, enc.echo_gbps, plain.echo_ms, plain.echo_gbps);
     uv_loop_close(&cloop);
     return 0;
 }
