@@ -1,0 +1,74 @@
+/* peer/announce.h: what a peer stores in the DHT about the blocks it serves.
+ *
+ * Under the key BLAKE2b-160("<model>.<index>") each holder stores one entry,
+ * signed with its identity (so subkey = its node ID), whose value is a
+ * msgpack map:
+ *     "v"  u   format version (1)
+ *     "b"  str block name, "<model>.<index>" (<= 64 bytes)
+ *     "a"  str tensor RPC address "HOST:PORT" or "[V6]:PORT" (<= 64 bytes)
+ *     "st" u   state: 0 joining, 1 online, 2 offline
+ *     "h"  u   stage hash (expert_stage_hash): holders and clients must agree
+ *     "wv" u   weight version (optimizer steps applied)
+ *     "tp" f64 measured training throughput, samples/s (forward + backward)
+ *     "ld" f64 load: queued rows / queue bound, in [0, 1]
+ *     "dv" str device, e.g. "cpu" or "cuda:0" (<= 32 bytes)
+ *     "t"  u   when this value was made, ms since the epoch
+ * It expires about a minute after it is written and is renewed every ~20 s,
+ * so a peer that dies disappears within a minute. Unknown keys are skipped
+ * (newer peers may add fields); missing required keys ("v", "b", "a", "st",
+ * "h") make the value invalid.
+ *
+ * Under the key BLAKE2b-160(PEER_MODELS_KEY) each peer also stores a signed
+ * entry naming the model it serves, so a monitor can list the models of a
+ * swarm without knowing their names:
+ *     "v" u 1, "m" str model name (<= 48 bytes), "n" u number of stages.
+ */
+#ifndef PEER_ANNOUNCE_H
+#define PEER_ANNOUNCE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define PEER_ANNOUNCE_VERSION 1
+#define PEER_MODELS_KEY "starling/models"
+#define PEER_ANNOUNCE_MAX_BYTES 400   /* an encoded value is at most this */
+
+typedef enum peer_state {
+    PEER_STATE_JOINING = 0,
+    PEER_STATE_ONLINE = 1,
+    PEER_STATE_OFFLINE = 2,
+} peer_state;
+
+typedef struct peer_announce {
+    char block[65];
+    char addr[65];
+    peer_state state;
+    uint64_t stage_hash;
+    uint64_t weight_version;
+    double throughput;
+    double load;
+    char device[33];
+    uint64_t time_ms;
+} peer_announce;
+
+typedef struct peer_model_record {
+    char model[49];
+    int n_stages;
+} peer_model_record;
+
+/* Encodes a into buf. Returns the length, -EINVAL (a string too long or
+ * with control characters, a state out of range, non-finite numbers) or
+ * -EMSGSIZE (cap too small). */
+long peer_announce_encode(const peer_announce *a, uint8_t *buf, size_t cap);
+
+/* Decodes an untrusted value. Returns 0, or -EBADMSG for anything malformed
+ * (out is then zeroed). Throughput and load are clamped to sane ranges. */
+int peer_announce_decode(peer_announce *out, const uint8_t *buf, size_t len);
+
+long peer_model_record_encode(const peer_model_record *m, uint8_t *buf, size_t cap);
+int peer_model_record_decode(peer_model_record *out, const uint8_t *buf, size_t len);
+
+/* "joining" / "online" / "offline" / "unknown". */
+const char *peer_state_name(int state);
+
+#endif

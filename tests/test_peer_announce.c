@@ -1,0 +1,226 @@
+/* Block announcements and model records (peer/announce.h), and the msgpack
+ * reader under them (dht/mp.h): round trips, unknown keys, and hostile bytes. */
+#include <errno.h>
+#include <math.h>
+
+#include "dht/mp.h"
+#include "peer/announce.h"
+#include "test_util.h"
+
+static peer_announce sample(void)
+{
+    peer_announce a;
+    memset(&a, 0, sizeof a);
+    snprintf(a.block, sizeof a.block, "fmnist-mlp.3");
+    snprintf(a.addr, sizeof a.addr, "[2001:db8::1]:7001");
+    a.state = PEER_STATE_ONLINE;
+    a.stage_hash = 0x0123456789abcdefULL;
+    a.weight_version = 4242;
+    a.throughput = 1234.5;
+    a.load = 0.25;
+    snprintf(a.device, sizeof a.device, "cuda:0");
+    a.time_ms = 1790000000123ULL;
+    return a;
+}
+
+static void test_round_trip(void **state)
+{
+    (void)state;
+    peer_announce a = sample(), b;
+    uint8_t buf[PEER_ANNOUNCE_MAX_BYTES];
+    long n = peer_announce_encode(&a, buf, sizeof buf);
+    assert_true(n > 0 && n < 200);
+    assert_int_equal(peer_announce_decode(&b, buf, (size_t)n), 0);
+    assert_memory_equal(&a, &b, sizeof a);
+    assert_int_equal(peer_announce_encode(&a, buf, (size_t)n - 1), -EMSGSIZE);
+
+    peer_model_record m = {"fmnist-mlp", 6}, m2;
+    n = peer_model_record_encode(&m, buf, sizeof buf);
+    assert_true(n > 0);
+    assert_int_equal(peer_model_record_decode(&m2, buf, (size_t)n), 0);
+    assert_string_equal(m2.model, "fmnist-mlp");
+    assert_int_equal(m2.n_stages, 6);
+    assert_string_equal(peer_state_name(1), "online");
+    assert_string_equal(peer_state_name(7), "unknown");
+}
+
+static void test_encode_rejects_bad_fields(void **state)
+{
+    (void)state;
+    uint8_t buf[PEER_ANNOUNCE_MAX_BYTES];
+    peer_announce a = sample();
+    a.block[0] = '\0';
+    assert_int_equal(peer_announce_encode(&a, buf, sizeof buf), -EINVAL);
+    a = sample();
+    a.addr[3] = '\n';
+    assert_int_equal(peer_announce_encode(&a, buf, sizeof buf), -EINVAL);
+    a = sample();
+    a.state = (peer_state)3;
+    assert_int_equal(peer_announce_encode(&a, buf, sizeof buf), -EINVAL);
+    a = sample();
+    a.throughput = NAN;
+    assert_int_equal(peer_announce_encode(&a, buf, sizeof buf), -EINVAL);
+    peer_model_record m = {"", 6};
+    assert_int_equal(peer_model_record_encode(&m, buf, sizeof buf), -EINVAL);
+}
+
+/* A newer peer's value with extra keys (even nested ones) still decodes;
+ * one missing a required key does not. Values are written with msgpack-c. */
+static void test_unknown_and_missing_keys(void **state)
+{
+    (void)state;
+    uint8_t buf[512];
+    dht_mp_writer w;
+    dht_mp_writer_init(&w, buf, sizeof buf);
+    msgpack_pack_map(&w.pk, 7);
+    dht_mp_pack_cstr(&w.pk, "future");
+    msgpack_pack_array(&w.pk, 2);
+    msgpack_pack_map(&w.pk, 1);
+    dht_mp_pack_cstr(&w.pk, "x");
+    msgpack_pack_float(&w.pk, 1.5f);
+    msgpack_pack_nil(&w.pk);
+    dht_mp_pack_cstr(&w.pk, "v");
+    msgpack_pack_uint64(&w.pk, 1);
+    dht_mp_pack_cstr(&w.pk, "b");
+    dht_mp_pack_cstr(&w.pk, "m.0");
+    dht_mp_pack_cstr(&w.pk, "a");
+    dht_mp_pack_cstr(&w.pk, "127.0.0.1:1");
+    dht_mp_pack_cstr(&w.pk, "st");
+    msgpack_pack_uint64(&w.pk, 0);
+    dht_mp_pack_cstr(&w.pk, "h");
+    msgpack_pack_uint64(&w.pk, 9);
+    dht_mp_pack_cstr(&w.pk, "tp");
+    msgpack_pack_float(&w.pk, 1e30f); /* absurd claims are clamped */
+    long n = dht_mp_writer_finish(&w);
+    assert_true(n > 0);
+    peer_announce a;
+    assert_int_equal(peer_announce_decode(&a, buf, (size_t)n), 0);
+    assert_string_equal(a.block, "m.0");
+    assert_true(a.throughput == 1e9);
+    assert_int_equal(a.state, PEER_STATE_JOINING);
+
+    /* The same without "h": invalid. */
+    dht_mp_writer_init(&w, buf, sizeof buf);
+    msgpack_pack_map(&w.pk, 4);
+    dht_mp_pack_cstr(&w.pk, "v");
+    msgpack_pack_uint64(&w.pk, 1);
+    dht_mp_pack_cstr(&w.pk, "b");
+    dht_mp_pack_cstr(&w.pk, "m.0");
+    dht_mp_pack_cstr(&w.pk, "a");
+    dht_mp_pack_cstr(&w.pk, "127.0.0.1:1");
+    dht_mp_pack_cstr(&w.pk, "st");
+    msgpack_pack_uint64(&w.pk, 0);
+    n = dht_mp_writer_finish(&w);
+    assert_int_equal(peer_announce_decode(&a, buf, (size_t)n), -EBADMSG);
+    assert_int_equal(a.block[0], 0); /* zeroed on failure */
+}
+
+static void test_hostile_bytes(void **state)
+{
+    (void)state;
+    peer_announce a = sample(), b;
+    uint8_t good[PEER_ANNOUNCE_MAX_BYTES], bad[PEER_ANNOUNCE_MAX_BYTES];
+    long n = peer_announce_encode(&a, good, sizeof good);
+    assert_true(n > 0);
+    /* Every truncation fails. */
+    for (long cut = 0; cut < n; cut++)
+        assert_int_equal(peer_announce_decode(&b, good, (size_t)cut), -EBADMSG);
+    /* Trailing bytes fail. */
+    memcpy(bad, good, (size_t)n);
+    bad[n] = 0xc0;
+    assert_int_equal(peer_announce_decode(&b, bad, (size_t)n + 1), -EBADMSG);
+    /* Huge declared counts and deep nesting fail fast, without allocating. */
+    const uint8_t huge_map[] = {0xdf, 0xff, 0xff, 0xff, 0xff};
+    assert_int_equal(peer_announce_decode(&b, huge_map, sizeof huge_map), -EBADMSG);
+    uint8_t deep[64];
+    deep[0] = 0x81; /* {"z": [[[[...]]]]} */
+    deep[1] = 0xa1;
+    deep[2] = 'z';
+    memset(deep + 3, 0x91, sizeof deep - 3);
+    assert_int_equal(peer_announce_decode(&b, deep, sizeof deep), -EBADMSG);
+    const uint8_t huge_str[] = {0x81, 0xa1, 'b', 0xdb, 0x7f, 0xff, 0xff, 0xff, 'x'};
+    assert_int_equal(peer_announce_decode(&b, huge_str, sizeof huge_str), -EBADMSG);
+    /* Random single-byte mutations: never a crash; a value that still
+     * decodes has sane fields. */
+    unsigned seed = 4242;
+    int accepted = 0;
+    for (int k = 0; k < 20000; k++) {
+        memcpy(bad, good, (size_t)n);
+        int flips = 1 + rand_r(&seed) % 3;
+        for (int f = 0; f < flips; f++)
+            bad[rand_r(&seed) % n] = (uint8_t)rand_r(&seed);
+        if (peer_announce_decode(&b, bad, (size_t)n) == 0) {
+            accepted++;
+            assert_true(b.block[0] && b.addr[0]);
+            assert_true(b.state <= PEER_STATE_OFFLINE);
+            assert_true(b.load >= 0 && b.load <= 1);
+            assert_true(b.throughput >= 0 && b.throughput <= 1e9);
+        }
+    }
+    assert_true(accepted < 20000); /* the mutations did reach the checks */
+    /* Pure noise. */
+    for (int k = 0; k < 5000; k++) {
+        size_t len = (size_t)(rand_r(&seed) % (int)sizeof bad);
+        for (size_t i = 0; i < len; i++)
+            bad[i] = (uint8_t)rand_r(&seed);
+        (void)peer_announce_decode(&b, bad, len);
+        (void)peer_model_record_decode(&(peer_model_record){{0}, 0}, bad, len);
+    }
+    assert_int_equal(peer_announce_decode(&b, NULL, 3), -EBADMSG);
+}
+
+static void test_mp_reader(void **state)
+{
+    (void)state;
+    uint8_t buf[64];
+    dht_mp_writer w;
+    dht_mp_writer_init(&w, buf, sizeof buf);
+    msgpack_pack_float(&w.pk, 0.5f);
+    msgpack_pack_double(&w.pk, -2.25);
+    msgpack_pack_uint64(&w.pk, 300);
+    msgpack_pack_int64(&w.pk, -1);
+    dht_mp_pack_cstr(&w.pk, "a-very-long-key");
+    long n = dht_mp_writer_finish(&w);
+    assert_true(n > 0);
+    dht_mp_reader r;
+    dht_mp_reader_init(&r, buf, (size_t)n);
+    double d;
+    uint64_t u;
+    char key[4];
+    assert_int_equal(dht_mp_double(&r, &d), 0);
+    assert_true(d == 0.5);
+    assert_int_equal(dht_mp_double(&r, &d), 0);
+    assert_true(d == -2.25);
+    assert_int_equal(dht_mp_uint(&r, &u), 0);
+    assert_true(u == 300);
+    assert_int_equal(dht_mp_uint(&r, &u), -1); /* negative */
+    assert_int_equal(dht_mp_key(&r, key, sizeof key), 0);
+    assert_string_equal(key, ""); /* too long: unknown */
+    assert_true(dht_mp_at_end(&r));
+    /* A writer overflow is reported, not grown. */
+    dht_mp_writer_init(&w, buf, 3);
+    dht_mp_pack_cstr(&w.pk, "too long for three bytes");
+    assert_int_equal(dht_mp_writer_finish(&w), -EMSGSIZE);
+    /* NaN is not a number we accept. */
+    dht_mp_writer_init(&w, buf, sizeof buf);
+    msgpack_pack_double(&w.pk, NAN);
+    n = dht_mp_writer_finish(&w);
+    dht_mp_reader_init(&r, buf, (size_t)n);
+    assert_int_equal(dht_mp_double(&r, &d), -1);
+    /* 0xc1 is never valid. */
+    const uint8_t c1 = 0xc1;
+    dht_mp_reader_init(&r, &c1, 1);
+    assert_int_equal(dht_mp_skip(&r, 0), -1);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_round_trip),
+        cmocka_unit_test(test_encode_rejects_bad_fields),
+        cmocka_unit_test(test_unknown_and_missing_keys),
+        cmocka_unit_test(test_hostile_bytes),
+        cmocka_unit_test(test_mp_reader),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
