@@ -29,7 +29,7 @@ typedef struct svc_task {
 struct svc_block {
     peer_service *svc;
     int index;
-    char name[72];
+    char name[65];
     char ckpt_path[PATH_MAX];
     int restored;
     uint64_t stage_hash;

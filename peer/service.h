@@ -51,7 +51,7 @@ typedef struct peer_service_config {
 /* What a service reports about one hosted block (for announcements and
  * metrics). */
 typedef struct peer_block_info {
-    char name[72];                /* "<model>.<index>" */
+    char name[65];                /* "<model>.<index>" */
     int index;
     uint64_t stage_hash;          /* expert_stage_hash */
     int in, out;

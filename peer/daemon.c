@@ -1,0 +1,547 @@
+#include "peer/daemon.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#include "expert/model.h"
+#include "peer/announce.h"
+#include "peer/metrics.h"
+
+#define JOIN_RETRY_MS 5000
+#define MAX_INITIAL 64
+#define STOP_ANNOUNCE_WAIT_MS 3000
+
+struct peer_daemon {
+    uv_loop_t *loop;
+    dht_identity ident;
+    uint8_t swarm_key[32];
+    int has_swarm_key;
+    char model[49];
+    int n_stages;
+    char device[33];
+    char announce_addr[65];
+    double announce_every_s, ttl_s, checkpoint_every_s;
+    int max_queue_rows;
+    FILE *log;
+    dht_peer_addr initial[MAX_INITIAL];
+    size_t n_initial;
+
+    dht *dht;
+    peer_service *svc;
+    peer_metrics *metrics;
+    uv_timer_t announce_timer, join_timer, ckpt_timer, stop_timer;
+    int timers_open;
+
+    int joined;
+    int put_failures_logged;
+    int stopping;
+    int offline_puts;            /* offline announcements still in flight */
+    int stop_phase;              /* 1 announcing offline, 2 closing service, 3 closing the rest */
+    int ckpt_busy;
+    uv_work_t ckpt_work;
+    int ckpt_status;
+    void (*stop_cb)(int, void *);
+    void *stop_arg;
+    int final_status;
+};
+
+static void say(peer_daemon *d, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void say(peer_daemon *d, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(d->log, "starling peer: ");
+    vfprintf(d->log, fmt, ap);
+    fputc('\n', d->log);
+    fflush(d->log);
+    va_end(ap);
+}
+
+/* ---- announcements ---- */
+
+static void on_put(dht *dh, int status, void *ud)
+{
+    (void)dh;
+    peer_daemon *d = ud;
+    if (status < 0 && !d->put_failures_logged && !d->stopping) {
+        say(d, "announcement not stored (%s); will retry", strerror(-status));
+        d->put_failures_logged = 1;
+    } else if (status >= 0) {
+        d->put_failures_logged = 0;
+    }
+}
+
+static void continue_stop(peer_daemon *d);
+
+static void on_offline_put(dht *dh, int status, void *ud)
+{
+    (void)dh;
+    (void)status;
+    peer_daemon *d = ud;
+    if (--d->offline_puts == 0 && d->stop_phase == 1)
+        continue_stop(d);
+}
+
+/* Puts every block's announcement (and the model record) with the given
+ * state. Returns the number of puts started. */
+static int announce(peer_daemon *d, peer_state state, dht_done_cb cb)
+{
+    uint8_t val[PEER_ANNOUNCE_MAX_BYTES], key[DHT_ID_LEN];
+    uint64_t now = dht_now_ms();
+    double ttl = state == PEER_STATE_OFFLINE ? 15.0 : d->ttl_s;
+    int started = 0;
+    for (int i = 0; i < peer_service_n_blocks(d->svc); i++) {
+        peer_block_info info;
+        if (peer_service_block_info(d->svc, i, &info) != 0)
+            continue;
+        peer_announce a;
+        memset(&a, 0, sizeof a);
+        snprintf(a.block, sizeof a.block, "%s", info.name);
+        snprintf(a.addr, sizeof a.addr, "%s", d->announce_addr);
+        a.state = state;
+        a.stage_hash = info.stage_hash;
+        a.weight_version = info.version;
+        a.throughput = peer_batcher_train_throughput(&info.stats);
+        a.load = (double)info.stats.queued_rows / (double)d->max_queue_rows;
+        if (a.load > 1)
+            a.load = 1;
+        snprintf(a.device, sizeof a.device, "%s", d->device);
+        a.time_ms = now;
+        long n = peer_announce_encode(&a, val, sizeof val);
+        if (n < 0)
+            continue;
+        dht_id_of_bytes(key, info.name, strlen(info.name));
+        if (dht_put(d->dht, key, NULL, 0, val, (size_t)n, now + (uint64_t)(ttl * 1000), 1, cb, d) == 0)
+            started++;
+    }
+    if (state != PEER_STATE_OFFLINE) {
+        peer_model_record m;
+        memset(&m, 0, sizeof m);
+        snprintf(m.model, sizeof m.model, "%s", d->model);
+        m.n_stages = d->n_stages;
+        long n = peer_model_record_encode(&m, val, sizeof val);
+        dht_id_of_bytes(key, PEER_MODELS_KEY, strlen(PEER_MODELS_KEY));
+        if (n > 0 && dht_put(d->dht, key, NULL, 0, val, (size_t)n, now + (uint64_t)(d->ttl_s * 1000), 1,
+                             cb, d) == 0)
+            started++;
+    }
+    return started;
+}
+
+static void on_announce_timer(uv_timer_t *t)
+{
+    peer_daemon *d = t->data;
+    if (d->joined && !d->stopping)
+        announce(d, PEER_STATE_ONLINE, on_put);
+}
+
+/* ---- joining ---- */
+
+static void start_join(peer_daemon *d);
+
+static void on_join_timer(uv_timer_t *t)
+{
+    peer_daemon *d = t->data;
+    if (!d->stopping)
+        start_join(d);
+}
+
+static void on_join(dht *dh, int status, void *ud)
+{
+    (void)dh;
+    peer_daemon *d = ud;
+    if (d->stopping)
+        return;
+    if (status < 0) {
+        say(d, "cannot reach any initial peer (%s); retrying in %d s", strerror(-status),
+            JOIN_RETRY_MS / 1000);
+        uv_timer_start(&d->join_timer, on_join_timer, JOIN_RETRY_MS, 0);
+        return;
+    }
+    d->joined = 1;
+    say(d, "joined the swarm; announcing %d block%s", peer_service_n_blocks(d->svc),
+        peer_service_n_blocks(d->svc) == 1 ? "" : "s");
+    announce(d, PEER_STATE_ONLINE, on_put);
+    uint64_t every = (uint64_t)(d->announce_every_s * 1000);
+    uv_timer_start(&d->announce_timer, on_announce_timer, every, every);
+}
+
+static void start_join(peer_daemon *d)
+{
+    int rc = dht_join(d->dht, d->initial, d->n_initial, on_join, d);
+    if (rc != 0) {
+        say(d, "join failed to start (%s); retrying", strerror(-rc));
+        uv_timer_start(&d->join_timer, on_join_timer, JOIN_RETRY_MS, 0);
+    }
+}
+
+/* ---- checkpoints ---- */
+
+static void ckpt_work_cb(uv_work_t *w)
+{
+    peer_daemon *d = w->data;
+    d->ckpt_status = peer_service_checkpoint(d->svc);
+}
+
+static void ckpt_after_cb(uv_work_t *w, int status)
+{
+    peer_daemon *d = w->data;
+    (void)status;
+    d->ckpt_busy = 0;
+    if (d->ckpt_status != 0)
+        say(d, "checkpoint failed: %s", strerror(-d->ckpt_status));
+    if (d->stopping && d->stop_phase == 2)
+        continue_stop(d);
+}
+
+static void on_ckpt_timer(uv_timer_t *t)
+{
+    peer_daemon *d = t->data;
+    if (d->ckpt_busy || d->stopping)
+        return;
+    d->ckpt_busy = 1;
+    d->ckpt_work.data = d;
+    if (uv_queue_work(d->loop, &d->ckpt_work, ckpt_work_cb, ckpt_after_cb) != 0)
+        d->ckpt_busy = 0;
+}
+
+/* ---- metrics ---- */
+
+static size_t render_metrics(char *buf, size_t cap, void *arg)
+{
+    peer_daemon *d = arg;
+    size_t off = 0;
+#define EMIT(...)                                                                       \
+    do {                                                                                \
+        int n_ = snprintf(buf + off, cap > off ? cap - off : 0, __VA_ARGS__);           \
+        if (n_ > 0)                                                                     \
+            off = off + (size_t)n_ < cap ? off + (size_t)n_ : cap;                      \
+    } while (0)
+    EMIT("# HELP starling_up 1 while the peer serves.\n# TYPE starling_up gauge\nstarling_up 1\n");
+    static const char *kinds[4] = {"", "inference", "forward", "backward"};
+    EMIT("# HELP starling_requests_total Requests served, by block and kind.\n"
+         "# TYPE starling_requests_total counter\n");
+    int nb = peer_service_n_blocks(d->svc);
+    peer_block_info info;
+    for (int i = 0; i < nb; i++) {
+        if (peer_service_block_info(d->svc, i, &info) != 0)
+            continue;
+        for (int k = 1; k <= 3; k++)
+            EMIT("starling_requests_total{block=\"%s\",kind=\"%s\"} %" PRIu64 "\n", info.name, kinds[k],
+                 info.stats.tasks[k]);
+    }
+    EMIT("# HELP starling_samples_total Rows (samples) computed, by block and kind.\n"
+         "# TYPE starling_samples_total counter\n");
+    for (int i = 0; i < nb; i++) {
+        if (peer_service_block_info(d->svc, i, &info) != 0)
+            continue;
+        for (int k = 1; k <= 3; k++)
+            EMIT("starling_samples_total{block=\"%s\",kind=\"%s\"} %" PRIu64 "\n", info.name, kinds[k],
+                 info.stats.rows[k]);
+    }
+    struct {
+        const char *name, *type, *help;
+    } per_block[] = {
+        {"starling_batches_total", "counter", "Joined batches computed."},
+        {"starling_batch_rows_avg", "gauge", "Average rows per joined batch."},
+        {"starling_queue_rows", "gauge", "Rows waiting in the queue."},
+        {"starling_rejected_total", "counter", "Requests refused because the queue was full."},
+        {"starling_errors_total", "counter", "Requests that failed in compute."},
+        {"starling_steps_total", "counter", "Optimizer steps applied."},
+        {"starling_weight_version", "gauge", "Current weight version."},
+        {"starling_throughput_samples_per_second", "gauge", "Measured training throughput."},
+    };
+    for (size_t m = 0; m < sizeof per_block / sizeof per_block[0]; m++) {
+        EMIT("# HELP %s %s\n# TYPE %s %s\n", per_block[m].name, per_block[m].help, per_block[m].name,
+             per_block[m].type);
+        for (int i = 0; i < nb; i++) {
+            if (peer_service_block_info(d->svc, i, &info) != 0)
+                continue;
+            const peer_batcher_stats *s = &info.stats;
+            uint64_t rows = s->rows[1] + s->rows[2] + s->rows[3];
+            double v = 0;
+            switch (m) {
+            case 0: v = (double)s->batches; break;
+            case 1: v = s->batches ? (double)rows / (double)s->batches : 0; break;
+            case 2: v = s->queued_rows; break;
+            case 3: v = (double)s->rejected; break;
+            case 4: v = (double)s->errors; break;
+            case 5: v = (double)s->steps; break;
+            case 6: v = (double)info.version; break;
+            default: v = peer_batcher_train_throughput(s); break;
+            }
+            EMIT("%s{block=\"%s\"} %.6g\n", per_block[m].name, info.name, v);
+        }
+    }
+    dht_node_stats ds;
+    dht_get_stats(d->dht, &ds);
+    EMIT("# HELP starling_dht_datagrams_total DHT datagrams, by direction.\n"
+         "# TYPE starling_dht_datagrams_total counter\n"
+         "starling_dht_datagrams_total{dir=\"rx\"} %" PRIu64 "\n"
+         "starling_dht_datagrams_total{dir=\"tx\"} %" PRIu64 "\n",
+         ds.rx, ds.tx);
+    EMIT("# HELP starling_dht_bytes_total DHT bytes, by direction.\n"
+         "# TYPE starling_dht_bytes_total counter\n"
+         "starling_dht_bytes_total{dir=\"rx\"} %" PRIu64 "\n"
+         "starling_dht_bytes_total{dir=\"tx\"} %" PRIu64 "\n",
+         ds.rx_bytes, ds.tx_bytes);
+    EMIT("# HELP starling_dht_dropped_total DHT datagrams dropped, by reason.\n"
+         "# TYPE starling_dht_dropped_total counter\n"
+         "starling_dht_dropped_total{reason=\"malformed\"} %" PRIu64 "\n"
+         "starling_dht_dropped_total{reason=\"swarm_tag\"} %" PRIu64 "\n"
+         "starling_dht_dropped_total{reason=\"rate\"} %" PRIu64 "\n",
+         ds.drop_malformed, ds.drop_tag, ds.drop_rate);
+#undef EMIT
+    return off;
+}
+
+/* ---- start and stop ---- */
+
+static void destroy_after_close(peer_service *s, int ckpt_status, void *arg)
+{
+    (void)ckpt_status;
+    (void)arg;
+    peer_service_destroy(&s);
+}
+
+static int split_host(const char *hostport, char *host, size_t cap)
+{
+    /* "[v6]:port" -> "v6" in brackets kept; "a.b.c.d:port" -> "a.b.c.d" */
+    const char *colon = strrchr(hostport, ':');
+    if (!colon || (size_t)(colon - hostport) >= cap)
+        return -EINVAL;
+    memcpy(host, hostport, (size_t)(colon - hostport));
+    host[colon - hostport] = '\0';
+    return 0;
+}
+
+static int is_wildcard(const char *host)
+{
+    return !strcmp(host, "0.0.0.0") || !strcmp(host, "[::]") || !strcmp(host, "::");
+}
+
+peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, char *err,
+                               size_t errlen)
+{
+    char host[64];
+    dht_addr bound;
+    struct sockaddr_storage ss;
+    if (!loop || !cfg || !cfg->ident || !cfg->listen || cfg->n_initial > MAX_INITIAL) {
+        snprintf(err, errlen, "invalid daemon configuration");
+        return NULL;
+    }
+    const struct expert_model_spec *spec = expert_model_find(cfg->svc.model);
+    if (!spec) {
+        snprintf(err, errlen, "unknown model '%s'", cfg->svc.model ? cfg->svc.model : "");
+        return NULL;
+    }
+    if (split_host(cfg->listen, host, sizeof host) != 0) {
+        snprintf(err, errlen, "--listen '%s' is not HOST:PORT", cfg->listen);
+        return NULL;
+    }
+    if (!cfg->announce_host && is_wildcard(host)) {
+        snprintf(err, errlen,
+                 "--listen %s binds every interface: give --announce HOST with the address other "
+                 "machines reach this one at", cfg->listen);
+        return NULL;
+    }
+    peer_daemon *d = calloc(1, sizeof *d);
+    if (!d) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    d->loop = loop;
+    d->ident = *cfg->ident;
+    if (cfg->swarm_key) {
+        memcpy(d->swarm_key, cfg->swarm_key, 32);
+        d->has_swarm_key = 1;
+    }
+    snprintf(d->model, sizeof d->model, "%s", spec->name);
+    d->n_stages = spec->n_stages;
+    snprintf(d->device, sizeof d->device, "%s", cfg->device ? cfg->device : "cpu");
+    d->announce_every_s = cfg->announce_every_s > 0 ? cfg->announce_every_s : 20.0;
+    d->ttl_s = cfg->ttl_s > 0 ? cfg->ttl_s : 60.0;
+    d->checkpoint_every_s = cfg->checkpoint_every_s;
+    d->max_queue_rows = cfg->svc.max_queue_rows > 0 ? cfg->svc.max_queue_rows : 1;
+    d->log = cfg->log ? cfg->log : stderr;
+    memcpy(d->initial, cfg->initial, cfg->n_initial * sizeof *cfg->initial);
+    d->n_initial = cfg->n_initial;
+
+    dht_config dc;
+    dht_config_default(&dc);
+    if (d->has_swarm_key) {
+        dc.has_swarm_key = 1;
+        memcpy(dc.swarm_key, d->swarm_key, 32);
+    }
+    d->dht = dht_create(loop, &d->ident, &dc);
+    if (!d->dht) {
+        snprintf(err, errlen, "cannot create the DHT node");
+        free(d);
+        return NULL;
+    }
+    int rc = dht_start(d->dht, cfg->listen);
+    if (rc != 0 || dht_local_addr(d->dht, &bound) != 0) {
+        snprintf(err, errlen, "cannot listen on %s (UDP): %s", cfg->listen, strerror(rc < 0 ? -rc : EINVAL));
+        goto fail_dht;
+    }
+    const char *ahost = cfg->announce_host ? cfg->announce_host : host;
+    if (strlen(ahost) > 48) {
+        snprintf(err, errlen, "announce host '%.60s' is too long", ahost);
+        goto fail_dht;
+    }
+    snprintf(d->announce_addr, sizeof d->announce_addr, "%.48s:%u", ahost, (unsigned)bound.port);
+
+    peer_service_config sc = cfg->svc;
+    sc.self = &d->ident;
+    sc.swarm_key = cfg->swarm_key;
+    d->svc = peer_service_create(loop, &sc, err, errlen);
+    if (!d->svc)
+        goto fail_dht;
+    if (cfg->metrics_listen) {
+        dht_addr ma;
+        if (dht_addr_parse_listen(&ma, cfg->metrics_listen) != 0 ||
+            dht_addr_to_sockaddr(&ma, &ss) < 0) {
+            snprintf(err, errlen, "--metrics '%s' is not HOST:PORT", cfg->metrics_listen);
+            goto fail_svc;
+        }
+        d->metrics = peer_metrics_start(loop, (const struct sockaddr *)&ss, render_metrics, d, &rc);
+        if (!d->metrics) {
+            snprintf(err, errlen, "cannot serve metrics on %s: %s", cfg->metrics_listen, strerror(-rc));
+            goto fail_svc;
+        }
+    }
+    if (dht_addr_to_sockaddr(&bound, &ss) < 0 ||
+        (rc = peer_service_listen(d->svc, (const struct sockaddr *)&ss)) != 0) {
+        snprintf(err, errlen, "cannot listen on %s (TCP port %u): %s", cfg->listen, bound.port,
+                 strerror(-rc));
+        goto fail_metrics;
+    }
+    uv_timer_t *timers[] = {&d->announce_timer, &d->join_timer, &d->ckpt_timer, &d->stop_timer};
+    for (size_t i = 0; i < 4; i++) {
+        uv_timer_init(loop, timers[i]);
+        timers[i]->data = d;
+        d->timers_open++;
+    }
+    if (d->checkpoint_every_s > 0) {
+        uint64_t ms = (uint64_t)(d->checkpoint_every_s * 1000);
+        uv_timer_start(&d->ckpt_timer, on_ckpt_timer, ms, ms);
+    }
+    if (d->n_initial > 0) {
+        start_join(d);
+    } else {
+        /* The first node of a swarm: nothing to join, announce locally. */
+        d->joined = 1;
+        announce(d, PEER_STATE_ONLINE, on_put);
+        uint64_t every = (uint64_t)(d->announce_every_s * 1000);
+        uv_timer_start(&d->announce_timer, on_announce_timer, every, every);
+    }
+    return d;
+
+fail_metrics:
+    /* A failed listen leaves handles open: close the service asynchronously
+     * (it frees itself in the callback). */
+    peer_metrics_stop(d->metrics); /* frees itself once its handles close */
+    peer_service_close(d->svc, destroy_after_close, NULL);
+    d->svc = NULL;
+    goto fail_dht;
+fail_svc:
+    /* The service never listened, so it can be destroyed at once. */
+    peer_service_destroy(&d->svc);
+fail_dht:
+    dht_close(d->dht, NULL, NULL);
+    free(d);
+    return NULL;
+}
+
+int peer_daemon_peer_string(const peer_daemon *d, char *buf, size_t cap)
+{
+    dht_addr bound;
+    char id[DHT_ID_HEX_LEN + 1];
+    if (!d || dht_local_addr(d->dht, &bound) != 0)
+        return -EINVAL;
+    dht_id_to_hex(id, d->ident.id);
+    int n = snprintf(buf, cap, "%s/%s", d->announce_addr, id);
+    return n < 0 || (size_t)n >= cap ? -ENOSPC : n;
+}
+
+static void on_timer_closed(uv_handle_t *h)
+{
+    peer_daemon *d = h->data;
+    if (--d->timers_open == 0) {
+        void (*cb)(int, void *) = d->stop_cb;
+        void *arg = d->stop_arg;
+        int status = d->final_status;
+        free(d);
+        if (cb)
+            cb(status, arg);
+    }
+}
+
+static void on_dht_closed(dht *dh, void *ud)
+{
+    (void)dh;
+    peer_daemon *d = ud;
+    uv_close((uv_handle_t *)&d->announce_timer, on_timer_closed);
+    uv_close((uv_handle_t *)&d->join_timer, on_timer_closed);
+    uv_close((uv_handle_t *)&d->ckpt_timer, on_timer_closed);
+    uv_close((uv_handle_t *)&d->stop_timer, on_timer_closed);
+}
+
+static void on_svc_closed(peer_service *s, int ckpt_status, void *arg)
+{
+    (void)s;
+    peer_daemon *d = arg;
+    d->final_status = ckpt_status;
+    if (ckpt_status != 0)
+        say(d, "final checkpoint failed: %s", strerror(-ckpt_status));
+    peer_service_destroy(&d->svc);
+    peer_metrics_stop(d->metrics);
+    d->metrics = NULL;
+    d->stop_phase = 3;
+    dht_close(d->dht, on_dht_closed, d);
+    d->dht = NULL;
+}
+
+static void on_stop_timer(uv_timer_t *t)
+{
+    peer_daemon *d = t->data;
+    if (d->stop_phase == 1)
+        continue_stop(d); /* offline announcements took too long: go on */
+}
+
+static void continue_stop(peer_daemon *d)
+{
+    if (d->stop_phase == 1) {
+        uv_timer_stop(&d->stop_timer);
+        d->stop_phase = 2;
+    }
+    if (d->stop_phase == 2) {
+        if (d->ckpt_busy)
+            return; /* ckpt_after_cb calls us again */
+        d->stop_phase = 3;
+        peer_service_close(d->svc, on_svc_closed, d);
+    }
+}
+
+void peer_daemon_stop(peer_daemon *d, void (*cb)(int status, void *arg), void *arg)
+{
+    if (!d || d->stopping)
+        return;
+    d->stopping = 1;
+    d->stop_cb = cb;
+    d->stop_arg = arg;
+    uv_timer_stop(&d->announce_timer);
+    uv_timer_stop(&d->join_timer);
+    uv_timer_stop(&d->ckpt_timer);
+    d->stop_phase = 1;
+    d->offline_puts = d->joined ? announce(d, PEER_STATE_OFFLINE, on_offline_put) : 0;
+    if (d->offline_puts == 0) {
+        continue_stop(d);
+        return;
+    }
+    uv_timer_start(&d->stop_timer, on_stop_timer, STOP_ANNOUNCE_WAIT_MS, 0);
+}

@@ -1,0 +1,53 @@
+/* peer/daemon.h: a whole peer: DHT node, block service, announcements,
+ * periodic checkpoints and the metrics endpoint, on one libuv loop.
+ *
+ * The DHT (UDP) and the tensor RPC (TCP) listen on the same HOST:PORT. The
+ * daemon joins the swarm through the initial peers (retrying every few
+ * seconds while nobody answers, with a message), then announces each hosted
+ * block under its key (peer/announce.h) and the model under the models
+ * index, signed, expiring ttl_s ahead and renewed every announce_every_s.
+ * A stop announces the blocks offline, closes the service (which writes
+ * checkpoints), and closes the DHT.
+ *
+ * Loop thread only.
+ */
+#ifndef PEER_DAEMON_H
+#define PEER_DAEMON_H
+
+#include <stdio.h>
+
+#include <uv.h>
+
+#include "dht/dht.h"
+#include "peer/service.h"
+
+typedef struct peer_daemon_config {
+    const dht_identity *ident;         /* required; copied */
+    const uint8_t *swarm_key;          /* 32 bytes or NULL */
+    const char *listen;                /* "HOST:PORT" for UDP and TCP; port 0 = any */
+    const char *announce_host;         /* host others reach us at; NULL = listen host */
+    const dht_peer_addr *initial;      /* peers to join through (may be 0 for the first) */
+    size_t n_initial;
+    peer_service_config svc;           /* model, blocks, threads, optimizer, checkpoints */
+    const char *device;                /* announced device name, e.g. "cpu" */
+    double announce_every_s;           /* 0 = 20 */
+    double ttl_s;                      /* 0 = 60 */
+    double checkpoint_every_s;         /* 0 = never (checkpoints still written at stop) */
+    const char *metrics_listen;        /* "HOST:PORT" or NULL */
+    FILE *log;                         /* status lines; NULL = stderr */
+} peer_daemon_config;
+
+typedef struct peer_daemon peer_daemon;
+
+/* Starts everything. Returns NULL with a sentence in err on failure. */
+peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, char *err,
+                               size_t errlen);
+
+/* The address string of this node for --initial-peers ("HOST:PORT/ID"). */
+int peer_daemon_peer_string(const peer_daemon *d, char *buf, size_t cap);
+
+/* Graceful stop; cb runs on the loop when done, with the checkpoint status
+ * (0 or -errno). The daemon frees itself after cb returns. */
+void peer_daemon_stop(peer_daemon *d, void (*cb)(int status, void *arg), void *arg);
+
+#endif
