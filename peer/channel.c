@@ -19,7 +19,7 @@
 enum hs_state { HS_SEND1, HS_WAIT1, HS_WAIT2, HS_WAIT3, HS_DONE, HS_DEAD };
 
 struct peer_channel {
-    int initiator;
+    int initiator, sodium_only;
     enum hs_state st;
     uint8_t my_flags, peer_flags;
     dht_identity self;
@@ -35,6 +35,10 @@ struct peer_channel {
     uint64_t tx_n, rx_n;
     crypto_aead_aes256gcm_state aes_tx, aes_rx; /* precomputed AES key schedules */
     uint8_t k_tx[32], k_rx[32];
+    /* The record being sealed / opened (streaming API), or NULL. */
+    uint8_t *seal_rec, *open_rec;
+    size_t seal_len, seal_done, open_len, open_done;
+    uint8_t seal_nonce[12], open_nonce[12];
 #ifdef PEER_HAVE_OPENSSL
     /* OpenSSL's AES-GCM (VAES/AVX-512) runs about twice as fast as
      * libsodium 1.0.18's on current x86, and its ChaCha20-Poly1305 three
@@ -150,6 +154,7 @@ peer_channel *peer_channel_create(const peer_channel_config *cfg, int initiator)
         return NULL;
     memset(ch, 0, sizeof *ch);
     ch->initiator = initiator != 0;
+    ch->sodium_only = cfg->sodium_only != 0;
     ch->st = ch->initiator ? HS_SEND1 : HS_WAIT1;
     ch->self = *cfg->self;
     if (cfg->expect_id) {
@@ -182,6 +187,7 @@ void peer_channel_destroy(peer_channel **p)
 static int die(peer_channel *ch, int err)
 {
     ch->st = HS_DEAD;
+    ch->seal_rec = ch->open_rec = NULL;
 #ifdef PEER_HAVE_OPENSSL
     ossl_free(ch);
 #endif
@@ -251,7 +257,8 @@ static int derive(peer_channel *ch, const uint8_t h3[32])
         crypto_aead_aes256gcm_beforenm(&ch->aes_rx, ch->k_rx);
     }
 #ifdef PEER_HAVE_OPENSSL
-    ossl_setup(ch);
+    if (!ch->sodium_only)
+        ossl_setup(ch);
 #endif
     ch->tx_n = ch->rx_n = 0;
     rc = 0;
@@ -430,38 +437,99 @@ static void put_le32(uint8_t *p, uint32_t v)
     p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); p[2] = (uint8_t)(v >> 16); p[3] = (uint8_t)(v >> 24);
 }
 
-long peer_channel_seal(peer_channel *ch, uint8_t *rec, size_t plain_len)
+/* Sealing and opening are streaming (begin, update..., final) so that the
+ * RPC layer can encrypt straight from the caller's tensors into the send
+ * buffer and write each piece while it encrypts the next, and decrypt a
+ * large record while the rest of it is still arriving. With OpenSSL the
+ * updates do the work; with libsodium (one-shot API only) update copies and
+ * final does the whole record. */
+int peer_channel_seal_begin(peer_channel *ch, uint8_t *rec, size_t plain_len)
 {
-    if (!ch || !rec || ch->st != HS_DONE)
+    if (!ch || !rec || ch->st != HS_DONE || ch->seal_rec)
         return -EINVAL;
     if (plain_len > ch->max_record)
         return -EMSGSIZE;
-    size_t tag = peer_channel_tag_len(ch);
-    put_le32(rec, (uint32_t)(plain_len + tag));
-    uint8_t *m = rec + PEER_CHANNEL_HDR_LEN, nonce[12];
-    make_nonce(nonce, ch->tx_n++);
+    put_le32(rec, (uint32_t)(plain_len + peer_channel_tag_len(ch)));
+    make_nonce(ch->seal_nonce, ch->tx_n++);
+    ch->seal_rec = rec;
+    ch->seal_len = plain_len;
+    ch->seal_done = 0;
+#ifdef PEER_HAVE_OPENSSL
+    int len;
+    if (ch->ossl_tx && (EVP_EncryptInit_ex(ch->ossl_tx, NULL, NULL, NULL, ch->seal_nonce) != 1 ||
+                        EVP_EncryptUpdate(ch->ossl_tx, NULL, &len, rec, PEER_CHANNEL_HDR_LEN) != 1))
+        return die(ch, -EIO);
+#endif
+    return 0;
+}
+
+int peer_channel_seal_update(peer_channel *ch, uint8_t *dst, const uint8_t *src, size_t n)
+{
+    if (!ch || !ch->seal_rec || dst != ch->seal_rec + PEER_CHANNEL_HDR_LEN + ch->seal_done ||
+        n > ch->seal_len - ch->seal_done)
+        return -EINVAL;
+    if (!n)
+        return 0;
 #ifdef PEER_HAVE_OPENSSL
     if (ch->ossl_tx) {
-        if (ossl_seal(ch->ossl_tx, m, m + plain_len, m, plain_len, rec, nonce) != 0)
+        for (size_t off = 0; off < n;) {
+            int len, piece = n - off > (1u << 30) ? (1 << 30) : (int)(n - off);
+            if (EVP_EncryptUpdate(ch->ossl_tx, dst + off, &len, src + off, piece) != 1)
+                return die(ch, -EIO);
+            off += (size_t)piece;
+        }
+        ch->seal_done += n;
+        return 0;
+    }
+#endif
+    if (dst != src)
+        memmove(dst, src, n);
+    ch->seal_done += n;
+    return 0;
+}
+
+long peer_channel_seal_final(peer_channel *ch)
+{
+    if (!ch || !ch->seal_rec || ch->seal_done != ch->seal_len)
+        return -EINVAL;
+    uint8_t *rec = ch->seal_rec, *m = rec + PEER_CHANNEL_HDR_LEN;
+    size_t n = ch->seal_len, tag = peer_channel_tag_len(ch);
+    ch->seal_rec = NULL;
+#ifdef PEER_HAVE_OPENSSL
+    if (ch->ossl_tx) {
+        int len;
+        if (EVP_EncryptFinal_ex(ch->ossl_tx, m + n, &len) != 1 ||
+            EVP_CIPHER_CTX_ctrl(ch->ossl_tx, EVP_CTRL_AEAD_GET_TAG, PEER_CHANNEL_TAG_LEN, m + n) != 1)
             return die(ch, -EIO);
-        return (long)(PEER_CHANNEL_HDR_LEN + plain_len + tag);
+        return (long)(PEER_CHANNEL_HDR_LEN + n + tag);
     }
 #endif
     switch (ch->cipher) {
     case PEER_CIPHER_NONE:
         break;
     case PEER_CIPHER_AES256GCM:
-        crypto_aead_aes256gcm_encrypt_detached_afternm(m, m + plain_len, NULL, m, plain_len,
-                                                        rec, PEER_CHANNEL_HDR_LEN, NULL,
-                                                        nonce, &ch->aes_tx);
+        crypto_aead_aes256gcm_encrypt_detached_afternm(m, m + n, NULL, m, n, rec,
+                                                        PEER_CHANNEL_HDR_LEN, NULL,
+                                                        ch->seal_nonce, &ch->aes_tx);
         break;
     case PEER_CIPHER_CHACHA20POLY1305:
-        crypto_aead_chacha20poly1305_ietf_encrypt_detached(m, m + plain_len, NULL, m, plain_len,
-                                                           rec, PEER_CHANNEL_HDR_LEN, NULL,
-                                                           nonce, ch->k_tx);
+        crypto_aead_chacha20poly1305_ietf_encrypt_detached(m, m + n, NULL, m, n, rec,
+                                                           PEER_CHANNEL_HDR_LEN, NULL,
+                                                           ch->seal_nonce, ch->k_tx);
         break;
     }
-    return (long)(PEER_CHANNEL_HDR_LEN + plain_len + tag);
+    return (long)(PEER_CHANNEL_HDR_LEN + n + tag);
+}
+
+long peer_channel_seal(peer_channel *ch, uint8_t *rec, size_t plain_len)
+{
+    int rc = peer_channel_seal_begin(ch, rec, plain_len);
+    if (rc)
+        return rc;
+    uint8_t *m = rec + PEER_CHANNEL_HDR_LEN;
+    if ((rc = peer_channel_seal_update(ch, m, m, plain_len)) != 0)
+        return rc;
+    return peer_channel_seal_final(ch);
 }
 
 int peer_channel_record_len(const peer_channel *ch, const uint8_t hdr[PEER_CHANNEL_HDR_LEN],
@@ -477,23 +545,67 @@ int peer_channel_record_len(const peer_channel *ch, const uint8_t hdr[PEER_CHANN
     return 0;
 }
 
-int peer_channel_open(peer_channel *ch, uint8_t *rec, size_t rec_len,
-                      uint8_t **plain, size_t *plain_len)
+int peer_channel_open_begin(peer_channel *ch, uint8_t *rec, size_t rec_len)
 {
-    if (!ch || !rec || !plain || !plain_len || ch->st != HS_DONE)
+    if (!ch || !rec || ch->st != HS_DONE || ch->open_rec)
         return -EINVAL;
     size_t want;
     if (rec_len < PEER_CHANNEL_HDR_LEN || peer_channel_record_len(ch, rec, &want) != 0 ||
         want != rec_len)
         return die(ch, -EBADMSG);
-    size_t tag = peer_channel_tag_len(ch);
-    size_t n = rec_len - PEER_CHANNEL_HDR_LEN - tag;
-    uint8_t *c = rec + PEER_CHANNEL_HDR_LEN, nonce[12];
-    make_nonce(nonce, ch->rx_n++);
+    make_nonce(ch->open_nonce, ch->rx_n++);
+    ch->open_rec = rec;
+    ch->open_len = rec_len - PEER_CHANNEL_HDR_LEN - peer_channel_tag_len(ch);
+    ch->open_done = 0;
+#ifdef PEER_HAVE_OPENSSL
+    int len;
+    if (ch->ossl_rx && (EVP_DecryptInit_ex(ch->ossl_rx, NULL, NULL, NULL, ch->open_nonce) != 1 ||
+                        EVP_DecryptUpdate(ch->ossl_rx, NULL, &len, rec, PEER_CHANNEL_HDR_LEN) != 1))
+        return die(ch, -EBADMSG);
+#endif
+    return 0;
+}
+
+size_t peer_channel_open_done(const peer_channel *ch)
+{
+    return ch && ch->open_rec ? ch->open_done : 0;
+}
+
+int peer_channel_open_update(peer_channel *ch, size_t n)
+{
+    if (!ch || !ch->open_rec || n > ch->open_len - ch->open_done)
+        return -EINVAL;
+#ifdef PEER_HAVE_OPENSSL
+    if (ch->ossl_rx) {
+        uint8_t *c = ch->open_rec + PEER_CHANNEL_HDR_LEN + ch->open_done;
+        for (size_t off = 0; off < n;) {
+            int len, piece = n - off > (1u << 30) ? (1 << 30) : (int)(n - off);
+            if (EVP_DecryptUpdate(ch->ossl_rx, c + off, &len, c + off, piece) != 1)
+                return die(ch, -EBADMSG);
+            off += (size_t)piece;
+        }
+    }
+#endif
+    ch->open_done += n;
+    return 0;
+}
+
+int peer_channel_open_final(peer_channel *ch, uint8_t **plain, size_t *plain_len)
+{
+    if (!ch || !ch->open_rec || !plain || !plain_len)
+        return -EINVAL;
+    int rc = peer_channel_open_update(ch, ch->open_len - ch->open_done);
+    if (rc)
+        return rc;
+    uint8_t *rec = ch->open_rec, *c = rec + PEER_CHANNEL_HDR_LEN;
+    size_t n = ch->open_len;
+    ch->open_rec = NULL;
     int bad = 0;
 #ifdef PEER_HAVE_OPENSSL
     if (ch->ossl_rx) {
-        if (ossl_open(ch->ossl_rx, c, c, n, c + n, rec, nonce) != 0)
+        int len;
+        if (EVP_CIPHER_CTX_ctrl(ch->ossl_rx, EVP_CTRL_AEAD_SET_TAG, PEER_CHANNEL_TAG_LEN, c + n) != 1 ||
+            EVP_DecryptFinal_ex(ch->ossl_rx, c + n, &len) != 1)
             return die(ch, -EBADMSG);
         *plain = c;
         *plain_len = n;
@@ -505,13 +617,13 @@ int peer_channel_open(peer_channel *ch, uint8_t *rec, size_t rec_len,
         break;
     case PEER_CIPHER_AES256GCM:
         bad = crypto_aead_aes256gcm_decrypt_detached_afternm(c, NULL, c, n, c + n, rec,
-                                                             PEER_CHANNEL_HDR_LEN, nonce,
+                                                             PEER_CHANNEL_HDR_LEN, ch->open_nonce,
                                                              &ch->aes_rx) != 0;
         break;
     case PEER_CIPHER_CHACHA20POLY1305:
         bad = crypto_aead_chacha20poly1305_ietf_decrypt_detached(c, NULL, c, n, c + n, rec,
-                                                                 PEER_CHANNEL_HDR_LEN, nonce,
-                                                                 ch->k_rx) != 0;
+                                                                 PEER_CHANNEL_HDR_LEN,
+                                                                 ch->open_nonce, ch->k_rx) != 0;
         break;
     }
     if (bad)
@@ -519,6 +631,17 @@ int peer_channel_open(peer_channel *ch, uint8_t *rec, size_t rec_len,
     *plain = c;
     *plain_len = n;
     return 0;
+}
+
+int peer_channel_open(peer_channel *ch, uint8_t *rec, size_t rec_len,
+                      uint8_t **plain, size_t *plain_len)
+{
+    if (!plain || !plain_len)
+        return -EINVAL;
+    int rc = peer_channel_open_begin(ch, rec, rec_len);
+    if (rc)
+        return rc;
+    return peer_channel_open_final(ch, plain, plain_len);
 }
 
 int peer__channel_selftest(void)
@@ -580,4 +703,13 @@ out:
 #else
     return -ENOSYS;
 #endif
+}
+
+int peer_channel_streams(const peer_channel *ch)
+{
+#ifdef PEER_HAVE_OPENSSL
+    if (ch && ch->ossl_tx)
+        return 1;
+#endif
+    return ch && ch->st == HS_DONE && ch->cipher == PEER_CIPHER_NONE;
 }

@@ -68,6 +68,8 @@ typedef struct peer_channel_config {
     size_t max_record;              /* largest plaintext per record; 0 = PEER_CHANNEL_MAX_RECORD */
     int plaintext;                  /* non-zero: no frame encryption (benchmarks only) */
     int no_aes;                     /* non-zero: do not offer AES-256-GCM (tests) */
+    int sodium_only;                /* non-zero: libsodium AEAD even if built with OpenSSL
+                                       (tests: both backends must agree on the wire) */
 } peer_channel_config;
 
 /* Creates a channel for one connection. initiator is non-zero on the side
@@ -117,6 +119,35 @@ size_t peer_channel_tag_len(const peer_channel *ch);
  * record length, -EMSGSIZE (plain_len over max_record) or -EINVAL (not
  * established). */
 long peer_channel_seal(peer_channel *ch, uint8_t *rec, size_t plain_len);
+
+/* Streaming form of peer_channel_seal, one record at a time: begin writes
+ * the length prefix; updates encrypt consecutive plaintext pieces from src
+ * into dst, where dst must be exactly where the previous piece ended
+ * (rec + PEER_CHANNEL_HDR_LEN first) and src may equal dst or be anywhere
+ * else (the caller's tensors, so nothing is copied first); final writes
+ * the tag and returns the record length. Bytes before dst + n are final
+ * ciphertext once an update returns (with OpenSSL; with libsodium only
+ * after final), so they may be written to the socket early only when
+ * peer_channel_streams() says so. Errors as peer_channel_seal, and -EINVAL
+ * for out-of-order use. */
+int peer_channel_seal_begin(peer_channel *ch, uint8_t *rec, size_t plain_len);
+int peer_channel_seal_update(peer_channel *ch, uint8_t *dst, const uint8_t *src, size_t n);
+long peer_channel_seal_final(peer_channel *ch);
+
+/* Non-zero when seal/open updates do the cipher work incrementally
+ * (OpenSSL backend or plaintext mode). */
+int peer_channel_streams(const peer_channel *ch);
+
+/* Streaming form of peer_channel_open: begin checks the length prefix of
+ * the whole record (rec_len bytes; only the first PEER_CHANNEL_HDR_LEN need
+ * be present yet); each update decrypts the next n ciphertext bytes in
+ * place, which must have arrived; final decrypts what is left, checks the
+ * tag and returns the plaintext as peer_channel_open. Plaintext is not to be
+ * used before final succeeds. open_done is how many bytes updates covered. */
+int peer_channel_open_begin(peer_channel *ch, uint8_t *rec, size_t rec_len);
+int peer_channel_open_update(peer_channel *ch, size_t n);
+size_t peer_channel_open_done(const peer_channel *ch);
+int peer_channel_open_final(peer_channel *ch, uint8_t **plain, size_t *plain_len);
 
 /* Reads a record's length prefix: *rec_len = the whole record's length
  * (prefix included). Returns 0, -EMSGSIZE (over max_record) or -EBADMSG

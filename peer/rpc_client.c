@@ -290,9 +290,13 @@ int peer_rpc_call(peer_rpc_client *cl, const peer_msg *req, uint64_t timeout_ms,
         put_call(k);
         return -ENOMEM;
     }
-    n = peer_wire_encode(&m, k->out.p + PEER_CHANNEL_HDR_LEN, k->out.cap - PEER_CHANNEL_HDR_LEN);
-    int rc = n < 0 ? (int)n
-                   : peer__conn_send(&cl->c, k->out.p, (size_t)n, &k->wr, call_written);
+    /* Only the header is encoded here; the tensors are sealed straight from
+     * the caller's memory into the record. */
+    long head = peer_wire_encode_head(&m, k->out.p + PEER_CHANNEL_HDR_LEN,
+                                      k->out.cap - PEER_CHANNEL_HDR_LEN, NULL);
+    int rc = head < 0 ? (int)head
+                      : peer__conn_send(&cl->c, k->out.p, (size_t)head, &m, (size_t)n, &k->wr,
+                                        call_written);
     if (rc) {
         put_call(k);
         return rc;

@@ -57,13 +57,43 @@ static int hs_send(peer__conn *c, int slot, size_t len)
     return uv_write(&c->hs_wr[slot], (uv_stream_t *)&c->tcp, &b, 1, hs_write_cb);
 }
 
+/* Decrypt a large record in place while the rest of it arrives. */
+#define OPEN_PIECE (256u << 10)
+
+static void open_some(peer__conn *c)
+{
+    if (!peer_channel_streams(c->ch))
+        return;
+    size_t tag = peer_channel_tag_len(c->ch);
+    size_t have = c->rec_have < c->rec_len - tag ? c->rec_have : c->rec_len - tag;
+    size_t avail = have - PEER_CHANNEL_HDR_LEN;
+    if (!c->opening) {
+        if (avail < OPEN_PIECE)
+            return;
+        if (peer_channel_open_begin(c->ch, c->rec.p, c->rec_len) != 0) {
+            fail(c, -EBADMSG);
+            return;
+        }
+        c->opening = 1;
+    }
+    size_t done = peer_channel_open_done(c->ch);
+    if (avail - done >= OPEN_PIECE && peer_channel_open_update(c->ch, avail - done) != 0)
+        fail(c, -EBADMSG);
+}
+
 static void deliver(peer__conn *c)
 {
     uint8_t *plain;
     size_t plain_len;
     c->in_rec = 0;
     c->hdr_have = 0;
-    int rc = peer_channel_open(c->ch, c->rec.p, c->rec_len, &plain, &plain_len);
+    int rc;
+    if (c->opening) {
+        c->opening = 0;
+        rc = peer_channel_open_final(c->ch, &plain, &plain_len);
+    } else {
+        rc = peer_channel_open(c->ch, c->rec.p, c->rec_len, &plain, &plain_len);
+    }
     if (rc) {
         fail(c, rc);
         return;
@@ -167,6 +197,8 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
         c->rec_have += (size_t)nread;
         if (c->rec_have == c->rec_len)
             deliver(c);
+        else
+            open_some(c);
         return;
     }
     c->stage_len = (size_t)nread;
@@ -240,18 +272,84 @@ void peer__conn_resume(peer__conn *c)
     }
 }
 
-int peer__conn_send(peer__conn *c, uint8_t *rec, size_t plain_len, uv_write_t *wr, uv_write_cb cb)
+/* Sealing works in pieces of this size; after each, ciphertext that is
+ * ready goes to the socket at once (when the cipher streams), so the peer
+ * reads and decrypts while we encrypt the rest. */
+#define SEND_PIECE (1u << 20)
+
+typedef struct sender {
+    peer__conn *c;
+    uint8_t *rec;
+    size_t ready, sent, total;
+    int stream;
+} sender;
+
+static void flush(sender *s)
+{
+    /* Keep the last byte back: the final uv_write is never empty, and it
+     * is the one that reports errors and completion. */
+    size_t upto = s->ready < s->total - 1 ? s->ready : s->total - 1;
+    if (!s->stream || upto <= s->sent)
+        return;
+    uv_buf_t b = uv_buf_init((char *)s->rec + s->sent, (unsigned)(upto - s->sent));
+    int n = uv_try_write((uv_stream_t *)&s->c->tcp, &b, 1);
+    if (n > 0)
+        s->sent += (size_t)n;
+    else if (n != UV_EAGAIN)
+        s->stream = 0; /* leave it to uv_write to report */
+}
+
+static int seal_piece(sender *s, uint8_t *dst, const uint8_t *src, size_t n)
+{
+    while (n) {
+        size_t k = n < SEND_PIECE ? n : SEND_PIECE;
+        int rc = peer_channel_seal_update(s->c->ch, dst, src, k);
+        if (rc)
+            return rc;
+        dst += k;
+        src += k;
+        n -= k;
+        s->ready += k;
+        if (s->ready - s->sent >= SEND_PIECE / 4)
+            flush(s);
+    }
+    return 0;
+}
+
+int peer__conn_send(peer__conn *c, uint8_t *rec, size_t head_len, const peer_msg *m,
+                    size_t plain_len, uv_write_t *wr, uv_write_cb cb)
 {
     /* A connection whose reading failed may still send (the server explains
      * an oversize frame before it hangs up); a dead channel refuses to seal. */
     if (c->closing)
         return -ENOTCONN;
-    long n = peer_channel_seal(c->ch, rec, plain_len);
-    if (n < 0)
+    int rc = peer_channel_seal_begin(c->ch, rec, plain_len);
+    if (rc)
+        return rc;
+    sender s = {c, rec, PEER_CHANNEL_HDR_LEN, 0,
+                PEER_CHANNEL_HDR_LEN + plain_len + peer_channel_tag_len(c->ch),
+                peer_channel_streams(c->ch)};
+    uint8_t *p = rec + PEER_CHANNEL_HDR_LEN;
+    rc = seal_piece(&s, p, p, head_len);
+    size_t off = head_len;
+    for (int i = 0; m && rc == 0 && i < m->n_tensors; i++) {
+        rc = seal_piece(&s, p + off, m->t[i].data, m->t[i].nbytes);
+        off += m->t[i].nbytes;
+    }
+    if (rc == 0 && off != plain_len)
+        rc = -EINVAL;
+    long n = rc ? rc : peer_channel_seal_final(c->ch);
+    if (n < 0) {
+        /* Part of the record may be on the wire: the stream is unusable. */
+        fail(c, -EIO);
         return (int)n;
-    uv_buf_t b = uv_buf_init((char *)rec, (unsigned)n);
-    int rc = uv_write(wr, (uv_stream_t *)&c->tcp, &b, 1, cb);
-    return rc ? -EPIPE : 0;
+    }
+    uv_buf_t b = uv_buf_init((char *)rec + s.sent, (unsigned)((size_t)n - s.sent));
+    if (uv_write(wr, (uv_stream_t *)&c->tcp, &b, 1, cb) != 0) {
+        fail(c, -EPIPE);
+        return -EPIPE;
+    }
+    return 0;
 }
 
 void peer__conn_close(peer__conn *c, uv_close_cb close_cb)

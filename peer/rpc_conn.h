@@ -61,6 +61,7 @@ struct peer__conn {
     uint8_t *stage;
     size_t stage_off, stage_len;
     int alloc_direct;
+    int opening;                   /* streaming decryption of c->rec begun */
     int reading, paused, failed, closing;
 };
 
@@ -79,11 +80,17 @@ int peer__conn_start(peer__conn *c);
 void peer__conn_pause(peer__conn *c);
 void peer__conn_resume(peer__conn *c);
 
-/* Seals the message already encoded at rec + PEER_CHANNEL_HDR_LEN (plain_len
- * bytes; rec has room for the tag) and writes it. wr's data must be set by
- * the caller; cb runs when the write ends (status < 0 on failure/close).
- * Returns 0 or a negative errno (then cb is not called). */
-int peer__conn_send(peer__conn *c, uint8_t *rec, size_t plain_len, uv_write_t *wr, uv_write_cb cb);
+/* Seals and writes one message. rec has room for the whole record
+ * (PEER_CHANNEL_HDR_LEN + plain_len + PEER_CHANNEL_TAG_LEN); its first
+ * head_len plaintext bytes are already at rec + PEER_CHANNEL_HDR_LEN. The
+ * rest comes from m's tensors, encrypted straight from their memory (m may
+ * be NULL when head_len == plain_len, i.e. all bytes are in place). Ready
+ * ciphertext may go to the socket before this returns. wr's data must be
+ * set by the caller; cb runs when the write ends (status < 0 on failure or
+ * close). Returns 0 or a negative errno (then cb is not called, and the
+ * connection has failed if the error came after bytes could have left). */
+int peer__conn_send(peer__conn *c, uint8_t *rec, size_t head_len, const peer_msg *m,
+                    size_t plain_len, uv_write_t *wr, uv_write_cb cb);
 
 /* Closes the handle; close_cb (may be NULL) runs later. Frees the channel and
  * buffers in the close path. The memory of c stays the owner's. */

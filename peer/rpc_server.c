@@ -105,33 +105,22 @@ static void reply_written(uv_write_t *wr, int status)
         close_conn(sc);
 }
 
-/* Loop thread: seal and write an encoded reply, or drop it. */
-static void finish(peer_rpc_request *r)
+/* Loop thread: seal and write a reply, or drop it. m is NULL when the
+ * whole reply is already encoded in r->out (answered off the loop). */
+static void send_reply(peer_rpc_request *r, size_t head_len, const peer_msg *m)
 {
     sconn *sc = r->conn;
-    if (!r->ok || sc->c.closing) {
-        release_req(r);
-        return;
-    }
-    if (peer__conn_send(&sc->c, r->out.p, r->plain_len, &r->wr, reply_written) != 0) {
+    if (!r->ok || sc->c.closing ||
+        peer__conn_send(&sc->c, r->out.p, head_len, m, r->plain_len, &r->wr, reply_written) != 0) {
         release_req(r);
         return;
     }
     sc->srv->st.replies++;
 }
 
-static int encode(peer_rpc_request *r, const peer_msg *m)
+static void finish(peer_rpc_request *r)
 {
-    long n = peer_wire_size(m);
-    if (n < 0)
-        return (int)n;
-    if (peer__buf_reserve(&r->out, PEER_CHANNEL_HDR_LEN + (size_t)n + PEER_CHANNEL_TAG_LEN))
-        return -ENOMEM;
-    n = peer_wire_encode(m, r->out.p + PEER_CHANNEL_HDR_LEN, r->out.cap - PEER_CHANNEL_HDR_LEN);
-    if (n < 0)
-        return (int)n;
-    r->plain_len = (size_t)n;
-    return 0;
+    send_reply(r, r->plain_len, NULL);
 }
 
 static void error_msg(peer_msg *m, const peer_rpc_request *r, int code, const char *text)
@@ -141,13 +130,15 @@ static void error_msg(peer_msg *m, const peer_rpc_request *r, int code, const ch
     snprintf(m->err_msg, sizeof m->err_msg, "%s", text ? text : "");
 }
 
+static int on_loop(const peer_rpc_server *srv)
+{
+    return pthread_equal(pthread_self(), srv->loop_thread);
+}
+
+/* Another thread answered: queue r for the loop. */
 static void dispatch(peer_rpc_request *r)
 {
     peer_rpc_server *srv = r->conn->srv;
-    if (pthread_equal(pthread_self(), srv->loop_thread)) {
-        finish(r);
-        return;
-    }
     pthread_mutex_lock(&srv->mu);
     if (srv->done_tail)
         srv->done_tail->next = r;
@@ -171,15 +162,36 @@ int peer_rpc_respond(peer_rpc_request *r, const peer_msg *reply)
         m.kind = PEER_KIND_REPLY;
     m.id = r->id;
     m.method = r->method;
-    int rc = encode(r, &m);
-    if (rc == -EINVAL) {
+    int rc = 0;
+    long n = peer_wire_size(&m);
+    if (n == -EINVAL) {
         /* The handler built a bad reply: tell the client rather than hang it. */
+        rc = -EINVAL;
         error_msg(&m, r, EIO, "server produced a malformed reply");
-        if (encode(r, &m) == 0)
-            r->ok = 1;
-    } else {
-        r->ok = rc == 0;
+        n = peer_wire_size(&m);
     }
+    r->ok = 0;
+    if (n >= 0 && peer__buf_reserve(&r->out, PEER_CHANNEL_HDR_LEN + (size_t)n +
+                                                 PEER_CHANNEL_TAG_LEN) == 0) {
+        r->plain_len = (size_t)n;
+        r->ok = 1;
+    } else if (!rc) {
+        rc = -ENOMEM;
+    }
+    uint8_t *p = r->ok ? r->out.p + PEER_CHANNEL_HDR_LEN : NULL;
+    size_t cap = r->ok ? r->out.cap - PEER_CHANNEL_HDR_LEN : 0;
+    if (on_loop(r->conn->srv)) {
+        /* Encode the header only; the tensors are sealed straight from the
+         * handler's memory. */
+        long head = r->ok ? peer_wire_encode_head(&m, p, cap, NULL) : -ENOBUFS;
+        r->ok = head >= 0;
+        send_reply(r, r->ok ? (size_t)head : 0, &m);
+        return rc;
+    }
+    /* Off the loop the channel may not be touched: copy everything now (on
+     * this thread), the loop seals it in place. */
+    if (r->ok)
+        r->ok = peer_wire_encode(&m, p, cap) == n;
     dispatch(r);
     return rc;
 }

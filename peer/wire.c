@@ -162,6 +162,30 @@ long peer_wire_size(const peer_msg *m)
     return (long)(n + data_len);
 }
 
+long peer_wire_encode_head(const peer_msg *m, uint8_t *out, size_t cap, size_t *data_len)
+{
+    size_t dl;
+    long rc = check_msg(m, &dl);
+    if (rc)
+        return rc;
+    if (!out || cap < 4)
+        return -ENOBUFS;
+    wbuf w = {.p = out + 4, .cap = cap - 4};
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, &w, wbuf_write);
+    pack_header(&pk, m);
+    size_t off = 4 + w.len, pad = pad4(off);
+    if (w.overflow || pad > cap - off)
+        return -ENOBUFS;
+    uint32_t hlen = (uint32_t)w.len;
+    out[0] = (uint8_t)hlen; out[1] = (uint8_t)(hlen >> 8);
+    out[2] = (uint8_t)(hlen >> 16); out[3] = (uint8_t)(hlen >> 24);
+    memset(out + off, 0, pad);
+    if (data_len)
+        *data_len = dl;
+    return (long)(off + pad);
+}
+
 long peer_wire_encode(const peer_msg *m, uint8_t *out, size_t cap)
 {
     long total = peer_wire_size(m);
@@ -169,18 +193,10 @@ long peer_wire_encode(const peer_msg *m, uint8_t *out, size_t cap)
         return total;
     if (!out || (size_t)total > cap)
         return -ENOBUFS;
-    wbuf w = {.p = out + 4, .cap = cap - 4};
-    msgpack_packer pk;
-    msgpack_packer_init(&pk, &w, wbuf_write);
-    pack_header(&pk, m);
-    if (w.overflow)
-        return -ENOBUFS;
-    uint32_t hlen = (uint32_t)w.len;
-    out[0] = (uint8_t)hlen; out[1] = (uint8_t)(hlen >> 8);
-    out[2] = (uint8_t)(hlen >> 16); out[3] = (uint8_t)(hlen >> 24);
-    size_t off = 4 + w.len, pad = pad4(off);
-    memset(out + off, 0, pad);
-    off += pad;
+    long head = peer_wire_encode_head(m, out, cap, NULL);
+    if (head < 0)
+        return head;
+    size_t off = (size_t)head;
     for (int i = 0; i < m->n_tensors; i++) {
         if (m->t[i].nbytes)
             memcpy(out + off, m->t[i].data, m->t[i].nbytes);

@@ -86,6 +86,13 @@ long peer_wire_size(const peer_msg *m);
  * too small, or -EINVAL as peer_wire_size. */
 long peer_wire_encode(const peer_msg *m, uint8_t *out, size_t cap);
 
+/* Writes only the part before the tensor bytes (hlen, header, padding) and
+ * returns its length; *data_len (if not NULL) receives the byte count of
+ * the tensor data that must follow (tensor after tensor). For senders that
+ * move the tensor bytes themselves (encrypting them straight from the
+ * caller's memory). Errors as peer_wire_encode. */
+long peer_wire_encode_head(const peer_msg *m, uint8_t *out, size_t cap, size_t *data_len);
+
 /* Decodes len bytes at p into out; out's tensors and meta point into p
  * (p must stay alive and unchanged while out is used). lim may be NULL
  * for the defaults. Returns 0, -EMSGSIZE (over a limit) or -EBADMSG

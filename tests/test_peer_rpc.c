@@ -111,6 +111,13 @@ static void handler(peer_rpc_request *req, const peer_msg *m, void *arg)
         pthread_mutex_unlock(&W.mu);
     } else if (strcmp(m->block, "affine") == 0) {
         compute(req, m);
+    } else if (strcmp(m->block, "echo") == 0) {
+        /* Reply tensors point into the request's own buffer. */
+        peer_msg r;
+        peer_msg_init(&r, PEER_KIND_REPLY, m->method, 0);
+        r.n_tensors = m->n_tensors;
+        memcpy(r.t, m->t, sizeof(peer_tensor) * (size_t)m->n_tensors);
+        peer_rpc_respond(req, &r);
     } else {
         peer_rpc_respond_error(req, ENOENT, "block not hosted");
     }
@@ -219,11 +226,13 @@ static void on_connect(peer_rpc_client *cl, int status, void *arg)
     cs->status = status;
 }
 
+static int client_no_aes;
+
 static peer_rpc_client *connect_client(const struct sockaddr_in *addr, const uint8_t *expect,
                                        const uint8_t *swarm, size_t max_frame, int *status)
 {
     peer_rpc_client_config cfg = {.self = &id_c, .expect_id = expect, .swarm_key = swarm,
-                                  .max_frame = max_frame};
+                                  .max_frame = max_frame, .no_aes = client_no_aes};
     peer_rpc_client *cl = peer_rpc_client_create(&loop, &cfg);
     assert_non_null(cl);
     static conn_state cs;
@@ -608,6 +617,58 @@ static void test_oversize(void **state)
     stop_server(&srv);
 }
 
+/* Large tensors take the streaming paths (sealing in pieces written while
+ * the rest is encrypted, decrypting while the record arrives): several
+ * multi-MiB echoes in flight at once must come back byte for byte, with
+ * AES-GCM (if the CPU has it) and with ChaCha20-Poly1305. */
+static void test_large_echo(void **state)
+{
+    (void)state;
+    struct sockaddr_in addr;
+    peer_rpc_server *srv = start_server(NULL, 0, 0, &addr);
+    size_t n0 = 786433, n1 = 300001; /* 3 MiB + 4 bytes, and an odd size */
+    float *a = malloc(n0 * 4), *b = malloc(n1 * 4);
+    assert_non_null(a);
+    assert_non_null(b);
+    fill(a, n0, SEED + 5);
+    fill(b, n1, SEED + 6);
+    for (int mode = 0; mode < 2; mode++) {
+        client_no_aes = mode;
+        int st;
+        peer_rpc_client *cl = connect_client(&addr, id_s.id, NULL, 0, &st);
+        assert_int_equal(st, 0);
+        assert_int_equal(peer_rpc_client_cipher(cl),
+                         mode ? PEER_CIPHER_CHACHA20POLY1305 : peer_rpc_client_cipher(cl));
+        peer_msg req;
+        peer_msg_init(&req, PEER_KIND_REQUEST, PEER_METHOD_FORWARD, 0);
+        snprintf(req.block, sizeof req.block, "echo");
+        uint64_t s0[2] = {1, n0}, s1[1] = {n1};
+        peer_tensor_f32(&req.t[0], a, 2, s0);
+        peer_tensor_f32(&req.t[1], b, 1, s1);
+        req.n_tensors = 2;
+        result r[4];
+        memset(r, 0, sizeof r);
+        for (int i = 0; i < 4; i++) {
+            r[i].want[0] = a;
+            r[i].want_n[0] = n0;
+            r[i].want[1] = b;
+            r[i].want_n[1] = n1;
+            assert_int_equal(peer_rpc_call(cl, &req, 10000, on_reply, &r[i], NULL), 0);
+        }
+        for (int i = 0; i < 4; i++) {
+            assert_true(run_until(&r[i].done, 10000));
+            if (r[i].status != 0 || !r[i].ok || r[i].n_tensors != 2)
+                fail_msg("mode %d call %d: status %d ok %d n %d", mode, i, r[i].status, r[i].ok,
+                         r[i].n_tensors);
+        }
+        close_client(&cl);
+    }
+    client_no_aes = 0;
+    free(a);
+    free(b);
+    stop_server(&srv);
+}
+
 /* ---- a hostile client on a raw socket, in a thread ---- */
 
 typedef struct hostile {
@@ -770,6 +831,7 @@ int main(void)
         cmocka_unit_test(test_concurrent),
         cmocka_unit_test(test_timeout_backpressure),
         cmocka_unit_test(test_oversize),
+        cmocka_unit_test(test_large_echo),
         cmocka_unit_test(test_hostile_client),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
