@@ -15,6 +15,7 @@ typedef struct slot {
     uint64_t seq;
     int rows;
     int retries;
+    int forward_only;     /* evaluation: stop after the loss */
     double loss_sum;
     int correct;
     uint8_t *labels;      /* (max_batch) */
@@ -98,7 +99,7 @@ void route_pipeline_destroy(route_pipeline **pp)
     *pp = NULL;
 }
 
-int64_t route_pipeline_push(route_pipeline *p, const float *x, const uint8_t *labels, int rows)
+static int64_t push(route_pipeline *p, const float *x, const uint8_t *labels, int rows, int fwd_only)
 {
     if (!p || !x || !labels || rows < 1 || rows > p->max_batch)
         return -EINVAL;
@@ -121,10 +122,21 @@ int64_t route_pipeline_push(route_pipeline *p, const float *x, const uint8_t *la
     sl->seq = p->next_seq++;
     sl->rows = rows;
     sl->retries = 0;
+    sl->forward_only = fwd_only;
     sl->loss_sum = 0;
     sl->correct = 0;
     p->active++;
     return (int64_t)sl->seq;
+}
+
+int64_t route_pipeline_push(route_pipeline *p, const float *x, const uint8_t *labels, int rows)
+{
+    return push(p, x, labels, rows, 0);
+}
+
+int64_t route_pipeline_push_eval(route_pipeline *p, const float *x, const uint8_t *labels, int rows)
+{
+    return push(p, x, labels, rows, 1);
 }
 
 int route_pipeline_next_call(route_pipeline *p, route_call *call)
@@ -176,6 +188,7 @@ static void finish(route_pipeline *p, slot *sl)
     r->loss_sum = sl->loss_sum;
     r->correct = sl->correct;
     r->retries = sl->retries;
+    r->forward_only = sl->forward_only;
     p->res_count++;
     sl->state = SLOT_FREE;
     p->active--;
@@ -211,6 +224,10 @@ int route_pipeline_call_done(route_pipeline *p, uint32_t token, int status)
             sl->state = SLOT_FREE;
             p->active--;
             return rc;
+        }
+        if (sl->forward_only) {
+            finish(p, sl);
+            return 0;
         }
         sl->state = SLOT_BWD;
         sl->stage = p->S - 1;

@@ -68,6 +68,7 @@ typedef struct route_batch_result {
     double loss_sum;
     int correct;
     int retries;                  /* calls of this batch that had to be re-sent */
+    int forward_only;             /* pushed with route_pipeline_push_eval */
 } route_batch_result;
 
 typedef struct route_pipeline route_pipeline;
@@ -80,6 +81,11 @@ void route_pipeline_destroy(route_pipeline **p);
  * Returns its sequence number (>= 0), -EAGAIN when max_inflight batches are
  * already in flight, or -EINVAL. */
 int64_t route_pipeline_push(route_pipeline *p, const float *x, const uint8_t *labels, int rows);
+
+/* As route_pipeline_push, for evaluation: the batch goes forward and
+ * through the loss (which counts correct predictions) but not backward, so
+ * it changes no weights. */
+int64_t route_pipeline_push_eval(route_pipeline *p, const float *x, const uint8_t *labels, int rows);
 
 /* Takes the next call to send. Returns 1 and fills *call, or 0 when nothing
  * is ready (every in-flight batch waits on a call already taken). */

@@ -225,6 +225,23 @@ static void test_limits_and_bad_input(void **state)
     route_pipeline_destroy(&p);
     route_pipeline_destroy(&p); /* NULL is fine */
 
+    /* An evaluation batch goes forward through every stage, then stops. */
+    p = route_pipeline_create(&cfg);
+    lab[0] = 1;
+    assert_int_equal(route_pipeline_push_eval(p, x, lab, 1), 0);
+    for (int s = 0; s < S; s++) {
+        assert_int_equal(route_pipeline_next_call(p, &c), 1);
+        assert_int_equal(c.kind, ROUTE_CALL_FORWARD);
+        memset(c.outputs, 0, sizeof(float) * (size_t)c.width_out);
+        assert_int_equal(route_pipeline_call_done(p, c.token, 0), 0);
+    }
+    assert_int_equal(route_pipeline_next_call(p, &c), 0);
+    route_batch_result res;
+    assert_int_equal(route_pipeline_pop_result(p, &res), 1);
+    assert_int_equal(res.forward_only, 1);
+    assert_int_equal(res.rows, 1);
+    route_pipeline_destroy(&p);
+
     int bad_widths[S + 1] = {5, 0, 4, 3};
     route_pipeline_config bad = {S, bad_widths, MAXB, 2, loss, NULL};
     assert_null(route_pipeline_create(&bad));

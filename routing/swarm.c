@@ -1,0 +1,178 @@
+#include "routing/swarm.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct route_swarm {
+    dht *d;
+    const struct expert_model_spec *m;
+    double refresh_s;
+    double now;               /* time of the latest refresh call */
+    int n;
+    route_stage *stages;
+    int refs;                 /* 1 for the owner + 1 per lookup in flight */
+    int dead;
+};
+
+typedef struct lookup {
+    route_swarm *s;
+    int stage;
+} lookup;
+
+static void unref(route_swarm *s)
+{
+    if (--s->refs == 0) {
+        free(s->stages);
+        free(s);
+    }
+}
+
+route_swarm *route_swarm_create(dht *d, const struct expert_model_spec *m, double refresh_s)
+{
+    if (!d || !m || m->n_stages < 1 || !(refresh_s > 0))
+        return NULL;
+    route_swarm *s = calloc(1, sizeof *s);
+    if (!s)
+        return NULL;
+    s->stages = calloc((size_t)m->n_stages, sizeof *s->stages);
+    if (!s->stages) {
+        free(s);
+        return NULL;
+    }
+    s->d = d;
+    s->m = m;
+    s->refresh_s = refresh_s;
+    s->n = m->n_stages;
+    s->refs = 1;
+    for (int i = 0; i < s->n; i++) {
+        route_stage *st = &s->stages[i];
+        struct expert_block_config c;
+        expert_model_stage(m, i, &c);
+        expert_stage_name(st->name, sizeof st->name, m, i);
+        st->index = i;
+        st->hash = expert_stage_hash(m, i);
+        st->in = c.in;
+        st->out = c.out;
+        st->refreshed_at = -1e30;
+    }
+    return s;
+}
+
+int route_stage_usable(const route_stage *st)
+{
+    int n = 0;
+    for (int i = 0; i < st->n_holders; i++)
+        n += st->holders[i].ann.state == PEER_STATE_ONLINE;
+    return n;
+}
+
+static void merge(route_stage *st, const dht_entry *e, size_t n)
+{
+    route_holder fresh[ROUTE_MAX_HOLDERS];
+    int nf = 0, wrong = 0;
+    for (size_t i = 0; i < n && nf < ROUTE_MAX_HOLDERS; i++) {
+        peer_announce a;
+        if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN ||
+            peer_announce_decode(&a, e[i].value, e[i].value_len) != 0 || strcmp(a.block, st->name) != 0)
+            continue; /* not a holder's announcement for this stage */
+        if (a.stage_hash != st->hash) {
+            wrong++;
+            continue;
+        }
+        route_holder *h = &fresh[nf++];
+        /* Keep what we learned about a holder we already knew. */
+        int known = -1;
+        for (int j = 0; j < st->n_holders; j++)
+            if (memcmp(st->holders[j].rep.id, e[i].subkey, DHT_ID_LEN) == 0)
+                known = j;
+        if (known >= 0)
+            h->rep = st->holders[known].rep;
+        else
+            route_replica_init(&h->rep, e[i].subkey, a.throughput, a.load);
+        h->rep.tput = a.throughput;
+        h->rep.load = a.load;
+        h->ann = a;
+        h->expires_ms = e[i].expires;
+    }
+    /* Our requests in flight to a holder stay counted even if it vanished
+     * from this lookup: its entry simply drops out of the choice. */
+    memcpy(st->holders, fresh, (size_t)nf * sizeof *fresh);
+    st->n_holders = nf;
+    st->wrong_hash = wrong;
+}
+
+static void on_get(dht *d, int status, const dht_entry *entries, size_t n, void *ud)
+{
+    (void)d;
+    lookup *lk = ud;
+    route_swarm *s = lk->s;
+    if (!s->dead) {
+        route_stage *st = &s->stages[lk->stage];
+        st->pending = 0;
+        st->last_status = status;
+        st->lookups++;
+        st->refreshed_at = s->now;
+        if (status == 0)
+            merge(st, entries, n);
+    }
+    free(lk);
+    unref(s);
+}
+
+int route_swarm_refresh(route_swarm *s, double now)
+{
+    if (!s || s->dead)
+        return 0;
+    s->now = now;
+    int started = 0;
+    for (int i = 0; i < s->n; i++) {
+        route_stage *st = &s->stages[i];
+        if (st->pending)
+            continue;
+        double age = now - st->refreshed_at;
+        int due = age >= s->refresh_s || (route_stage_usable(st) == 0 && age >= 1.0);
+        if (!due)
+            continue;
+        lookup *lk = malloc(sizeof *lk);
+        if (!lk)
+            break;
+        lk->s = s;
+        lk->stage = i;
+        uint8_t key[DHT_ID_LEN];
+        dht_id_of_bytes(key, st->name, strlen(st->name));
+        if (dht_get(s->d, key, on_get, lk) != 0) {
+            free(lk);
+            continue;
+        }
+        st->pending = 1;
+        s->refs++;
+        started++;
+    }
+    return started;
+}
+
+void route_swarm_invalidate(route_swarm *s, int i)
+{
+    if (s && i >= 0 && i < s->n)
+        s->stages[i].refreshed_at = -1e30;
+}
+
+int route_swarm_n_stages(const route_swarm *s)
+{
+    return s ? s->n : 0;
+}
+
+route_stage *route_swarm_stage(route_swarm *s, int i)
+{
+    return s && i >= 0 && i < s->n ? &s->stages[i] : NULL;
+}
+
+void route_swarm_destroy(route_swarm **ps)
+{
+    if (!ps || !*ps)
+        return;
+    (*ps)->dead = 1;
+    unref(*ps);
+    *ps = NULL;
+}
