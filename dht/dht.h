@@ -1,13 +1,98 @@
 /* dht/dht.h: the public face of the membership layer.
  *
- * dht/ knows nothing of expert/: it provides identities, 160-bit IDs and
- * (as it grows) the Kademlia core and its libuv UDP binding. Layers above
- * include this header only.
+ * dht/ knows nothing of expert/: it provides identities, 160-bit IDs, the
+ * sans-I/O Kademlia core (dht/node.h) and this libuv UDP binding. Layers
+ * above include this header only.
+ *
+ * A dht runs one node on one UDP socket (IPv4 or IPv6) on a libuv loop. All
+ * functions must be called on the loop's thread, and every callback runs on
+ * it. A function that takes a callback and fails (returns -errno) never
+ * calls it; one that succeeds calls it exactly once, later (never from
+ * inside the call), with -ECANCELED if the dht is closed first.
+ *
+ * Typical use by the peer layer (announce a block every ~20 s):
+ *
+ *     uint8_t key[DHT_ID_LEN];
+ *     dht_id_of_bytes(key, "fmnist-mlp.2", 12);
+ *     dht_put(d, key, NULL, 0, info, info_len, dht_now_ms() + 60000, 1, on_put, ctx);
+ *     dht_get(d, key, on_holders, ctx);  // entries: one per holder, signed
+ *
+ * Signed entries have subkey = the signer's node ID and carry its public key;
+ * the DHT has verified the signature before a callback sees them.
  */
 #ifndef DHT_DHT_H
 #define DHT_DHT_H
 
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "dht/addr.h"
 #include "dht/id.h"
 #include "dht/identity.h"
+#include "dht/node.h"
+#include "dht/wire.h"
+
+typedef struct dht dht;
+
+/* status: 0 (join), a count of nodes that stored the entry (put, >= 1), or
+ * -errno: -EHOSTUNREACH (nobody answered), -ECANCELED (closed). */
+typedef void (*dht_done_cb)(dht *d, int status, void *ud);
+
+/* status 0 or -errno; entries[0..n) are every live entry of the key found on
+ * the k closest nodes, one per (subkey, signed) with the latest expiration.
+ * They are borrowed for the duration of the callback only. */
+typedef void (*dht_get_cb)(dht *d, int status, const dht_entry *entries, size_t n, void *ud);
+
+typedef void (*dht_close_cb)(dht *d, void *ud);
+
+/* Wall-clock milliseconds since the epoch: the clock expirations use. */
+uint64_t dht_now_ms(void);
+
+/* Reads a swarm key file: 64 hex digits (32 bytes), optional trailing
+ * newline. Returns 0, -EBADMSG (malformed), -EPERM (readable by group or
+ * others) or another -errno. */
+int dht_swarm_key_load(uint8_t key[32], const char *path);
+
+/* Creates a node with identity ident (copied) and configuration cfg (NULL:
+ * defaults; set cfg->has_swarm_key/swarm_key for a private swarm) on loop.
+ * Returns NULL on failure. Nothing happens on the network until dht_start. */
+dht *dht_create(uv_loop_t *loop, const dht_identity *ident, const dht_config *cfg);
+
+/* Binds the UDP socket to listen ("HOST:PORT", "[V6]:PORT"; port 0 picks a
+ * free one) and starts receiving. Returns 0, -EINVAL, or a libuv -errno. */
+int dht_start(dht *d, const char *listen);
+
+/* The address actually bound (after dht_start). Returns 0 or -ENOTCONN. */
+int dht_local_addr(const dht *d, dht_addr *out);
+
+/* The peer address string others pass to --initial-peers ("HOST:PORT/ID").
+ * A wildcard host (0.0.0.0, ::) is printed as given; replace it by a
+ * reachable address. Returns the length or -errno. */
+int dht_peer_string(const dht *d, char *buf, size_t cap);
+
+const uint8_t *dht_self_id(const dht *d);
+
+int dht_join(dht *d, const dht_peer_addr *peers, size_t n_peers, dht_done_cb cb, void *ud);
+
+/* Stores (key, subkey) -> value until expires_ms (absolute, dht_now_ms clock,
+ * at most 24 h ahead). With sign != 0 the subkey argument is ignored: the
+ * entry's subkey is our node ID and it is signed with our identity, so
+ * nobody else can overwrite it. value is copied. Returns 0 or -EINVAL
+ * (sizes: value <= DHT_MAX_VALUE, subkey <= DHT_MAX_SUBKEY), -EAGAIN, -ENOMEM,
+ * -ECANCELED (closing). */
+int dht_put(dht *d, const uint8_t key[DHT_ID_LEN], const uint8_t *subkey, size_t subkey_len,
+            const void *value, size_t value_len, uint64_t expires_ms, int sign, dht_done_cb cb,
+            void *ud);
+
+int dht_get(dht *d, const uint8_t key[DHT_ID_LEN], dht_get_cb cb, void *ud);
+
+void dht_get_stats(const dht *d, dht_node_stats *out);
+
+/* Cancels pending operations (their callbacks get -ECANCELED), closes the
+ * handles and frees d; cb (may be NULL) runs once everything is closed.
+ * d must not be used after this call. */
+void dht_close(dht *d, dht_close_cb cb, void *ud);
 
 #endif

@@ -47,6 +47,7 @@ int cmd_monitor(int argc, char **argv);
 int cmd_train(int argc, char **argv);
 int cmd_infer(int argc, char **argv);
 int cmd_keygen(int argc, char **argv);
+int cmd_dht(int argc, char **argv);
 
 /* For subcommands whose implementation has not landed yet: parses argv
  * against opts (so --help and bad flags behave like the real command), then

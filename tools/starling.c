@@ -17,6 +17,7 @@ static const struct {
     {"train", cmd_train, "train a model through the swarm on Fashion-MNIST"},
     {"infer", cmd_infer, "run predictions through the swarm"},
     {"keygen", cmd_keygen, "create an ed25519 identity file and print its node ID"},
+    {"dht", cmd_dht, "get or put a key in a running swarm (debugging)"},
 };
 #define NCOMMANDS (sizeof commands / sizeof commands[0])
 

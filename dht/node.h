@@ -1,0 +1,151 @@
+/* dht/node.h: the sans-I/O Kademlia node.
+ *
+ * The node never reads a clock or a socket. The caller feeds it datagrams
+ * (dht_node_input), calls dht_node_tick when dht_node_next_deadline comes,
+ * and sends what dht_node_pop_output hands back. All times are milliseconds
+ * on one clock that must be (close to) unix time, because record expirations
+ * travel between nodes: the UDP binding uses the wall clock, the simulation
+ * a simulated one. The same code therefore runs one real node or thousands
+ * of simulated ones in one process.
+ *
+ * Operations (join, find, get, put) are iterative lookups (alpha parallel
+ * requests toward the k closest). Their callback runs exactly once, from
+ * inside dht_node_input, dht_node_tick or dht_node_destroy (status
+ * -ECANCELED), never from the call that started them; a call that fails
+ * returns -errno and never calls the callback. Callbacks may start new
+ * operations but must not destroy the node.
+ *
+ * Not thread-safe: one thread owns a node.
+ */
+#ifndef DHT_NODE_H
+#define DHT_NODE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dht/addr.h"
+#include "dht/identity.h"
+#include "dht/wire.h"
+
+#ifndef DHT_ALPHA
+#define DHT_ALPHA 3
+#endif
+
+typedef struct dht_node dht_node;
+
+typedef struct dht_config {
+    size_t k;                   /* bucket size and replication (DHT_K) */
+    size_t alpha;               /* parallel requests per lookup (DHT_ALPHA) */
+    uint32_t rpc_timeout_ms;    /* a request unanswered this long failed (1000) */
+    uint32_t maint_ms;          /* housekeeping period (1000) */
+    uint32_t refresh_ms;        /* refresh a bucket idle this long (15 min) */
+    uint32_t republish_ms;      /* re-store held records this often (10 min) */
+    uint32_t token_ms;          /* write-token secret rotation (5 min) */
+    uint32_t rate_per_s;        /* requests per second per source IP (200) */
+    uint32_t rate_burst;        /* burst per source IP (400) */
+    int verify_ids;             /* 1: a node enters the table only after signing
+                                   our nonce; 0 (simulations only): trust IDs */
+    int client_only;            /* a short-lived client (tools): asks others not
+                                   to add it to their tables */
+    int has_swarm_key;
+    uint8_t swarm_key[32];      /* datagrams carry a keyed BLAKE2b tag */
+    uint8_t seed[32];           /* all-zero: random; else deterministic
+                                   transaction IDs, nonces and secrets (tests) */
+    size_t store_max_keys, store_max_subkeys, store_max_bytes; /* 0 = defaults */
+} dht_config;
+
+/* Counters, for tests, benchmarks and monitoring. */
+typedef struct dht_node_stats {
+    uint64_t rx, tx, rx_bytes, tx_bytes;
+    uint64_t drop_malformed;    /* not a valid message */
+    uint64_t drop_tag;          /* missing or wrong swarm tag */
+    uint64_t drop_rate;         /* rate-limited requests */
+    uint64_t drop_unexpected;   /* reply without a matching request */
+    uint64_t drop_bad_proof;    /* reply with a missing, wrong or foreign-ID proof */
+    uint64_t drop_queue;        /* output queue full */
+    uint64_t store_rejected;    /* store requests refused (token, signature, ...) */
+    uint64_t timeouts;
+    size_t table_size, store_keys, store_entries, store_bytes;
+    size_t pending_rpcs, lookups;
+} dht_node_stats;
+
+/* What an operation's callback receives. Everything is borrowed for the
+ * duration of the callback only. */
+typedef struct dht_result {
+    int status;                 /* 0 ok (put: number of nodes that stored it),
+                                   or -EHOSTUNREACH, -ECANCELED, ... */
+    const dht_entry *entries;   /* get: every live entry found, one per
+                                   (subkey, signed), newest expiration */
+    size_t n_entries;
+    const dht_wire_node *nodes; /* the closest nodes that answered, nearest first */
+    size_t n_nodes;
+    unsigned hops;              /* referral depth of the nearest answer */
+    unsigned msgs;              /* requests sent by this operation */
+} dht_result;
+
+typedef void (*dht_node_cb)(void *ud, const dht_result *r);
+
+/* Fills cfg with the defaults above. */
+void dht_config_default(dht_config *cfg);
+
+/* ident is copied (and wiped on destroy). cfg NULL = defaults. Returns NULL
+ * on allocation failure or if libsodium cannot start. */
+dht_node *dht_node_create(const dht_identity *ident, const dht_config *cfg, uint64_t now);
+
+/* Cancels pending operations (callbacks get -ECANCELED) and frees. */
+void dht_node_destroy(dht_node **n);
+
+const uint8_t *dht_node_id(const dht_node *n);
+
+/* Which address families the transport can send to (both by default).
+ * Lookups skip candidates the node could not reach. */
+void dht_node_set_families(dht_node *n, int v4, int v6);
+
+/* Feeds one datagram received from `from`. Bad datagrams are counted and
+ * dropped. Returns 0, or -EBADMSG/-EPERM/-EAGAIN when it was dropped. */
+int dht_node_input(dht_node *n, const uint8_t *buf, size_t len, const dht_addr *from,
+                   uint64_t now);
+
+/* Moves the oldest queued datagram into buf (cap >= DHT_MAX_DATAGRAM) and
+ * its destination into to. Returns its length, or 0 when the queue is empty. */
+int dht_node_pop_output(dht_node *n, uint8_t *buf, size_t cap, dht_addr *to);
+
+/* Next time dht_node_tick has work (UINT64_MAX: none). */
+uint64_t dht_node_next_deadline(const dht_node *n);
+
+/* Handles timeouts and housekeeping (expiry, token rotation, bucket refresh,
+ * republish) due at now. */
+void dht_node_tick(dht_node *n, uint64_t now);
+
+/* Joins through the given peers (n_peers >= 1): a lookup of our own ID
+ * seeded with them, then a refresh of the farther buckets. A peer with an ID
+ * that answers with another ID is ignored. status 0 once some node is in the
+ * table, else -EHOSTUNREACH. Returns 0 or -EINVAL/-ENOMEM/-EAGAIN. */
+int dht_node_join(dht_node *n, const dht_peer_addr *peers, size_t n_peers, dht_node_cb cb,
+                  void *ud, uint64_t now);
+
+/* Iterative find_node for target (result nodes, nearest first). */
+int dht_node_find(dht_node *n, const uint8_t target[DHT_ID_LEN], dht_node_cb cb, void *ud,
+                  uint64_t now);
+
+/* Collects every live entry of key from the k closest nodes (and our own
+ * store), following paged replies. */
+int dht_node_get(dht_node *n, const uint8_t key[DHT_ID_LEN], dht_node_cb cb, void *ud,
+                 uint64_t now);
+
+/* Stores one entry under key on the k closest nodes (and here, if we are
+ * among them). With sign != 0 the subkey is ignored and replaced by our
+ * node ID, and the entry is signed with our identity. expires is absolute
+ * (ms, same clock as now). Returns 0, or -EINVAL (sizes, expiration not in
+ * (now, now + DHT_MAX_TTL_MS]), -ENOMEM, -EAGAIN (too many operations). */
+int dht_node_put(dht_node *n, const uint8_t key[DHT_ID_LEN], const uint8_t *subkey,
+                 size_t subkey_len, const uint8_t *value, size_t value_len, uint64_t expires,
+                 int sign, dht_node_cb cb, void *ud, uint64_t now);
+
+void dht_node_get_stats(const dht_node *n, dht_node_stats *out);
+
+/* Closest table entries to target as wire nodes (for tools and tests). */
+size_t dht_node_closest(const dht_node *n, const uint8_t target[DHT_ID_LEN], dht_wire_node *out,
+                        size_t max);
+
+#endif

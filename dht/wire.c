@@ -1,0 +1,572 @@
+/* A minimal msgpack reader and writer for the DHT messages.
+ *
+ * Why not msgpack-c's unpacker: it allocates the element array of a container
+ * from the declared count before reading the elements, so a 5-byte header
+ * claiming 4 billion entries asks for tens of gigabytes. The reader below
+ * allocates nothing and trusts no count. The writer emits standard msgpack
+ * (the tests decode its output with msgpack-c), always in the smallest form.
+ */
+#include "dht/wire.h"
+
+#include <errno.h>
+#include <string.h>
+
+#include <sodium.h>
+
+/* ---- writer ---- */
+
+typedef struct wr {
+    uint8_t *p, *end;
+    int err;
+} wr;
+
+static void w_raw(wr *w, const void *b, size_t n)
+{
+    if (w->err || (size_t)(w->end - w->p) < n) {
+        w->err = 1;
+        return;
+    }
+    memcpy(w->p, b, n);
+    w->p += n;
+}
+
+static void w_be(wr *w, uint8_t tag, uint64_t v, int bytes)
+{
+    uint8_t b[9];
+    b[0] = tag;
+    for (int i = 0; i < bytes; i++)
+        b[1 + i] = (uint8_t)(v >> (8 * (bytes - 1 - i)));
+    w_raw(w, b, (size_t)bytes + 1);
+}
+
+static void w_uint(wr *w, uint64_t v)
+{
+    if (v < 128) {
+        uint8_t b = (uint8_t)v;
+        w_raw(w, &b, 1);
+    } else if (v <= 0xff)
+        w_be(w, 0xcc, v, 1);
+    else if (v <= 0xffff)
+        w_be(w, 0xcd, v, 2);
+    else if (v <= 0xffffffffu)
+        w_be(w, 0xce, v, 4);
+    else
+        w_be(w, 0xcf, v, 8);
+}
+
+static void w_map(wr *w, uint32_t n) /* n < 16 always here */
+{
+    uint8_t b = (uint8_t)(0x80 | n);
+    w_raw(w, &b, 1);
+}
+
+static void w_array(wr *w, uint32_t n)
+{
+    if (n < 16) {
+        uint8_t b = (uint8_t)(0x90 | n);
+        w_raw(w, &b, 1);
+    } else
+        w_be(w, 0xdc, n, 2);
+}
+
+static void w_str(wr *w, const char *s) /* short keys only */
+{
+    size_t n = strlen(s);
+    uint8_t b = (uint8_t)(0xa0 | n);
+    w_raw(w, &b, 1);
+    w_raw(w, s, n);
+}
+
+static void w_bin(wr *w, const void *d, size_t n)
+{
+    if (n <= 0xff)
+        w_be(w, 0xc4, n, 1);
+    else
+        w_be(w, 0xc5, n, 2);
+    w_raw(w, d, n);
+}
+
+int dht_wire_addr_pack(uint8_t out[18], const dht_addr *a)
+{
+    size_t n = a->family == 4 ? 4 : a->family == 6 ? 16 : 0;
+    if (!n)
+        return -EINVAL;
+    memcpy(out, a->ip, n);
+    out[n] = (uint8_t)(a->port >> 8);
+    out[n + 1] = (uint8_t)a->port;
+    return (int)n + 2;
+}
+
+int dht_wire_addr_unpack(dht_addr *out, const uint8_t *b, size_t len)
+{
+    memset(out, 0, sizeof *out);
+    if (len == 6)
+        out->family = 4;
+    else if (len == 18)
+        out->family = 6;
+    else
+        return -EBADMSG;
+    memcpy(out->ip, b, len - 2);
+    out->port = (uint16_t)(b[len - 2] << 8 | b[len - 1]);
+    return out->port ? 0 : -EBADMSG;
+}
+
+static int entry_ok(const dht_entry *e)
+{
+    return e->subkey_len <= DHT_MAX_SUBKEY && e->value_len <= DHT_MAX_VALUE &&
+           (e->subkey || !e->subkey_len) && (e->value || !e->value_len);
+}
+
+static void w_entry(wr *w, const dht_entry *e)
+{
+    w_map(w, e->is_signed ? 5 : 3);
+    w_str(w, "s");
+    w_bin(w, e->subkey, e->subkey_len);
+    w_str(w, "v");
+    w_bin(w, e->value, e->value_len);
+    w_str(w, "ex");
+    w_uint(w, e->expires);
+    if (e->is_signed) {
+        w_str(w, "pk");
+        w_bin(w, e->pk, 32);
+        w_str(w, "sig");
+        w_bin(w, e->sig, 64);
+    }
+}
+
+int dht_wire_encode(const dht_msg *m, uint8_t *buf, size_t cap)
+{
+    int is_reply = (m->type & DHT_MSG_REPLY) != 0;
+    int base = m->type & 0x7f;
+    uint32_t n = 4; /* v t x id */
+    wr w = {buf, buf + (cap < DHT_MAX_DATAGRAM - DHT_TAG_LEN ? cap : DHT_MAX_DATAGRAM - DHT_TAG_LEN), 0};
+    int want_nodes = 0, want_entries = 0;
+
+    if (base < DHT_MSG_PING || base > DHT_MSG_STORE || m->n_nodes > DHT_WIRE_MAX_NODES ||
+        m->n_entries > DHT_WIRE_MAX_ENTRIES)
+        return -EINVAL;
+    for (size_t i = 0; i < m->n_entries; i++)
+        if (!entry_ok(&m->entries[i]))
+            return -EINVAL;
+    if (!is_reply) {
+        n += m->has_nonce ? 1 : 0;
+        n += m->read_only ? 1 : 0;
+        if (base == DHT_MSG_FIND_NODE || base == DHT_MSG_GET)
+            n += 1;
+        if (base == DHT_MSG_GET && m->offset)
+            n += 1;
+        if (base == DHT_MSG_STORE) {
+            if (m->n_entries != 1 || !m->has_token)
+                return -EINVAL;
+            n += 3; /* tg tok e */
+            want_entries = 1;
+        }
+    } else {
+        n += m->has_proof ? 2 : 0;
+        n += m->has_token ? 1 : 0;
+        want_nodes = (base == DHT_MSG_FIND_NODE || base == DHT_MSG_GET) && m->n_nodes;
+        want_entries = base == DHT_MSG_GET && m->n_entries;
+        n += (uint32_t)want_nodes + (uint32_t)want_entries;
+        n += base == DHT_MSG_GET && m->has_next ? 1 : 0;
+        n += base == DHT_MSG_STORE ? 1 : 0;
+    }
+
+    w_map(&w, n);
+    w_str(&w, "v");
+    w_uint(&w, DHT_WIRE_VERSION);
+    w_str(&w, "t");
+    w_uint(&w, m->type);
+    w_str(&w, "x");
+    w_uint(&w, m->tid);
+    w_str(&w, "id");
+    w_bin(&w, m->id, DHT_ID_LEN);
+    if (!is_reply) {
+        if (m->has_nonce) {
+            w_str(&w, "n");
+            w_bin(&w, m->nonce, DHT_NONCE_LEN);
+        }
+        if (m->read_only) {
+            w_str(&w, "ro");
+            w_uint(&w, 1);
+        }
+        if (base != DHT_MSG_PING) {
+            w_str(&w, "tg");
+            w_bin(&w, m->target, DHT_ID_LEN);
+        }
+        if (base == DHT_MSG_GET && m->offset) {
+            w_str(&w, "o");
+            w_uint(&w, m->offset);
+        }
+        if (base == DHT_MSG_STORE) {
+            w_str(&w, "tok");
+            w_bin(&w, m->token, DHT_TOKEN_LEN);
+        }
+    } else {
+        if (m->has_proof) {
+            w_str(&w, "pk");
+            w_bin(&w, m->pk, 32);
+            w_str(&w, "sig");
+            w_bin(&w, m->sig, 64);
+        }
+        if (m->has_token) {
+            w_str(&w, "tok");
+            w_bin(&w, m->token, DHT_TOKEN_LEN);
+        }
+        if (base == DHT_MSG_STORE) {
+            w_str(&w, "st");
+            w_uint(&w, (uint64_t)(m->status < 0 ? 0 : m->status));
+        }
+        if (want_nodes) {
+            w_str(&w, "nd");
+            w_array(&w, (uint32_t)m->n_nodes);
+            for (size_t i = 0; i < m->n_nodes; i++) {
+                uint8_t a[18];
+                int al = dht_wire_addr_pack(a, &m->nodes[i].addr);
+                if (al < 0)
+                    return -EINVAL;
+                w_array(&w, 2);
+                w_bin(&w, m->nodes[i].id, DHT_ID_LEN);
+                w_bin(&w, a, (size_t)al);
+            }
+        }
+        if (base == DHT_MSG_GET && m->has_next) {
+            w_str(&w, "nx");
+            w_uint(&w, m->next_offset);
+        }
+    }
+    if (want_entries) {
+        w_str(&w, "e");
+        w_array(&w, (uint32_t)m->n_entries);
+        for (size_t i = 0; i < m->n_entries; i++)
+            w_entry(&w, &m->entries[i]);
+    }
+    if (w.err)
+        return -EMSGSIZE;
+    return (int)(w.p - buf);
+}
+
+/* ---- reader ---- */
+
+typedef struct rd {
+    const uint8_t *p, *end;
+} rd;
+
+#define RD_MAX_DEPTH 8
+
+static int r_byte(rd *r, uint8_t *b)
+{
+    if (r->p >= r->end)
+        return -1;
+    *b = *r->p++;
+    return 0;
+}
+
+static int r_be(rd *r, int bytes, uint64_t *v)
+{
+    if (r->end - r->p < bytes)
+        return -1;
+    *v = 0;
+    for (int i = 0; i < bytes; i++)
+        *v = *v << 8 | r->p[i];
+    r->p += bytes;
+    return 0;
+}
+
+static int r_take(rd *r, uint64_t n, const uint8_t **out)
+{
+    if ((uint64_t)(r->end - r->p) < n)
+        return -1;
+    *out = r->p;
+    r->p += n;
+    return 0;
+}
+
+/* Reads any header. kind: 'u' uint, 'i' negative int, 's' str, 'b' bin,
+ * 'm' map, 'a' array, 'n' nil, 't' bool, 'f' float, 'e' ext. For s/b/e, len
+ * is the payload length (not consumed yet); for m/a, the element count. */
+static int r_head(rd *r, char *kind, uint64_t *val)
+{
+    uint8_t b;
+    uint64_t x;
+    if (r_byte(r, &b))
+        return -1;
+    if (b <= 0x7f) { *kind = 'u'; *val = b; return 0; }
+    if (b >= 0xe0) { *kind = 'i'; *val = b; return 0; }
+    if ((b & 0xf0) == 0x80) { *kind = 'm'; *val = b & 0x0f; return 0; }
+    if ((b & 0xf0) == 0x90) { *kind = 'a'; *val = b & 0x0f; return 0; }
+    if ((b & 0xe0) == 0xa0) { *kind = 's'; *val = b & 0x1f; return 0; }
+    switch (b) {
+    case 0xc0: *kind = 'n'; *val = 0; return 0;
+    case 0xc2: case 0xc3: *kind = 't'; *val = b & 1; return 0;
+    case 0xc4: *kind = 'b'; return r_be(r, 1, val);
+    case 0xc5: *kind = 'b'; return r_be(r, 2, val);
+    case 0xc6: *kind = 'b'; return r_be(r, 4, val);
+    case 0xc7: *kind = 'e'; if (r_be(r, 1, val)) return -1; *val += 1; return 0;
+    case 0xc8: *kind = 'e'; if (r_be(r, 2, val)) return -1; *val += 1; return 0;
+    case 0xc9: *kind = 'e'; if (r_be(r, 4, val)) return -1; *val += 1; return 0;
+    case 0xca: *kind = 'f'; return r_be(r, 4, &x);
+    case 0xcb: *kind = 'f'; return r_be(r, 8, &x);
+    case 0xcc: *kind = 'u'; return r_be(r, 1, val);
+    case 0xcd: *kind = 'u'; return r_be(r, 2, val);
+    case 0xce: *kind = 'u'; return r_be(r, 4, val);
+    case 0xcf: *kind = 'u'; return r_be(r, 8, val);
+    case 0xd0: *kind = 'i'; return r_be(r, 1, val);
+    case 0xd1: *kind = 'i'; return r_be(r, 2, val);
+    case 0xd2: *kind = 'i'; return r_be(r, 4, val);
+    case 0xd3: *kind = 'i'; return r_be(r, 8, val);
+    case 0xd4: *kind = 'e'; *val = 2; return 0;
+    case 0xd5: *kind = 'e'; *val = 3; return 0;
+    case 0xd6: *kind = 'e'; *val = 5; return 0;
+    case 0xd7: *kind = 'e'; *val = 9; return 0;
+    case 0xd8: *kind = 'e'; *val = 17; return 0;
+    case 0xd9: *kind = 's'; return r_be(r, 1, val);
+    case 0xda: *kind = 's'; return r_be(r, 2, val);
+    case 0xdb: *kind = 's'; return r_be(r, 4, val);
+    case 0xdc: *kind = 'a'; return r_be(r, 2, val);
+    case 0xdd: *kind = 'a'; return r_be(r, 4, val);
+    case 0xde: *kind = 'm'; return r_be(r, 2, val);
+    case 0xdf: *kind = 'm'; return r_be(r, 4, val);
+    default: return -1; /* 0xc1 is never used */
+    }
+}
+
+/* Skips one value. Containers are walked element by element, so a huge
+ * declared count simply runs out of bytes; nesting is bounded. */
+static int r_skip(rd *r, int depth)
+{
+    char k;
+    uint64_t v;
+    const uint8_t *d;
+    if (depth > RD_MAX_DEPTH || r_head(r, &k, &v))
+        return -1;
+    switch (k) {
+    case 's': case 'b': case 'e': return r_take(r, v, &d);
+    case 'a':
+        for (uint64_t i = 0; i < v; i++)
+            if (r_skip(r, depth + 1))
+                return -1;
+        return 0;
+    case 'm':
+        for (uint64_t i = 0; i < 2 * v; i++)
+            if (r_skip(r, depth + 1))
+                return -1;
+        return 0;
+    default: return 0;
+    }
+}
+
+static int r_uint(rd *r, uint64_t *out)
+{
+    char k;
+    if (r_head(r, &k, out) || k != 'u')
+        return -1;
+    return 0;
+}
+
+static int r_bin(rd *r, const uint8_t **d, size_t *len, size_t max)
+{
+    char k;
+    uint64_t v;
+    if (r_head(r, &k, &v) || k != 'b' || v > max || r_take(r, v, d))
+        return -1;
+    *len = (size_t)v;
+    return 0;
+}
+
+static int r_bin_exact(rd *r, uint8_t *out, size_t want)
+{
+    const uint8_t *d;
+    size_t n;
+    if (r_bin(r, &d, &n, want) || n != want)
+        return -1;
+    memcpy(out, d, n);
+    return 0;
+}
+
+static int r_key(rd *r, char *key, size_t cap)
+{
+    char k;
+    uint64_t v;
+    const uint8_t *d;
+    if (r_head(r, &k, &v) || k != 's' || r_take(r, v, &d))
+        return -1;
+    if (v >= cap) { /* an unknown long key: keep it unmatchable */
+        key[0] = '\0';
+        return 0;
+    }
+    memcpy(key, d, v);
+    key[v] = '\0';
+    return 0;
+}
+
+static int r_container(rd *r, char want, uint64_t *n)
+{
+    char k;
+    if (r_head(r, &k, n) || k != want)
+        return -1;
+    return 0;
+}
+
+static int r_entry(rd *r, dht_entry *e)
+{
+    uint64_t n;
+    char key[8];
+    int have_s = 0, have_v = 0, have_ex = 0, have_pk = 0, have_sig = 0;
+    memset(e, 0, sizeof *e);
+    if (r_container(r, 'm', &n))
+        return -1;
+    for (uint64_t i = 0; i < n; i++) {
+        if (r_key(r, key, sizeof key))
+            return -1;
+        if (!strcmp(key, "s")) {
+            if (have_s++ || r_bin(r, &e->subkey, &e->subkey_len, DHT_MAX_SUBKEY))
+                return -1;
+        } else if (!strcmp(key, "v")) {
+            if (have_v++ || r_bin(r, &e->value, &e->value_len, DHT_MAX_VALUE))
+                return -1;
+        } else if (!strcmp(key, "ex")) {
+            if (have_ex++ || r_uint(r, &e->expires))
+                return -1;
+        } else if (!strcmp(key, "pk")) {
+            if (have_pk++ || r_bin_exact(r, e->pk, 32))
+                return -1;
+        } else if (!strcmp(key, "sig")) {
+            if (have_sig++ || r_bin_exact(r, e->sig, 64))
+                return -1;
+        } else if (r_skip(r, 2))
+            return -1;
+    }
+    if (!have_s || !have_v || !have_ex || have_pk != have_sig)
+        return -1;
+    e->is_signed = have_pk;
+    return 0;
+}
+
+static int decode(dht_msg *m, rd *r)
+{
+    uint64_t n, u;
+    char key[8];
+    int have_v = 0, have_t = 0, have_x = 0, have_id = 0, have_tg = 0, have_st = 0;
+    int have_pk = 0, have_sig = 0, have_nd = 0, have_e = 0, have_o = 0, have_n = 0;
+
+    if (r_container(r, 'm', &n))
+        return -1;
+    for (uint64_t i = 0; i < n; i++) {
+        if (r_key(r, key, sizeof key))
+            return -1;
+        if (!strcmp(key, "v")) {
+            if (have_v++ || r_uint(r, &u) || u != DHT_WIRE_VERSION)
+                return -1;
+        } else if (!strcmp(key, "t")) {
+            if (have_t++ || r_uint(r, &u) || u > 0xff)
+                return -1;
+            m->type = (uint8_t)u;
+        } else if (!strcmp(key, "x")) {
+            if (have_x++ || r_uint(r, &u) || u > 0xffffffffu)
+                return -1;
+            m->tid = (uint32_t)u;
+        } else if (!strcmp(key, "id")) {
+            if (have_id++ || r_bin_exact(r, m->id, DHT_ID_LEN))
+                return -1;
+        } else if (!strcmp(key, "n")) {
+            if (have_n++ || r_bin_exact(r, m->nonce, DHT_NONCE_LEN))
+                return -1;
+            m->has_nonce = 1;
+        } else if (!strcmp(key, "ro")) {
+            if (m->read_only || r_uint(r, &u) || u > 1)
+                return -1;
+            m->read_only = (int)u + 2; /* 2 or 3 while decoding: seen */
+        } else if (!strcmp(key, "pk")) {
+            if (have_pk++ || r_bin_exact(r, m->pk, 32))
+                return -1;
+        } else if (!strcmp(key, "sig")) {
+            if (have_sig++ || r_bin_exact(r, m->sig, 64))
+                return -1;
+        } else if (!strcmp(key, "tok")) {
+            if (m->has_token++ || r_bin_exact(r, m->token, DHT_TOKEN_LEN))
+                return -1;
+        } else if (!strcmp(key, "tg")) {
+            if (have_tg++ || r_bin_exact(r, m->target, DHT_ID_LEN))
+                return -1;
+        } else if (!strcmp(key, "o")) {
+            if (have_o++ || r_uint(r, &u) || u > 0xffffffffu)
+                return -1;
+            m->offset = (uint32_t)u;
+        } else if (!strcmp(key, "nx")) {
+            if (m->has_next++ || r_uint(r, &u) || u > 0xffffffffu)
+                return -1;
+            m->next_offset = (uint32_t)u;
+        } else if (!strcmp(key, "st")) {
+            if (have_st++ || r_uint(r, &u) || u > 0xff)
+                return -1;
+            m->status = (int)u;
+        } else if (!strcmp(key, "nd")) {
+            uint64_t cnt;
+            if (have_nd++ || r_container(r, 'a', &cnt) || cnt > DHT_WIRE_MAX_NODES)
+                return -1;
+            for (uint64_t j = 0; j < cnt; j++) {
+                uint64_t two;
+                const uint8_t *a;
+                size_t al;
+                dht_wire_node *nd = &m->nodes[j];
+                if (r_container(r, 'a', &two) || two != 2 || r_bin_exact(r, nd->id, DHT_ID_LEN) ||
+                    r_bin(r, &a, &al, 18) || dht_wire_addr_unpack(&nd->addr, a, al))
+                    return -1;
+            }
+            m->n_nodes = (size_t)cnt;
+        } else if (!strcmp(key, "e")) {
+            uint64_t cnt;
+            if (have_e++ || r_container(r, 'a', &cnt) || cnt > DHT_WIRE_MAX_ENTRIES)
+                return -1;
+            for (uint64_t j = 0; j < cnt; j++)
+                if (r_entry(r, &m->entries[j]))
+                    return -1;
+            m->n_entries = (size_t)cnt;
+        } else if (r_skip(r, 1)) {
+            return -1;
+        }
+    }
+    if (r->p != r->end || !have_v || !have_t || !have_x || !have_id || have_pk != have_sig)
+        return -1;
+    m->has_proof = have_pk;
+    m->read_only = m->read_only == 3;
+    switch (m->type) {
+    case DHT_MSG_PING:
+        break;
+    case DHT_MSG_FIND_NODE:
+    case DHT_MSG_GET:
+        if (!have_tg)
+            return -1;
+        break;
+    case DHT_MSG_STORE:
+        if (!have_tg || !m->has_token || m->n_entries != 1)
+            return -1;
+        break;
+    case DHT_MSG_PING | DHT_MSG_REPLY:
+    case DHT_MSG_FIND_NODE | DHT_MSG_REPLY:
+    case DHT_MSG_GET | DHT_MSG_REPLY:
+        break;
+    case DHT_MSG_STORE | DHT_MSG_REPLY:
+        if (!have_st)
+            return -1;
+        break;
+    default:
+        return -1;
+    }
+    return 0;
+}
+
+int dht_wire_decode(dht_msg *m, const uint8_t *buf, size_t len)
+{
+    rd r = {buf, buf + len};
+    memset(m, 0, sizeof *m);
+    if (!buf || len == 0 || len > DHT_MAX_DATAGRAM)
+        return -EBADMSG;
+    return decode(m, &r) ? -EBADMSG : 0;
+}
+
+void dht_wire_tag(uint8_t tag[DHT_TAG_LEN], const uint8_t swarm_key[32], const uint8_t *body,
+                  size_t len)
+{
+    crypto_generichash(tag, DHT_TAG_LEN, body, len, swarm_key, 32);
+}

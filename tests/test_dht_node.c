@@ -1,0 +1,453 @@
+/* The sans-I/O node (dht/node.h): tokens, identity proofs, swarm key, hostile
+ * datagrams, rate limits, paging, hand-over, expiry, callback rules. */
+#include <errno.h>
+
+#include "dht/table.h"
+#include "test_dht_simnet.h"
+#include "test_util.h"
+
+#define T0 SIM_EPOCH
+
+static dht_node *make_node(uint8_t seed, const dht_config *cfg)
+{
+    dht_identity id;
+    uint8_t s[32] = {seed};
+    assert_int_equal(dht_identity_from_seed(&id, s), 0);
+    dht_node *n = dht_node_create(&id, cfg, T0);
+    assert_non_null(n);
+    return n;
+}
+
+static void peer_addr(dht_addr *a, uint8_t last, uint16_t port)
+{
+    uint8_t ip[4] = {192, 168, 0, last};
+    dht_addr_v4(a, ip, port);
+}
+
+/* Encodes m from a fake sender and feeds it to n; returns the decoded reply
+ * (if any) in reply. */
+static int exchange(dht_node *n, dht_msg *m, const dht_addr *from, uint64_t now, dht_msg *reply,
+                    uint8_t *rbuf)
+{
+    uint8_t buf[DHT_MAX_DATAGRAM];
+    dht_addr to;
+    int len = dht_wire_encode(m, buf, sizeof buf);
+    assert_true(len > 0);
+    dht_node_input(n, buf, (size_t)len, from, now);
+    int got = 0, rl;
+    while ((rl = dht_node_pop_output(n, rbuf, DHT_MAX_DATAGRAM, &to)) > 0) {
+        dht_msg r;
+        if (dht_wire_decode(&r, rbuf, (size_t)rl) == 0 && (r.type & DHT_MSG_REPLY) &&
+            dht_addr_equal(&to, from) && r.tid == m->tid) {
+            *reply = r;
+            got = 1;
+            break; /* entries point into rbuf: stop here */
+        }
+    }
+    while (dht_node_pop_output(n, buf, sizeof buf, &to) > 0)
+        ;
+    return got;
+}
+
+static void test_write_token_binds_address(void **state)
+{
+    (void)state;
+    dht_node *n = make_node(1, NULL);
+    dht_addr alice, eve;
+    dht_msg m, r;
+    uint8_t rbuf[DHT_MAX_DATAGRAM], tok[DHT_TOKEN_LEN];
+    peer_addr(&alice, 1, 5000);
+    peer_addr(&eve, 2, 5000);
+    memset(&m, 0, sizeof m);
+    m.type = DHT_MSG_PING;
+    m.tid = 1;
+    m.id[0] = 0xaa;
+    assert_true(exchange(n, &m, &alice, T0, &r, rbuf));
+    assert_true(r.has_token);
+    memcpy(tok, r.token, sizeof tok);
+
+    memset(&m, 0, sizeof m);
+    m.type = DHT_MSG_STORE;
+    m.tid = 2;
+    m.id[0] = 0xaa;
+    m.target[0] = 0x42;
+    m.has_token = 1;
+    memcpy(m.token, tok, sizeof tok);
+    m.n_entries = 1;
+    m.entries[0].value = (const uint8_t *)"hi";
+    m.entries[0].value_len = 2;
+    m.entries[0].expires = T0 + 60000;
+    /* Eve replays Alice's token from her own address: refused. */
+    assert_true(exchange(n, &m, &eve, T0, &r, rbuf));
+    assert_int_equal(r.status, DHT_ST_BAD_TOKEN);
+    /* Alice stores. */
+    m.tid = 3;
+    assert_true(exchange(n, &m, &alice, T0, &r, rbuf));
+    assert_int_equal(r.status, DHT_ST_OK);
+    /* An expired entry is refused even with a good token. */
+    m.tid = 4;
+    m.entries[0].expires = T0 - 1;
+    assert_true(exchange(n, &m, &alice, T0, &r, rbuf));
+    assert_int_equal(r.status, DHT_ST_INVALID);
+    /* After two secret rotations the token is dead. */
+    uint64_t t = T0;
+    for (int i = 0; i < 11 * 60; i++) {
+        t += 1000;
+        dht_node_tick(n, t);
+    }
+    m.tid = 5;
+    m.entries[0].expires = t + 60000;
+    assert_true(exchange(n, &m, &alice, t, &r, rbuf));
+    assert_int_equal(r.status, DHT_ST_BAD_TOKEN);
+    dht_node_stats st;
+    dht_node_get_stats(n, &st);
+    assert_int_equal(st.store_rejected, 3);
+    dht_node_destroy(&n);
+}
+
+static void test_proof_of_id_in_replies(void **state)
+{
+    (void)state;
+    dht_node *n = make_node(3, NULL);
+    dht_addr a;
+    dht_msg m, r;
+    uint8_t rbuf[DHT_MAX_DATAGRAM];
+    peer_addr(&a, 3, 6000);
+    memset(&m, 0, sizeof m);
+    m.type = DHT_MSG_FIND_NODE;
+    m.tid = 9;
+    m.id[0] = 1;
+    m.has_nonce = 1;
+    memset(m.nonce, 0x77, sizeof m.nonce);
+    assert_true(exchange(n, &m, &a, T0, &r, rbuf));
+    assert_true(r.has_proof);
+    uint8_t id[20];
+    dht_id_of_pubkey(id, r.pk);
+    assert_memory_equal(id, r.id, 20);
+    assert_memory_equal(id, dht_node_id(n), 20);
+    dht_node_destroy(&n);
+}
+
+static int join_status;
+static int join_called;
+static void on_join(void *ud, const dht_result *r)
+{
+    (void)ud;
+    join_called++;
+    join_status = r->status;
+}
+
+static void test_join_refuses_wrong_id_and_foreign_swarm(void **state)
+{
+    (void)state;
+    dht_config cfg;
+    dht_config_default(&cfg);
+    cfg.rpc_timeout_ms = 300;
+    simnet *s = sim_create(4, 5, 0.0, &cfg);
+    dht_peer_addr pa;
+    memset(&pa, 0, sizeof pa);
+    sim_addr(&pa.addr, 0);
+    pa.has_id = 1;
+    memcpy(pa.id, s->n[1].id, 20); /* node 0's address, node 1's ID */
+    join_called = 0;
+    assert_int_equal(dht_node_join(s->n[2].node, &pa, 1, on_join, NULL, s->now), 0);
+    sim_after(s, 2);
+    assert_int_equal(join_called, 0); /* never from the starting call */
+    sim_run(s, s->now + 5000, NULL);
+    assert_int_equal(join_called, 1);
+    assert_int_equal(join_status, -EHOSTUNREACH);
+    dht_node_stats st;
+    dht_node_get_stats(s->n[2].node, &st);
+    assert_true(st.drop_bad_proof >= 1);
+    /* Node 1's ID was never accepted at node 0's address (node 0 may be in
+     * the table under its own, proven, ID). */
+    dht_wire_node near[1];
+    if (dht_node_closest(s->n[2].node, s->n[1].id, near, 1) == 1)
+        assert_memory_not_equal(near[0].id, s->n[1].id, 20);
+    /* The right ID joins. */
+    memcpy(pa.id, s->n[0].id, 20);
+    assert_int_equal(dht_node_join(s->n[2].node, &pa, 1, on_join, NULL, s->now), 0);
+    sim_after(s, 2);
+    sim_run(s, s->now + 5000, NULL);
+    assert_int_equal(join_status, 0);
+    sim_destroy(&s);
+
+    /* A private swarm: nodes 0 and 1 share a key, node 2 has none, node 3
+     * another key. */
+    dht_config priv = cfg;
+    priv.has_swarm_key = 1;
+    memset(priv.swarm_key, 0x5c, 32);
+    s = sim_create(4, 6, 0.0, &cfg);
+    for (int i = 0; i < 4; i++) {
+        dht_identity id;
+        uint8_t seed[32] = {(uint8_t)(40 + i)};
+        dht_identity_from_seed(&id, seed);
+        dht_node_destroy(&s->n[i].node);
+        dht_config c = i < 2 ? priv : cfg;
+        if (i == 3) {
+            c = priv;
+            c.swarm_key[0] ^= 1;
+        }
+        s->n[i].node = dht_node_create(&id, &c, s->now);
+        memcpy(s->n[i].id, id.id, 20);
+    }
+    memcpy(pa.id, s->n[0].id, 20);
+    for (uint32_t i = 1; i < 4; i++) {
+        assert_int_equal(dht_node_join(s->n[i].node, &pa, 1, on_join, NULL, s->now), 0);
+        sim_after(s, i);
+        sim_run(s, s->now + 5000, NULL);
+        assert_int_equal(join_status, i == 1 ? 0 : -EHOSTUNREACH);
+    }
+    dht_node_get_stats(s->n[0].node, &st);
+    assert_true(st.drop_tag >= 4); /* node 2's and node 3's tries */
+    assert_int_equal(st.table_size, 1);
+    sim_destroy(&s);
+}
+
+static void test_garbage_then_still_answers(void **state)
+{
+    (void)state;
+    dht_node *n = make_node(7, NULL);
+    dht_addr a;
+    uint8_t g[1500], rbuf[DHT_MAX_DATAGRAM];
+    uint64_t x = 2024;
+    size_t sent = 0;
+    for (uint32_t i = 0; i < 3000; i++) {
+        size_t len = 1 + (size_t)(i * 7919u % 1400u);
+        for (size_t j = 0; j < len; j++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            g[j] = (uint8_t)(x >> 35);
+        }
+        if (i % 3 == 0)
+            g[0] = 0x85; /* looks like a map */
+        peer_addr(&a, (uint8_t)(i % 250), (uint16_t)(1000 + i));
+        dht_node_input(n, g, len, &a, T0 + i);
+        sent++;
+    }
+    dht_node_stats st;
+    dht_node_get_stats(n, &st);
+    assert_int_equal(st.drop_malformed, sent);
+    assert_int_equal(st.tx, 0);
+    dht_msg m, r;
+    memset(&m, 0, sizeof m);
+    m.type = DHT_MSG_PING;
+    m.tid = 5;
+    m.id[0] = 3;
+    peer_addr(&a, 251, 7000);
+    assert_true(exchange(n, &m, &a, T0 + 5000, &r, rbuf));
+    dht_node_destroy(&n);
+}
+
+static void test_rate_limit_per_source(void **state)
+{
+    (void)state;
+    dht_node *n = make_node(8, NULL);
+    dht_addr a, to;
+    dht_msg m;
+    uint8_t buf[DHT_MAX_DATAGRAM];
+    memset(&m, 0, sizeof m);
+    m.type = DHT_MSG_PING;
+    m.id[0] = 9;
+    for (int i = 0; i < 1000; i++) {
+        m.tid = (uint32_t)i;
+        int len = dht_wire_encode(&m, buf, sizeof buf);
+        peer_addr(&a, 9, (uint16_t)(2000 + i)); /* one IP, many ports */
+        dht_node_input(n, buf, (size_t)len, &a, T0);
+    }
+    int replies = 0;
+    while (dht_node_pop_output(n, buf, sizeof buf, &to) > 0)
+        replies += to.ip[3] == 9;
+    dht_node_stats st;
+    dht_node_get_stats(n, &st);
+    assert_int_equal(st.drop_rate, 600);
+    assert_true(replies >= 400 && replies <= 401); /* + at most one verify ping */
+    /* Another source is unaffected; the first recovers with time. */
+    peer_addr(&a, 10, 2000);
+    int len = dht_wire_encode(&m, buf, sizeof buf);
+    assert_int_equal(dht_node_input(n, buf, (size_t)len, &a, T0), 0);
+    peer_addr(&a, 9, 2000);
+    assert_int_equal(dht_node_input(n, buf, (size_t)len, &a, T0), -EAGAIN);
+    assert_int_equal(dht_node_input(n, buf, (size_t)len, &a, T0 + 100), 0);
+    dht_node_destroy(&n);
+}
+
+typedef struct got_t {
+    int called, status;
+    size_t n;
+    int bad;
+} got_t;
+
+static void on_get(void *ud, const dht_result *r)
+{
+    got_t *g = ud;
+    g->called++;
+    g->status = r->status;
+    g->n = r->n_entries;
+    for (size_t i = 0; i < r->n_entries; i++)
+        if (r->entries[i].value_len != 300 || r->entries[i].value[0] != r->entries[i].subkey[0])
+            g->bad++;
+}
+
+static void on_put(void *ud, const dht_result *r)
+{
+    got_t *g = ud;
+    g->called++;
+    g->status = r->status;
+}
+
+static void join_all(simnet *s)
+{
+    for (uint32_t i = 1; i < s->count; i++) {
+        dht_peer_addr pa;
+        memset(&pa, 0, sizeof pa);
+        sim_addr(&pa.addr, 0);
+        pa.has_id = 1;
+        memcpy(pa.id, s->n[0].id, 20);
+        dht_node_join(s->n[i].node, &pa, 1, NULL, NULL, s->now);
+        sim_after(s, i);
+        sim_run(s, s->now + 50, NULL);
+    }
+    sim_run(s, s->now + 10000, NULL);
+}
+
+static void test_paged_get_collects_every_subkey(void **state)
+{
+    (void)state;
+    simnet *s = sim_create(30, 11, 0.0, NULL);
+    join_all(s);
+    uint8_t key[20];
+    dht_id_of_bytes(key, "many", 4);
+    got_t puts[60];
+    memset(puts, 0, sizeof puts);
+    for (int i = 0; i < 60; i++) {
+        uint8_t sub[2] = {(uint8_t)i, 0x33}, val[300];
+        memset(val, i, sizeof val);
+        uint32_t src = (uint32_t)(i % 30);
+        assert_int_equal(dht_node_put(s->n[src].node, key, sub, 2, val, sizeof val, s->now + 600000,
+                                      0, on_put, &puts[i], s->now), 0);
+        sim_after(s, src);
+        sim_run(s, s->now + 20, NULL);
+    }
+    sim_run(s, s->now + 10000, NULL);
+    for (int i = 0; i < 60; i++) {
+        assert_int_equal(puts[i].called, 1);
+        assert_true(puts[i].status >= 1);
+    }
+    got_t g = {0};
+    assert_int_equal(dht_node_get(s->n[17].node, key, on_get, &g, s->now), 0);
+    sim_after(s, 17);
+    sim_run(s, s->now + 20000, NULL);
+    assert_int_equal(g.called, 1);
+    assert_int_equal(g.status, 0);
+    assert_int_equal(g.n, 60);
+    assert_int_equal(g.bad, 0);
+
+    /* Expired entries vanish from gets. */
+    uint8_t k2[20];
+    dht_id_of_bytes(k2, "short", 5);
+    got_t p = {0};
+    uint8_t v[300] = {0};
+    uint8_t sub0[1] = {0};
+    uint64_t expires = s->now + 5000;
+    assert_int_equal(dht_node_put(s->n[3].node, k2, sub0, 1, v, sizeof v, expires, 0, on_put,
+                                  &p, s->now), 0);
+    sim_after(s, 3);
+    sim_run(s, s->now + 2000, NULL);
+    assert_true(p.status >= 1);
+    memset(&g, 0, sizeof g);
+    dht_node_get(s->n[9].node, k2, on_get, &g, s->now);
+    sim_after(s, 9);
+    sim_run(s, s->now + 2000, NULL);
+    assert_int_equal(g.called, 1);
+    assert_int_equal(g.n, 1);
+    sim_run(s, expires + 1, NULL);
+    memset(&g, 0, sizeof g);
+    dht_node_get(s->n[9].node, k2, on_get, &g, s->now);
+    sim_after(s, 9);
+    sim_run(s, s->now + 2000, NULL);
+    assert_int_equal(g.called, 1);
+    assert_int_equal(g.n, 0);
+    sim_destroy(&s);
+}
+
+static void test_handover_to_closer_newcomer(void **state)
+{
+    (void)state;
+    simnet *s = sim_create(25, 12, 0.0, NULL);
+    /* Nodes 0..23 form the swarm; 24 joins later. Its own ID as the key
+     * makes it the closest node to the key. */
+    simnet tmp = *s;
+    tmp.count = 24;
+    join_all(&tmp);
+    s->now = tmp.now;
+    s->heap = tmp.heap;
+    s->hn = tmp.hn;
+    s->hcap = tmp.hcap;
+    s->seq = tmp.seq;
+    s->rng = tmp.rng;
+    got_t p = {0};
+    uint8_t v[300];
+    memset(v, 0, sizeof v);
+    uint8_t sub[1] = {0};
+    assert_int_equal(dht_node_put(s->n[5].node, s->n[24].id, sub, 1, v, sizeof v, s->now + 600000,
+                                  0, on_put, &p, s->now), 0);
+    sim_after(s, 5);
+    sim_run(s, s->now + 3000, NULL);
+    assert_true(p.status >= 1);
+    dht_node_stats st;
+    dht_node_get_stats(s->n[24].node, &st);
+    assert_int_equal(st.store_keys, 0);
+    dht_peer_addr pa;
+    memset(&pa, 0, sizeof pa);
+    sim_addr(&pa.addr, 0);
+    pa.has_id = 1;
+    memcpy(pa.id, s->n[0].id, 20);
+    dht_node_join(s->n[24].node, &pa, 1, NULL, NULL, s->now);
+    sim_after(s, 24);
+    sim_run(s, s->now + 5000, NULL);
+    dht_node_get_stats(s->n[24].node, &st);
+    assert_int_equal(st.store_keys, 1); /* handed over by a holder */
+    sim_destroy(&s);
+}
+
+static void test_isolated_put_defers_callback(void **state)
+{
+    (void)state;
+    dht_node *n = make_node(20, NULL);
+    got_t p = {0};
+    uint8_t key[20] = {1};
+    assert_int_equal(dht_node_put(n, key, NULL, 0, (const uint8_t *)"v", 1, T0 + 1000, 1, on_put,
+                                  &p, T0), 0);
+    assert_int_equal(p.called, 0);
+    assert_int_equal(dht_node_next_deadline(n), 0); /* due now */
+    dht_node_tick(n, T0);
+    assert_int_equal(p.called, 1);
+    assert_int_equal(p.status, 1); /* stored here only */
+    /* Argument checks fail without calling back. */
+    assert_int_equal(dht_node_put(n, key, NULL, 0, (const uint8_t *)"v", 1, T0, 1, on_put, &p, T0),
+                     -EINVAL);
+    assert_int_equal(dht_node_put(n, key, NULL, 0, (const uint8_t *)"v", DHT_MAX_VALUE + 1,
+                                  T0 + 5, 1, on_put, &p, T0), -EINVAL);
+    /* Pending operations are cancelled by destroy. */
+    got_t g = {0};
+    assert_int_equal(dht_node_get(n, key, on_get, &g, T0), 0);
+    dht_node_destroy(&n);
+    assert_int_equal(g.called, 1);
+    assert_int_equal(g.status, -ECANCELED);
+    assert_int_equal(p.called, 1);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_write_token_binds_address),
+        cmocka_unit_test(test_proof_of_id_in_replies),
+        cmocka_unit_test(test_join_refuses_wrong_id_and_foreign_swarm),
+        cmocka_unit_test(test_garbage_then_still_answers),
+        cmocka_unit_test(test_rate_limit_per_source),
+        cmocka_unit_test(test_paged_get_collects_every_subkey),
+        cmocka_unit_test(test_handover_to_closer_newcomer),
+        cmocka_unit_test(test_isolated_put_defers_callback),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
