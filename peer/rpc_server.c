@@ -18,6 +18,7 @@ struct peer_rpc_request {
     int ok;                /* reply encoded */
     uint64_t id;
     peer_method method;
+    size_t held;           /* bytes of in counted in srv->held */
     peer_msg msg;
     uv_write_t wr;
     peer_rpc_request *next; /* free list or completion queue */
@@ -50,6 +51,7 @@ struct peer_rpc_server {
     pthread_mutex_t mu;
     peer_rpc_request *done_head, *done_tail; /* answered off the loop thread */
     peer_rpc_server_stats st;
+    size_t held;                 /* request bytes held by unanswered requests */
     void (*close_cb)(peer_rpc_server *, void *);
     void *close_arg;
 };
@@ -78,18 +80,38 @@ static peer_rpc_request *take_req(sconn *sc)
 
 static void conn_maybe_free(sconn *sc);
 
+static int can_read(const sconn *sc)
+{
+    return sc->inflight < sc->srv->cfg.max_inflight && sc->srv->held < sc->srv->cfg.max_held_bytes;
+}
+
 static void release_req(peer_rpc_request *r)
 {
     sconn *sc = r->conn;
     r->next = sc->free_reqs;
     sc->free_reqs = r;
     sc->inflight--;
+    peer_rpc_server *srv = sc->srv;
+    srv->held -= r->held;
+    r->held = 0;
     if (sc->c.closing) {
         conn_maybe_free(sc);
         return;
     }
-    if (sc->c.paused && sc->inflight < sc->srv->cfg.max_inflight)
+    if (sc->c.paused && can_read(sc))
         peer__conn_resume(&sc->c);
+    /* Connections held back by the server-wide byte budget. Restart the scan
+     * after each resume: resuming runs handlers, which may change the list. */
+    int again = srv->held < srv->cfg.max_held_bytes;
+    while (again) {
+        again = 0;
+        for (sconn *o = srv->conns; o; o = o->next)
+            if (o->c.paused && !o->c.closing && !o->c.failed && can_read(o)) {
+                peer__conn_resume(&o->c);
+                again = 1;
+                break;
+            }
+    }
 }
 
 static void close_conn(sconn *sc);
@@ -303,10 +325,12 @@ static void on_message(peer__conn *c, const peer_msg *m, int rc)
         r->id = m->id;
         r->method = m->method;
         r->msg = *m;
+        r->held = c->rec_len;
+        srv->held += r->held;
         srv->st.requests++;
         srv->cfg.handler(r, &r->msg, srv->cfg.arg);
     }
-    if (!c->closing && sc->inflight >= srv->cfg.max_inflight)
+    if (!c->closing && !can_read(sc))
         peer__conn_pause(c);
 }
 
@@ -390,6 +414,8 @@ peer_rpc_server *peer_rpc_server_create(uv_loop_t *loop, const peer_rpc_server_c
         srv->cfg.max_frame = PEER_CHANNEL_MAX_RECORD;
     if (srv->cfg.max_inflight <= 0)
         srv->cfg.max_inflight = 64;
+    if (!srv->cfg.max_held_bytes)
+        srv->cfg.max_held_bytes = (size_t)1 << 30;
     if (srv->cfg.max_conns <= 0)
         srv->cfg.max_conns = 1024;
     if (!srv->cfg.handshake_timeout_ms)

@@ -12,8 +12,12 @@
  * (EMSGSIZE, then it closes the connection, since it cannot skip the record
  * without its bytes). A forged record or a failed handshake closes the
  * connection at once. Each connection holds at most max_inflight requests
- * the handler has not answered; beyond that the server stops reading from it
- * (TCP backpressure) until answers go out.
+ * the handler has not answered, and all unanswered requests together hold at
+ * most about max_held_bytes of frames (so a few clients pipelining huge
+ * frames cannot make the server allocate without bound); beyond either the
+ * server stops reading (TCP backpressure) until answers go out. Receive
+ * buffers are kept for reuse and not shrunk, so memory stays at its
+ * high-water mark.
  *
  * Thread-safety: everything runs on the loop thread except peer_rpc_respond*
  * and peer_rpc_request_* getters, which may be called from any thread for a
@@ -45,6 +49,8 @@ typedef struct peer_rpc_server_config {
     int no_aes;                     /* do not offer AES-GCM (tests) */
     size_t max_frame;               /* largest message; 0 = 256 MiB */
     int max_inflight;               /* unanswered requests per connection; 0 = 64 */
+    size_t max_held_bytes;          /* request bytes held by unanswered requests, all
+                                       connections together; 0 = 1 GiB */
     int max_conns;                  /* 0 = 1024; extra connections are closed */
     uint64_t handshake_timeout_ms;  /* 0 = 5000 */
     peer_rpc_handler handler;       /* required */

@@ -186,11 +186,14 @@ static int run_until(volatile int *flag, int ms)
     return *flag;
 }
 
+static size_t server_max_held;
+
 static peer_rpc_server *start_server(const uint8_t *swarm, size_t max_frame, int max_inflight,
                                      struct sockaddr_in *addr)
 {
     peer_rpc_server_config cfg = {.self = &id_s, .swarm_key = swarm, .max_frame = max_frame,
-                                  .max_inflight = max_inflight, .handler = handler};
+                                  .max_inflight = max_inflight, .handler = handler,
+                                  .max_held_bytes = server_max_held};
     peer_rpc_server *srv = peer_rpc_server_create(&loop, &cfg);
     assert_non_null(srv);
     uv_ip4_addr("127.0.0.1", 0, addr);
@@ -576,6 +579,51 @@ static void test_timeout_backpressure(void **state)
     close_client(&cl);
 }
 
+/* The server-wide byte budget holds back a client whose unanswered
+ * requests hold too many bytes, though max_inflight would allow more. */
+static void test_byte_budget(void **state)
+{
+    (void)state;
+    struct sockaddr_in addr;
+    server_max_held = 100000; /* two 40 KB requests fit, the third tips it */
+    peer_rpc_server *srv = start_server(NULL, 0, 64, &addr);
+    server_max_held = 0;
+    int st;
+    peer_rpc_client *cl = connect_client(&addr, id_s.id, NULL, 0, &st);
+    assert_int_equal(st, 0);
+    static float x[10000];
+    uint64_t shape[1] = {10000};
+    peer_msg req;
+    peer_msg_init(&req, PEER_KIND_REQUEST, PEER_METHOD_FORWARD, 0);
+    snprintf(req.block, sizeof req.block, "slow");
+    peer_tensor_f32(&req.t[0], x, 1, shape);
+    req.n_tensors = 1;
+    result r[8];
+    memset(r, 0, sizeof r);
+    n_handled = 0;
+    for (int i = 0; i < 8; i++)
+        assert_int_equal(peer_rpc_call(cl, &req, 0, on_reply, &r[i], NULL), 0);
+    volatile int never = 0;
+    run_until(&never, 150);
+    assert_int_equal(n_handled, 3);
+    release_parked();
+    uint64_t end = now_ms() + 3000;
+    while (n_handled < 6 && now_ms() < end)
+        uv_run(&loop, UV_RUN_ONCE);
+    run_until(&never, 50);
+    assert_int_equal(n_handled, 6);
+    release_parked();
+    end = now_ms() + 3000;
+    while (!r[7].done && now_ms() < end) {
+        uv_run(&loop, UV_RUN_ONCE);
+        release_parked();
+    }
+    for (int i = 0; i < 8; i++)
+        assert_int_equal(r[i].status, 0);
+    close_client(&cl);
+    stop_server(&srv);
+}
+
 /* Oversize frame: the server says EMSGSIZE and hangs up on that client only. */
 static void test_oversize(void **state)
 {
@@ -830,6 +878,7 @@ int main(void)
         cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_concurrent),
         cmocka_unit_test(test_timeout_backpressure),
+        cmocka_unit_test(test_byte_budget),
         cmocka_unit_test(test_oversize),
         cmocka_unit_test(test_large_echo),
         cmocka_unit_test(test_hostile_client),
