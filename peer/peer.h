@@ -7,11 +7,15 @@
 #ifndef PEER_PEER_H
 #define PEER_PEER_H
 
+#include "peer/announce.h"
 #include "peer/batcher.h"
 #include "peer/channel.h"
+#include "peer/daemon.h"
 #include "peer/device.h"
+#include "peer/metrics.h"
 #include "peer/rpc_client.h"
 #include "peer/rpc_server.h"
+#include "peer/service.h"
 #include "peer/wire.h"
 
 #endif

@@ -80,7 +80,8 @@ peer_cipher peer_rpc_client_cipher(const peer_rpc_client *cl);
 void peer_rpc_client_close(peer_rpc_client *cl, void (*close_cb)(peer_rpc_client *, void *),
                            void *arg);
 
-/* Frees a client that was never connected or whose close_cb has run.
+/* Frees a client on which connect was never called, or whose close_cb has
+ * run (after any connect attempt, failed ones included, close first).
  * Accepts NULL; sets *p = NULL. */
 void peer_rpc_client_destroy(peer_rpc_client **p);
 

@@ -62,7 +62,8 @@ typedef struct peer_rpc_server_stats {
     uint64_t requests, replies, bad_frames, oversize_frames;
 } peer_rpc_server_stats;
 
-/* Returns NULL on bad arguments or no memory. */
+/* Call on the thread that runs loop: the server remembers it to tell loop
+ * replies from worker replies. Returns NULL on bad arguments or no memory. */
 peer_rpc_server *peer_rpc_server_create(uv_loop_t *loop, const peer_rpc_server_config *cfg);
 
 /* Binds and listens. Returns 0 or a libuv error (negative errno). */

@@ -9,5 +9,7 @@
 #include "routing/data.h"
 #include "routing/pipeline.h"
 #include "routing/replica.h"
+#include "routing/swarm.h"
+#include "routing/trainer.h"
 
 #endif

@@ -1,0 +1,623 @@
+#include "routing/trainer.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#include <uthash.h>
+
+#include "expert/ops.h"
+#include "peer/rpc_client.h"
+#include "peer/wire.h"
+#include "routing/pipeline.h"
+#include "routing/replica.h"
+#include "routing/swarm.h"
+
+#define PUMP_MS 20
+#define WAIT_NOTE_S 5.0
+
+enum conn_state { CONN_CONNECTING, CONN_READY, CONN_FAILED };
+
+typedef struct conn {
+    uint8_t id[DHT_ID_LEN];        /* hash key */
+    struct trainer *t;
+    peer_rpc_client *cl;
+    int state;
+    int closing;
+    UT_hash_handle hh;
+} conn;
+
+/* A call taken from the pipeline: parked until sent, then outstanding. */
+typedef struct pend {
+    route_call call;
+    int used;
+    int sent;
+    uint8_t holder[DHT_ID_LEN];
+    double t0;
+    struct trainer *t;
+} pend;
+
+typedef enum phase { PH_TRAIN, PH_EVAL, PH_DONE } phase;
+
+typedef struct trainer {
+    uv_loop_t *loop;
+    route_train_config cfg;
+    route_train_result *res;
+    route_swarm *swarm;
+    route_pipeline *pipe;
+    conn *conns;
+    int conns_open;                /* clients not yet freed */
+    pend *pends;                   /* cfg.inflight entries */
+    uv_timer_t pump_timer;
+    int timer_closed;
+    uint64_t rng;
+    phase ph;
+    int epoch;                     /* 1-based */
+    int *order;                    /* training sample order */
+    long cursor;                   /* next sample of the current pass */
+    long n_train, n_test;
+    long done_total, total;
+    double t_start, t_epoch, train_time, ep_time;
+    double ep_loss;
+    long ep_samples, ep_retries;
+    double recent_loss;
+    long eval_correct;
+    double eval_loss;
+    long eval_done;
+    double no_holder_since[ROUTE_PIPELINE_MAX_STAGES];
+    double last_note[ROUTE_PIPELINE_MAX_STAGES];
+    int finishing;
+    int rc;
+    /* loss scratch */
+    float *probs, *losses;
+    int32_t *targets;
+    /* batch staging */
+    float *xbuf;
+    uint8_t *ybuf;
+} trainer;
+
+static double now_s(const trainer *t)
+{
+    return (double)uv_now(t->loop) / 1000.0;
+}
+
+static void note(trainer *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void note(trainer *t, const char *fmt, ...)
+{
+    char msg[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (t->cfg.on_message)
+        t->cfg.on_message(t->cfg.arg, msg);
+}
+
+/* ---- the loss, computed here: the trainer holds only data and the loss ---- */
+
+static int loss_fn(void *ctx, const float *logits, const uint8_t *labels, int B, int C, float *dl,
+                   double *loss_sum, int *correct)
+{
+    trainer *t = ctx;
+    for (int i = 0; i < B; i++)
+        t->targets[i] = labels[i];
+    int rc = expert_crossentropy_forward(t->losses, t->probs, logits, t->targets, B, C);
+    if (rc != 0)
+        return rc;
+    /* The blocks expect the gradient of the loss SUMMED over samples. */
+    rc = expert_crossentropy_backward(dl, t->probs, t->targets, 1.0f, B, C);
+    if (rc != 0)
+        return rc;
+    double s = 0;
+    int ok = 0;
+    for (int i = 0; i < B; i++) {
+        s += t->losses[i];
+        const float *z = logits + (size_t)i * C;
+        int arg = 0;
+        for (int c = 1; c < C; c++)
+            if (z[c] > z[arg])
+                arg = c;
+        ok += arg == labels[i];
+    }
+    *loss_sum = s;
+    *correct = ok;
+    return 0;
+}
+
+/* ---- connections ---- */
+
+static void on_conn_closed(peer_rpc_client *cl, void *arg)
+{
+    conn *c = arg;
+    trainer *t = c->t;
+    peer_rpc_client_destroy(&cl);
+    free(c);
+    t->conns_open--;
+}
+
+static void conn_drop(trainer *t, conn *c)
+{
+    if (c->closing)
+        return;
+    c->closing = 1;
+    HASH_DEL(t->conns, c);
+    peer_rpc_client_close(c->cl, on_conn_closed, c);
+}
+
+static void pump(trainer *t);
+
+static void on_connect(peer_rpc_client *cl, int status, void *arg)
+{
+    (void)cl;
+    conn *c = arg;
+    trainer *t = c->t;
+    if (c->closing)
+        return;
+    if (status == 0) {
+        c->state = CONN_READY;
+    } else {
+        c->state = CONN_FAILED;
+        /* Ban the holder everywhere it appears. */
+        for (int s = 0; s < route_swarm_n_stages(t->swarm); s++) {
+            route_stage *st = route_swarm_stage(t->swarm, s);
+            for (int i = 0; i < st->n_holders; i++)
+                if (!memcmp(st->holders[i].rep.id, c->id, DHT_ID_LEN))
+                    route_replica_failure(&st->holders[i].rep, now_s(t), &t->rng);
+        }
+        char hex[DHT_ID_HEX_LEN + 1];
+        dht_id_to_hex(hex, c->id);
+        note(t, "cannot connect to holder %.12s: %s; trying other replicas", hex, strerror(-status));
+        conn_drop(t, c);
+    }
+    pump(t);
+}
+
+/* The connection to holder h, started if needed; NULL when it cannot be
+ * used right now (connecting, or it failed). */
+static conn *conn_get(trainer *t, const route_holder *h)
+{
+    conn *c = NULL;
+    HASH_FIND(hh, t->conns, h->rep.id, DHT_ID_LEN, c);
+    if (c)
+        return c->state == CONN_READY ? c : NULL;
+    dht_addr a;
+    struct sockaddr_storage ss;
+    if (dht_addr_parse(&a, h->ann.addr) != 0 || dht_addr_to_sockaddr(&a, &ss) < 0)
+        return NULL;
+    c = calloc(1, sizeof *c);
+    if (!c)
+        return NULL;
+    memcpy(c->id, h->rep.id, DHT_ID_LEN);
+    c->t = t;
+    peer_rpc_client_config cc;
+    memset(&cc, 0, sizeof cc);
+    cc.self = t->cfg.ident;
+    cc.expect_id = h->rep.id;
+    cc.swarm_key = t->cfg.swarm_key;
+    cc.max_pending = 4 * t->cfg.inflight + 8;
+    c->cl = peer_rpc_client_create(t->loop, &cc);
+    if (!c->cl) {
+        free(c);
+        return NULL;
+    }
+    if (peer_rpc_client_connect(c->cl, (const struct sockaddr *)&ss, on_connect, c) != 0) {
+        peer_rpc_client_destroy(&c->cl);
+        free(c);
+        return NULL;
+    }
+    c->state = CONN_CONNECTING;
+    HASH_ADD(hh, t->conns, id, DHT_ID_LEN, c);
+    t->conns_open++;
+    return NULL;
+}
+
+/* ---- calls ---- */
+
+static route_holder *find_holder(trainer *t, int stage, const uint8_t *id)
+{
+    route_stage *st = route_swarm_stage(t->swarm, stage);
+    for (int i = 0; st && i < st->n_holders; i++)
+        if (!memcmp(st->holders[i].rep.id, id, DHT_ID_LEN))
+            return &st->holders[i];
+    return NULL;
+}
+
+static void call_failed(trainer *t, pend *p, const char *why, int drop_conn)
+{
+    route_holder *h = find_holder(t, p->call.stage, p->holder);
+    if (h) {
+        if (h->rep.inflight > 0)
+            h->rep.inflight--;
+        route_replica_failure(&h->rep, now_s(t), &t->rng);
+    }
+    if (drop_conn) {
+        conn *c = NULL;
+        HASH_FIND(hh, t->conns, p->holder, DHT_ID_LEN, c);
+        if (c)
+            conn_drop(t, c);
+    }
+    (void)why;
+    p->sent = 0;
+    p->used = 0;
+    route_pipeline_call_done(t->pipe, p->call.token, -EIO);
+}
+
+static void on_reply(void *arg, int status, const peer_msg *m)
+{
+    pend *p = arg;
+    trainer *t = p->t;
+    if (status != 0) {
+        call_failed(t, p, "transport", status != -ETIMEDOUT);
+        pump(t);
+        return;
+    }
+    if (m->kind == PEER_KIND_ERROR) {
+        if (m->err_code == ENOENT)
+            route_swarm_invalidate(t->swarm, p->call.stage);
+        call_failed(t, p, m->err_msg, 0);
+        pump(t);
+        return;
+    }
+    const route_call *c = &p->call;
+    int width = c->kind == ROUTE_CALL_FORWARD ? c->width_out : c->width_in;
+    if (m->n_tensors != 1 || m->t[0].dtype != PEER_DTYPE_F32 || m->t[0].ndim != 2 ||
+        m->t[0].shape[0] != (uint64_t)c->rows || m->t[0].shape[1] != (uint64_t)width) {
+        call_failed(t, p, "wrong reply shape", 1);
+        pump(t);
+        return;
+    }
+    memcpy(c->outputs, m->t[0].data, (size_t)c->rows * (size_t)width * sizeof(float));
+    route_holder *h = find_holder(t, c->stage, p->holder);
+    if (h) {
+        if (h->rep.inflight > 0)
+            h->rep.inflight--;
+        route_replica_success(&h->rep, now_s(t) - p->t0);
+    }
+    p->sent = 0;
+    p->used = 0;
+    int rc = route_pipeline_call_done(t->pipe, c->token, 0);
+    if (rc != 0 && rc != -ENOENT)
+        note(t, "a batch was dropped: its labels are out of range (%s)", strerror(-rc));
+    pump(t);
+}
+
+/* Tries to send parked call p. Returns 1 if sent. */
+static int dispatch(trainer *t, pend *p)
+{
+    route_stage *st = route_swarm_stage(t->swarm, p->call.stage);
+    double now = now_s(t);
+    route_replica reps[ROUTE_MAX_HOLDERS];
+    int map[ROUTE_MAX_HOLDERS], n = 0;
+    for (int i = 0; i < st->n_holders; i++)
+        if (st->holders[i].ann.state == PEER_STATE_ONLINE) {
+            reps[n] = st->holders[i].rep;
+            map[n++] = i;
+        }
+    if (n == 0) {
+        if (t->no_holder_since[p->call.stage] == 0)
+            t->no_holder_since[p->call.stage] = now;
+        return 0;
+    }
+    t->no_holder_since[p->call.stage] = 0;
+    uint8_t skip[ROUTE_MAX_HOLDERS] = {0};
+    for (int tries = 0; tries < n; tries++) {
+        int k = route_pick_replica(reps, n, skip, now, &t->rng, NULL);
+        if (k < 0)
+            return 0;
+        skip[k] = 1;
+        route_holder *h = &st->holders[map[k]];
+        conn *c = conn_get(t, h);
+        if (!c)
+            continue;
+        peer_msg m;
+        peer_msg_init(&m, PEER_KIND_REQUEST,
+                      p->call.kind == ROUTE_CALL_FORWARD ? PEER_METHOD_FORWARD : PEER_METHOD_BACKWARD, 0);
+        snprintf(m.block, sizeof m.block, "%s", st->name);
+        uint64_t sin[2] = {(uint64_t)p->call.rows, (uint64_t)p->call.width_in};
+        uint64_t sout[2] = {(uint64_t)p->call.rows, (uint64_t)p->call.width_out};
+        peer_tensor_f32(&m.t[0], p->call.inputs, 2, sin);
+        m.n_tensors = 1;
+        if (p->call.kind == ROUTE_CALL_BACKWARD) {
+            peer_tensor_f32(&m.t[1], p->call.grad_outputs, 2, sout);
+            m.n_tensors = 2;
+        }
+        memcpy(p->holder, h->rep.id, DHT_ID_LEN);
+        p->t0 = now;
+        uint64_t timeout = (uint64_t)(t->cfg.call_timeout_s * 1000);
+        int rc = peer_rpc_call(c->cl, &m, timeout, on_reply, p, NULL);
+        if (rc == 0) {
+            p->sent = 1;
+            h->rep.inflight++;
+            return 1;
+        }
+        if (rc == -ENOTCONN)
+            conn_drop(t, c);
+    }
+    return 0;
+}
+
+/* ---- the schedule ---- */
+
+static void shuffle(trainer *t)
+{
+    for (long i = 0; i < t->n_train; i++)
+        t->order[i] = (int)i;
+    for (long i = t->n_train - 1; i > 0; i--) {
+        long j = (long)(route_rand01(&t->rng) * (double)(i + 1));
+        int tmp = t->order[i];
+        t->order[i] = t->order[j];
+        t->order[j] = tmp;
+    }
+}
+
+static void finish(trainer *t, int rc);
+
+static void push_batches(trainer *t)
+{
+    const route_dataset *d = t->ph == PH_TRAIN ? t->cfg.train : t->cfg.test;
+    long n = t->ph == PH_TRAIN ? t->n_train : t->n_test;
+    int w = d->rows * d->cols;
+    while (t->cursor < n) {
+        int rows = (int)(n - t->cursor < t->cfg.batch ? n - t->cursor : t->cfg.batch);
+        for (int r = 0; r < rows; r++) {
+            long idx = t->ph == PH_TRAIN ? t->order[t->cursor + r] : t->cursor + r;
+            memcpy(t->xbuf + (size_t)r * (size_t)w, d->images + (size_t)idx * (size_t)w,
+                   (size_t)w * sizeof(float));
+            t->ybuf[r] = d->labels[idx];
+        }
+        int64_t seq = t->ph == PH_TRAIN ? route_pipeline_push(t->pipe, t->xbuf, t->ybuf, rows)
+                                        : route_pipeline_push_eval(t->pipe, t->xbuf, t->ybuf, rows);
+        if (seq < 0)
+            break;
+        t->cursor += rows;
+    }
+}
+
+static void collect(trainer *t)
+{
+    route_batch_result r;
+    while (route_pipeline_pop_result(t->pipe, &r)) {
+        t->res->retries += r.retries;
+        if (r.forward_only) {
+            t->eval_correct += r.correct;
+            t->eval_loss += r.loss_sum;
+            t->eval_done += r.rows;
+            continue;
+        }
+        t->ep_retries += r.retries;
+        t->ep_loss += r.loss_sum;
+        t->ep_samples += r.rows;
+        t->done_total += r.rows;
+        double bl = r.loss_sum / r.rows;
+        t->recent_loss = t->recent_loss == 0 ? bl : 0.9 * t->recent_loss + 0.1 * bl;
+        if (t->cfg.on_progress) {
+            route_train_progress pr = {t->epoch, t->done_total, t->total, t->recent_loss,
+                                       t->train_time + (now_s(t) - t->t_epoch), t->res->retries};
+            t->cfg.on_progress(t->cfg.arg, &pr);
+        }
+    }
+}
+
+static void advance_phase(trainer *t)
+{
+    long n = t->ph == PH_TRAIN ? t->n_train : t->n_test;
+    if (t->cursor < n || route_pipeline_inflight(t->pipe) > 0)
+        return;
+    if (t->ph == PH_TRAIN) {
+        double ep_time = now_s(t) - t->t_epoch;
+        t->train_time += ep_time;
+        t->ph = PH_EVAL;
+        t->cursor = 0;
+        t->eval_correct = 0;
+        t->eval_loss = 0;
+        t->eval_done = 0;
+        t->res->samples = t->done_total;
+        /* remember the epoch's figures for on_epoch */
+        t->res->train_time_s = t->train_time;
+        t->ep_loss = t->ep_samples ? t->ep_loss / (double)t->ep_samples : 0;
+        t->ep_time = ep_time;
+        return;
+    }
+    /* evaluation finished */
+    route_epoch_result e;
+    e.epoch = t->epoch;
+    e.train_loss = t->ep_loss;
+    e.test_loss = t->eval_done ? t->eval_loss / (double)t->eval_done : 0;
+    e.test_acc = t->eval_done ? (double)t->eval_correct / (double)t->eval_done : 0;
+    e.samples = t->ep_samples;
+    e.train_time_s = t->ep_time;
+    e.retries = t->ep_retries;
+    t->res->epochs = t->epoch;
+    t->res->test_acc = e.test_acc;
+    t->res->test_loss = e.test_loss;
+    if (t->cfg.on_epoch)
+        t->cfg.on_epoch(t->cfg.arg, &e);
+    if (t->epoch >= t->cfg.epochs) {
+        finish(t, 0);
+        return;
+    }
+    t->epoch++;
+    t->ph = PH_TRAIN;
+    t->cursor = 0;
+    t->ep_loss = 0;
+    t->ep_samples = 0;
+    t->ep_retries = 0;
+    shuffle(t);
+    t->t_epoch = now_s(t);
+}
+
+static void check_waits(trainer *t)
+{
+    double now = now_s(t);
+    for (int s = 0; s < route_swarm_n_stages(t->swarm); s++) {
+        double since = t->no_holder_since[s];
+        if (since == 0)
+            continue;
+        route_stage *st = route_swarm_stage(t->swarm, s);
+        if (now - since > t->cfg.max_wait_s) {
+            snprintf(t->res->error, sizeof t->res->error,
+                     "stage %s has no online holder (waited %.0f s%s); start a peer with "
+                     "--blocks %d", st->name, now - since,
+                     st->wrong_hash ? ", and some holders run another version of the model" : "", s);
+            finish(t, -ETIMEDOUT);
+            return;
+        }
+        if (now - t->last_note[s] >= WAIT_NOTE_S && now - since >= 1.0) {
+            t->last_note[s] = now;
+            note(t, "waiting for a holder of %s (%s; %.0f s so far, giving up after %.0f s)", st->name,
+                 st->wrong_hash ? "holders found run another model version" : "none online", now - since,
+                 t->cfg.max_wait_s);
+        }
+    }
+}
+
+static void pump(trainer *t)
+{
+    if (t->finishing)
+        return;
+    route_swarm_refresh(t->swarm, now_s(t));
+    collect(t);
+    advance_phase(t);
+    if (t->finishing)
+        return;
+    push_batches(t);
+    /* Park every ready call, then send what can be sent. */
+    for (int i = 0; i < t->cfg.inflight; i++) {
+        pend *p = &t->pends[i];
+        if (p->used)
+            continue;
+        if (!route_pipeline_next_call(t->pipe, &p->call))
+            break;
+        p->used = 1;
+        p->sent = 0;
+        p->t = t;
+    }
+    for (int i = 0; i < t->cfg.inflight; i++) {
+        pend *p = &t->pends[i];
+        if (p->used && !p->sent)
+            dispatch(t, p);
+    }
+    check_waits(t);
+}
+
+static void on_pump_timer(uv_timer_t *h)
+{
+    pump(h->data);
+}
+
+static void on_timer_closed(uv_handle_t *h)
+{
+    trainer *t = h->data;
+    t->timer_closed = 1;
+}
+
+static void finish(trainer *t, int rc)
+{
+    if (t->finishing)
+        return;
+    t->finishing = 1;
+    t->rc = rc;
+    uv_timer_stop(&t->pump_timer);
+    uv_close((uv_handle_t *)&t->pump_timer, on_timer_closed);
+    conn *c, *tmp;
+    HASH_ITER(hh, t->conns, c, tmp)
+        conn_drop(t, c);
+}
+
+int route_train_run(uv_loop_t *loop, const route_train_config *cfg_in, route_train_result *out)
+{
+    if (!out)
+        return -EINVAL;
+    memset(out, 0, sizeof *out);
+    if (!loop || !cfg_in || !cfg_in->dht || !cfg_in->ident || !cfg_in->model || !cfg_in->train ||
+        !cfg_in->test || cfg_in->epochs < 1 || cfg_in->batch < 1 || cfg_in->inflight < 1 ||
+        cfg_in->inflight > ROUTE_PIPELINE_MAX_INFLIGHT ||
+        cfg_in->model->n_stages > ROUTE_PIPELINE_MAX_STAGES) {
+        snprintf(out->error, sizeof out->error, "invalid training configuration");
+        return -EINVAL;
+    }
+    const struct expert_model_spec *m = cfg_in->model;
+    int in_w = cfg_in->train->rows * cfg_in->train->cols;
+    if (in_w != m->n_in || cfg_in->test->rows * cfg_in->test->cols != m->n_in ||
+        cfg_in->train->classes > m->n_out || cfg_in->test->classes > m->n_out) {
+        snprintf(out->error, sizeof out->error,
+                 "the data (%d inputs, %d classes) does not fit model %s (%d inputs, %d outputs)", in_w,
+                 cfg_in->train->classes, m->name, m->n_in, m->n_out);
+        return -EINVAL;
+    }
+    trainer *t = calloc(1, sizeof *t);
+    if (!t)
+        return -ENOMEM;
+    t->loop = loop;
+    t->cfg = *cfg_in;
+    if (!(t->cfg.call_timeout_s > 0))
+        t->cfg.call_timeout_s = 30;
+    if (!(t->cfg.max_wait_s > 0))
+        t->cfg.max_wait_s = 120;
+    if (!(t->cfg.refresh_s > 0))
+        t->cfg.refresh_s = 10;
+    t->res = out;
+    t->rng = t->cfg.seed * 0x9E3779B97F4A7C15ULL + 0x1234567ULL;
+    if (t->rng == 0)
+        t->rng = 1;
+    t->n_train = t->cfg.n_train > 0 && t->cfg.n_train < t->cfg.train->n ? t->cfg.n_train : t->cfg.train->n;
+    t->n_test = t->cfg.n_test > 0 && t->cfg.n_test < t->cfg.test->n ? t->cfg.n_test : t->cfg.test->n;
+    t->total = t->n_train * t->cfg.epochs;
+
+    int widths[ROUTE_PIPELINE_MAX_STAGES + 1];
+    for (int s = 0; s < m->n_stages; s++) {
+        struct expert_block_config c;
+        expert_model_stage(m, s, &c);
+        widths[s] = c.in;
+        widths[s + 1] = c.out;
+    }
+    route_pipeline_config pc = {m->n_stages, widths, t->cfg.batch, t->cfg.inflight, loss_fn, t};
+    t->pipe = route_pipeline_create(&pc);
+    t->swarm = route_swarm_create(t->cfg.dht, m, t->cfg.refresh_s);
+    t->pends = calloc((size_t)t->cfg.inflight, sizeof *t->pends);
+    t->order = malloc((size_t)t->n_train * sizeof *t->order);
+    t->probs = malloc((size_t)t->cfg.batch * (size_t)m->n_out * sizeof(float));
+    t->losses = malloc((size_t)t->cfg.batch * sizeof(float));
+    t->targets = malloc((size_t)t->cfg.batch * sizeof(int32_t));
+    t->xbuf = malloc((size_t)t->cfg.batch * (size_t)in_w * sizeof(float));
+    t->ybuf = malloc((size_t)t->cfg.batch);
+    int rc = 0;
+    if (!t->pipe || !t->swarm || !t->pends || !t->order || !t->probs || !t->losses || !t->targets ||
+        !t->xbuf || !t->ybuf) {
+        snprintf(out->error, sizeof out->error, "out of memory");
+        rc = -ENOMEM;
+        goto out;
+    }
+    t->epoch = 1;
+    t->ph = PH_TRAIN;
+    shuffle(t);
+    uv_update_time(loop);
+    t->t_start = t->t_epoch = now_s(t);
+    uv_timer_init(loop, &t->pump_timer);
+    t->pump_timer.data = t;
+    uv_timer_start(&t->pump_timer, on_pump_timer, 0, PUMP_MS);
+
+    /* The DHT keeps the loop alive, so run until our own handles are closed. */
+    while (!(t->finishing && t->timer_closed && t->conns_open == 0))
+        uv_run(loop, UV_RUN_ONCE);
+    rc = t->rc;
+    out->train_time_s = t->train_time;
+    out->samples = t->done_total;
+    out->samples_per_s = t->train_time > 0 ? (double)t->done_total / t->train_time : 0;
+out:
+    route_swarm_destroy(&t->swarm);
+    route_pipeline_destroy(&t->pipe);
+    free(t->pends);
+    free(t->order);
+    free(t->probs);
+    free(t->losses);
+    free(t->targets);
+    free(t->xbuf);
+    free(t->ybuf);
+    free(t);
+    return rc;
+}

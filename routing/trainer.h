@@ -1,0 +1,81 @@
+/* routing/trainer.h: training a model whose stages are served by the swarm.
+ *
+ * The trainer holds the data and the loss; every parameterised stage lives
+ * on peers. It finds each stage's holders through the DHT (routing/swarm.h),
+ * keeps several micro-batches in flight (routing/pipeline.h) so all stages
+ * work at once, sends each forward and backward call to a replica chosen at
+ * random in proportion to its expected service rate (routing/replica.h),
+ * and on a timeout or an error bans that replica for a while and sends the
+ * same call to another: no batch is lost. When a stage has no online holder
+ * the trainer waits (saying so) up to max_wait_s, then gives up with a
+ * message naming the stage. After each epoch it evaluates the test set
+ * through the same swarm (forward only).
+ *
+ * route_train_run drives the given loop until training ends; the DHT must
+ * already be started (and joined) on that loop and stays the caller's.
+ */
+#ifndef ROUTE_TRAINER_H
+#define ROUTE_TRAINER_H
+
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "dht/dht.h"
+#include "expert/model.h"
+#include "routing/data.h"
+
+typedef struct route_train_progress {
+    int epoch;                 /* 1-based */
+    long done;                 /* training samples finished this run */
+    long total;                /* training samples in the whole run */
+    double loss;               /* mean loss of the recent batches */
+    double elapsed_s;          /* training time so far (evaluation excluded) */
+    long retries;
+} route_train_progress;
+
+typedef struct route_epoch_result {
+    int epoch;
+    double train_loss;         /* mean over the epoch's samples */
+    double test_loss, test_acc;
+    long samples;              /* training samples this epoch */
+    double train_time_s;       /* this epoch's training time */
+    long retries;              /* calls re-sent this epoch */
+} route_epoch_result;
+
+typedef struct route_train_config {
+    dht *dht;                               /* started and joined; borrowed */
+    const dht_identity *ident;              /* for the RPC handshakes */
+    const uint8_t *swarm_key;               /* 32 bytes or NULL */
+    const struct expert_model_spec *model;
+    const route_dataset *train, *test;      /* borrowed */
+    int n_train, n_test;                    /* first n samples (0 = all) */
+    int epochs;                             /* >= 1 */
+    int batch;                              /* micro-batch rows */
+    int inflight;                           /* micro-batches in flight */
+    uint64_t seed;                          /* data order */
+    double call_timeout_s;                  /* one RPC (default 30) */
+    double max_wait_s;                      /* a stage without holders (default 120) */
+    double refresh_s;                       /* holder lookups (default 10) */
+    void (*on_progress)(void *arg, const route_train_progress *p);
+    void (*on_epoch)(void *arg, const route_epoch_result *e);
+    void (*on_message)(void *arg, const char *msg);
+    void *arg;
+} route_train_config;
+
+typedef struct route_train_result {
+    int epochs;                /* completed */
+    long samples;              /* training samples processed (each exactly once per epoch) */
+    double train_time_s;
+    double samples_per_s;
+    double test_acc, test_loss;
+    long retries;
+    char error[320];           /* why it stopped early, or "" */
+} route_train_result;
+
+/* Runs training to the end. Returns 0, or -ETIMEDOUT (a stage stayed without
+ * holders longer than max_wait_s), -EINVAL (bad config), -ENOMEM; out->error
+ * says what happened. */
+int route_train_run(uv_loop_t *loop, const route_train_config *cfg, route_train_result *out);
+
+#endif
