@@ -1,13 +1,14 @@
 /* expert/bias.c: broadcast bias add and its row-sum backward. */
 #include "expert/ops.h"
+#include "expert/pool.h"
 #include "expert/simd.h"
 
 #include <errno.h>
 
 EXPERT__CLONES
-static void bias_fwd(float *out, const float *inp, const float *bias, int B, int C)
+static void bias_fwd(float *out, const float *inp, const float *bias, int B0, int B1, int C)
 {
-    for (int b = 0; b < B; b++) {
+    for (int b = B0; b < B1; b++) {
         float *o = out + (size_t)b * C;
         const float *x = inp + (size_t)b * C;
         for (int c = 0; c < C; c++)
@@ -26,11 +27,26 @@ static void bias_bwd(float *dbias, const float *dout, int B, int C)
     }
 }
 
+struct bias_job {
+    float *out;
+    const float *inp, *bias;
+    int B, C;
+};
+
+static void bias_fwd_task(void *p, int i, int n)
+{
+    struct bias_job *j = p;
+    size_t lo, hi;
+    expert__split((size_t)j->B, i, n, 1, &lo, &hi);
+    bias_fwd(j->out, j->inp, j->bias, (int)lo, (int)hi, j->C);
+}
+
 int expert_bias_forward(float *out, const float *inp, const float *bias, int B, int C)
 {
     if (!out || !inp || !bias || B < 0 || C <= 0)
         return -EINVAL;
-    bias_fwd(out, inp, bias, B, C);
+    struct bias_job j = { out, inp, bias, B, C };
+    expert__parallel(bias_fwd_task, &j, (size_t)B * C);
     return 0;
 }
 

@@ -32,7 +32,9 @@
  * state are single-buffered and guarded by a mutex: backward, step, load and
  * serialise exclude each other (backwards on one block are serialised; BLAS
  * threads parallelise each one). All functions on one block are thread-safe
- * except expert_block_destroy.
+ * except expert_block_destroy. A thread must not hold a snapshot pin while
+ * it calls step/load/set_params on the same block: the second such call
+ * would wait for its own pin.
  */
 #ifndef EXPERT_BLOCK_H
 #define EXPERT_BLOCK_H

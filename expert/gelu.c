@@ -1,6 +1,7 @@
 /* expert/gelu.c: GELU (exact erf form, as torch.nn.GELU()) and the fused
  * bias+GELU pass the feed-forward block uses on its hidden activations. */
 #include "expert/ops.h"
+#include "expert/pool.h"
 #include "expert/simd.h"
 
 #include <errno.h>
@@ -75,9 +76,9 @@ static void gelu_bwd(float *dinp, const float *dout, const float *inp, long N)
 
 EXPERT__CLONES
 static void bias_gelu_fwd(float *out, float *dgelu, float *pre, const float *bias,
-                          int B, int C)
+                          int B0, int B1, int C)
 {
-    for (int b = 0; b < B; b++) {
+    for (int b = B0; b < B1; b++) {
         size_t o = (size_t)b * C;
         /* pre is read, biased, written back, then out (may alias pre) written. */
         gelu_row(out + o, dgelu ? dgelu + o : NULL, pre + o, pre + o, bias, NULL, C,
@@ -85,15 +86,17 @@ static void bias_gelu_fwd(float *out, float *dgelu, float *pre, const float *bia
     }
 }
 
+/* Columns [C0, C1) of every row: splitting by column keeps each dbias
+ * element in one task, so the parts need no reduction. */
 EXPERT__CLONES
 static void bias_gelu_bwd(float *dpre, float *dbias, const float *dout,
-                          const float *dgelu, int B, int C)
+                          const float *dgelu, int B, int C, int C0, int C1)
 {
     for (int b = 0; b < B; b++) {
         float *dp = dpre + (size_t)b * C;
         const float *dy = dout + (size_t)b * C;
         const float *d = dgelu + (size_t)b * C;
-        for (int c = 0; c < C; c++) {
+        for (int c = C0; c < C1; c++) {
             float v = dy[c] * d[c];
             dp[c] = v;
             dbias[c] += v;
@@ -117,12 +120,35 @@ int expert_gelu_backward(float *dinp, const float *dout, const float *inp, long 
     return 0;
 }
 
+struct bg_job {
+    float *out, *dgelu, *pre, *dpre, *dbias;
+    const float *bias, *dout, *dg;
+    int B, C;
+};
+
+static void bg_fwd_task(void *p, int i, int n)
+{
+    struct bg_job *j = p;
+    size_t lo, hi;
+    expert__split((size_t)j->B, i, n, 1, &lo, &hi);
+    bias_gelu_fwd(j->out, j->dgelu, j->pre, j->bias, (int)lo, (int)hi, j->C);
+}
+
+static void bg_bwd_task(void *p, int i, int n)
+{
+    struct bg_job *j = p;
+    size_t lo, hi;
+    expert__split((size_t)j->C, i, n, 16, &lo, &hi); /* whole cache lines */
+    bias_gelu_bwd(j->dpre, j->dbias, j->dout, j->dg, j->B, j->C, (int)lo, (int)hi);
+}
+
 int expert_bias_gelu_forward(float *out, float *dgelu, float *pre, const float *bias,
                              int B, int C)
 {
     if (!out || !pre || !bias || B < 0 || C <= 0)
         return -EINVAL;
-    bias_gelu_fwd(out, dgelu, pre, bias, B, C);
+    struct bg_job j = { .out = out, .dgelu = dgelu, .pre = pre, .bias = bias, .B = B, .C = C };
+    expert__parallel(bg_fwd_task, &j, (size_t)B * C);
     return 0;
 }
 
@@ -131,6 +157,7 @@ int expert_bias_gelu_backward(float *dpre, float *dbias, const float *dout,
 {
     if (!dpre || !dbias || !dout || !dgelu || B < 0 || C <= 0)
         return -EINVAL;
-    bias_gelu_bwd(dpre, dbias, dout, dgelu, B, C);
+    struct bg_job j = { .dpre = dpre, .dbias = dbias, .dout = dout, .dg = dgelu, .B = B, .C = C };
+    expert__parallel(bg_bwd_task, &j, (size_t)B * C);
     return 0;
 }

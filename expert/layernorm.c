@@ -1,6 +1,7 @@
 /* expert/layernorm.c: LayerNorm over the last dimension (biased variance,
  * eps = EXPERT_LN_EPS, as torch.nn.LayerNorm). */
 #include "expert/ops.h"
+#include "expert/pool.h"
 #include "expert/simd.h"
 
 #include <errno.h>
@@ -8,9 +9,9 @@
 
 EXPERT__CLONES
 static void ln_fwd(float *out, float *mean, float *rstd, const float *inp,
-                   const float *w, const float *b, int N, int C)
+                   const float *w, const float *b, int N0, int N1, int C)
 {
-    for (int n = 0; n < N; n++) {
+    for (int n = N0; n < N1; n++) {
         const float *x = inp + (size_t)n * C;
         float *o = out + (size_t)n * C;
         /* Two passes (mean, then centred squares): the one-pass E[x²]-E[x]²
@@ -62,12 +63,29 @@ static void ln_bwd(float *dinp, float *dw, float *db, const float *dout,
     }
 }
 
+struct ln_job {
+    float *out, *mean, *rstd;
+    const float *inp, *w, *b;
+    int N, C;
+};
+
+/* Rows are independent in the forward, so parts split by row. (The
+ * backward's dw/db sums over rows; it stays on one thread.) */
+static void ln_fwd_task(void *p, int i, int n)
+{
+    struct ln_job *j = p;
+    size_t lo, hi;
+    expert__split((size_t)j->N, i, n, 1, &lo, &hi);
+    ln_fwd(j->out, j->mean, j->rstd, j->inp, j->w, j->b, (int)lo, (int)hi, j->C);
+}
+
 int expert_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
                              const float *w, const float *b, int N, int C)
 {
     if (!out || !inp || !w || !b || N < 0 || C <= 0)
         return -EINVAL;
-    ln_fwd(out, mean, rstd, inp, w, b, N, C);
+    struct ln_job j = { out, mean, rstd, inp, w, b, N, C };
+    expert__parallel(ln_fwd_task, &j, (size_t)N * C);
     return 0;
 }
 

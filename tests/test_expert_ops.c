@@ -4,6 +4,7 @@
 
 #include <errno.h>
 
+#include "expert/blas.h"
 #include "expert/ops.h"
 
 #define SEED 20260101u
@@ -321,6 +322,43 @@ static void test_ops_table_and_bad_args(void **state)
     assert_int_equal(ops.bias_forward(x, x, NULL, 1, 1), -EINVAL);
 }
 
+/* Large passes split across the helper pool when BLAS has 2+ threads; each
+ * element is computed by the same code either way, so the results must be
+ * bit-identical to one thread (and the pool must not lose a part). */
+static void test_pool_split_identical(void **state)
+{
+    (void)state;
+    uint64_t s = SEED + 9;
+    int B = 300, C = 1040; /* > EXPERT__POOL_MIN_WORK; C not a multiple of 16·n */
+    size_t n = (size_t)B * C;
+    float *x = tx_alloc(n), *bias = tx_alloc(C), *w = tx_alloc(C), *dy = tx_alloc(n);
+    tx_fill(x, n, &s, 3.0f);
+    tx_fill(bias, C, &s, 1.0f);
+    tx_fill(w, C, &s, 1.0f);
+    tx_fill(dy, n, &s, 1.0f);
+    float *r[2][6];
+    int old = expert_blas_threads();
+    for (int k = 0; k < 2; k++) {
+        expert_blas_set_threads(k ? 3 : 1);
+        for (int j = 0; j < 6; j++)
+            r[k][j] = tx_alloc(j == 4 ? (size_t)C : n);
+        float *pre = r[k][0], *out = r[k][1], *dg = r[k][2], *dpre = r[k][3], *db = r[k][4];
+        memcpy(pre, x, n * sizeof(float));
+        assert_int_equal(expert_bias_gelu_forward(out, dg, pre, bias, B, C), 0);
+        assert_int_equal(expert_bias_gelu_backward(dpre, db, dy, dg, B, C), 0);
+        assert_int_equal(expert_layernorm_forward(r[k][5], NULL, NULL, x, w, bias, B, C), 0);
+        assert_int_equal(expert_bias_forward(pre, pre, bias, B, C), 0);
+        assert_int_equal(expert_residual_forward(out, out, dy, (long)n), 0);
+    }
+    expert_blas_set_threads(old);
+    for (int j = 0; j < 6; j++) {
+        assert_int_equal(tx_check(r[1][j], r[0][j], j == 4 ? (size_t)C : n, 0, 0, "pool vs 1 thread"), 0);
+        free(r[0][j]);
+        free(r[1][j]);
+    }
+    free(x); free(bias); free(w); free(dy);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -333,6 +371,7 @@ int main(void)
         cmocka_unit_test(test_residual),
         cmocka_unit_test(test_crossentropy),
         cmocka_unit_test(test_ops_table_and_bad_args),
+        cmocka_unit_test(test_pool_split_identical),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
