@@ -1,40 +1,320 @@
-/* starling train: train through the swarm (lands with the routing issue). */
+/* starling train: train a model through the swarm on Fashion-MNIST. */
+#include <errno.h>
+#include <limits.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
 
+#include "expert/expert.h"
+#include "expert/model.h"
+#include "routing/routing.h"
 #include "tools/cli.h"
+#include "tools/client.h"
+#include "tools/report.h"
 
 static const char train_help[] =
-    "Usage: starling train --initial-peers ADDR --model NAME [--epochs N] [--batch B]\n"
-    "                      [--lr X] [--data DIR] [--json]\n"
+    "Usage: starling train --initial-peers ADDR[,ADDR...] [--model NAME] [--epochs N]\n"
+    "                      [--batch B] [--data DIR] [--json] ...\n"
     "\n"
-    "Trains a model whose blocks are served by the swarm, on Fashion-MNIST\n"
-    "(Debian package dataset-fashion-mnist). The trainer holds only the data\n"
-    "and the loss.\n"
+    "Trains a model whose stages are served by the swarm's peers on Fashion-MNIST\n"
+    "(Debian package dataset-fashion-mnist). The trainer holds only the data and\n"
+    "the loss: it finds each stage's holders in the DHT, keeps several micro-batches\n"
+    "in flight, and retries a failed call on another replica, so no batch is lost.\n"
+    "The optimizer runs on the peers (see 'starling peer --lr/--target-batch').\n"
     "\n"
     "Options:\n"
-    "  --initial-peers LIST  DHT addresses to join through\n"
-    "  --model NAME          model to train, e.g. fmnist-mlp\n"
-    "  --epochs N            passes over the training set\n"
-    "  --batch B             samples per micro-batch\n"
-    "  --lr X                learning rate\n"
-    "  --data DIR            Fashion-MNIST IDX files (default: the Debian package's)\n"
-    "  --json                print one final JSON line\n"
-    "  -h, --help            this text\n"
+    "  --initial-peers LIST   DHT addresses to join through (required)\n"
+    "  --model NAME           model to train (default fmnist-mlp)\n"
+    "  --epochs N             passes over the training set (default 1)\n"
+    "  --batch B              samples per micro-batch (default 64)\n"
+    "  --inflight K           micro-batches in flight (default 2). Peers step after\n"
+    "                         --target-batch samples (default 128); keeping\n"
+    "                         K x B near that keeps gradients fresh: more in flight\n"
+    "                         is faster but staler (see docs/benchmarks.md)\n"
+    "  --data DIR             Fashion-MNIST IDX files (default: $FASHION_MNIST_DIR, then\n"
+    "                         /usr/share/datasets/fashion-mnist)\n"
+    "  --train-samples N      use the first N training samples (default all 60000)\n"
+    "  --test-samples N       evaluate on the first N test samples (default all 10000)\n"
+    "  --seed N               data order seed (default 0)\n"
+    "  --timeout S            seconds before a call is retried elsewhere (default 30)\n"
+    "  --max-wait S           give up when a stage has no holder this long (default 120)\n"
+    "  --metrics-log FILE     JSON lines log (default starling-train.jsonl)\n"
+    "  --plot FILE            loss/accuracy plot, SVG (default starling-train.svg)\n"
+    "  --json                 print one final JSON line (samples_per_s, test_acc, ...)\n"
+    "  --listen HOST:PORT     local DHT address (default: any port)\n"
+    "  --identity FILE        identity for the RPC handshakes (default: a new one)\n"
+    "  --swarm-key FILE       pre-shared key of a private swarm\n"
+    "  --lr X                 not a trainer setting: the error says where it goes\n"
+    "  -h, --help             this text\n"
     "\n"
-    "Status: not in this build yet.\n";
+    "Exit status: 0 trained, 1 failed (no holder for a stage, unreachable swarm,\n"
+    "bad data), 2 usage error.\n";
+
+#define MAX_POINTS 20000
+
+typedef struct train_ui {
+    report_progress prog;
+    FILE *jsonl;
+    double *px, *py;          /* loss curve (samples, loss) */
+    int np;
+    long next_point;          /* log a point every ~1% */
+    long point_every;
+    double ex[1024], eacc[1024];
+    int ne;
+    int quiet;
+} train_ui;
+
+static double mono(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void on_progress(void *arg, const route_train_progress *p)
+{
+    train_ui *ui = arg;
+    if (!ui->quiet)
+        report_progress_update(&ui->prog, p->done, p->loss, mono(), p->done == p->total);
+    if (p->done >= ui->next_point && ui->np < MAX_POINTS) {
+        ui->px[ui->np] = (double)p->done;
+        ui->py[ui->np] = p->loss;
+        ui->np++;
+        ui->next_point = p->done + ui->point_every;
+        if (ui->jsonl)
+            fprintf(ui->jsonl,
+                    "{\"event\":\"step\",\"epoch\":%d,\"samples\":%ld,\"loss\":%.6f,"
+                    "\"elapsed_s\":%.3f,\"samples_per_s\":%.1f,\"retries\":%ld}\n",
+                    p->epoch, p->done, p->loss, p->elapsed_s,
+                    p->elapsed_s > 0 ? (double)p->done / p->elapsed_s : 0.0, p->retries);
+    }
+}
+
+static void on_epoch(void *arg, const route_epoch_result *e)
+{
+    train_ui *ui = arg;
+    if (!ui->quiet) {
+        report_progress_finish(&ui->prog);
+        fprintf(stderr,
+                "epoch %d: train loss %.4f, test loss %.4f, test accuracy %.4f, %.0f samples/s, "
+                "%ld retries\n",
+                e->epoch, e->train_loss, e->test_loss, e->test_acc,
+                e->train_time_s > 0 ? (double)e->samples / e->train_time_s : 0.0, e->retries);
+        ui->prog.last_draw = -1e30;
+    }
+    if (ui->ne < 1024) {
+        ui->ex[ui->ne] = (double)e->epoch;
+        ui->eacc[ui->ne] = e->test_acc;
+        ui->ne++;
+    }
+    if (ui->jsonl) {
+        fprintf(ui->jsonl,
+                "{\"event\":\"epoch\",\"epoch\":%d,\"train_loss\":%.6f,\"test_loss\":%.6f,"
+                "\"test_acc\":%.6f,\"samples\":%ld,\"train_time_s\":%.3f,\"retries\":%ld}\n",
+                e->epoch, e->train_loss, e->test_loss, e->test_acc, e->samples, e->train_time_s,
+                e->retries);
+        fflush(ui->jsonl);
+    }
+}
+
+static void on_message(void *arg, const char *msg)
+{
+    train_ui *ui = arg;
+    if (ui->prog.tty)
+        fputc('\n', stderr);
+    fprintf(stderr, "starling train: %s\n", msg);
+}
 
 int cmd_train(int argc, char **argv)
 {
+    enum { O_INITIAL = 256, O_MODEL, O_EPOCHS, O_BATCH, O_INFLIGHT, O_DATA, O_NTRAIN, O_NTEST,
+           O_SEED, O_TIMEOUT, O_MAXWAIT, O_LOG, O_PLOT, O_JSON, O_LISTEN, O_IDENTITY, O_SWARM,
+           O_LR };
     static const struct option opts[] = {
-        {"initial-peers", required_argument, NULL, 'i'},
-        {"model", required_argument, NULL, 'm'},
-        {"epochs", required_argument, NULL, 'e'},
-        {"batch", required_argument, NULL, 'b'},
-        {"lr", required_argument, NULL, 'l'},
-        {"data", required_argument, NULL, 'd'},
-        {"json", no_argument, NULL, 'j'},
+        {"initial-peers", required_argument, NULL, O_INITIAL},
+        {"model", required_argument, NULL, O_MODEL},
+        {"epochs", required_argument, NULL, O_EPOCHS},
+        {"batch", required_argument, NULL, O_BATCH},
+        {"inflight", required_argument, NULL, O_INFLIGHT},
+        {"data", required_argument, NULL, O_DATA},
+        {"train-samples", required_argument, NULL, O_NTRAIN},
+        {"test-samples", required_argument, NULL, O_NTEST},
+        {"seed", required_argument, NULL, O_SEED},
+        {"timeout", required_argument, NULL, O_TIMEOUT},
+        {"max-wait", required_argument, NULL, O_MAXWAIT},
+        {"metrics-log", required_argument, NULL, O_LOG},
+        {"plot", required_argument, NULL, O_PLOT},
+        {"json", no_argument, NULL, O_JSON},
+        {"listen", required_argument, NULL, O_LISTEN},
+        {"identity", required_argument, NULL, O_IDENTITY},
+        {"swarm-key", required_argument, NULL, O_SWARM},
+        {"lr", required_argument, NULL, O_LR},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
-    return cli_planned("train", train_help, opts, argc, argv);
+    const char *initial = NULL, *model = "fmnist-mlp", *data = NULL, *log_path = "starling-train.jsonl";
+    const char *plot_path = "starling-train.svg", *listen = NULL, *identity = NULL, *swarm = NULL;
+    long epochs = 1, batch = 64, inflight = 2, ntrain = 0, ntest = 0, seed = 0;
+    double timeout = 30, max_wait = 120;
+    int json = 0, c;
+
+    optind = 1;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
+        switch (c) {
+        case 'h': fputs(train_help, stdout); return CLI_EXIT_OK;
+        case O_INITIAL: initial = optarg; break;
+        case O_MODEL: model = optarg; break;
+        case O_DATA: data = optarg; break;
+        case O_LOG: log_path = optarg; break;
+        case O_PLOT: plot_path = optarg; break;
+        case O_JSON: json = 1; break;
+        case O_LISTEN: listen = optarg; break;
+        case O_IDENTITY: identity = optarg; break;
+        case O_SWARM: swarm = optarg; break;
+        case O_LR:
+            return cli_usage_error("train", "the optimizer runs on the peers: set the learning rate "
+                                            "with 'starling peer --lr X' on each peer");
+        case O_EPOCHS:
+            if (cli_parse_long("train", "--epochs", optarg, 1, 10000, &epochs))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_BATCH:
+            if (cli_parse_long("train", "--batch", optarg, 1, 65536, &batch))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_INFLIGHT:
+            if (cli_parse_long("train", "--inflight", optarg, 1, ROUTE_PIPELINE_MAX_INFLIGHT, &inflight))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_NTRAIN:
+            if (cli_parse_long("train", "--train-samples", optarg, 1, INT_MAX, &ntrain))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_NTEST:
+            if (cli_parse_long("train", "--test-samples", optarg, 1, INT_MAX, &ntest))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_SEED:
+            if (cli_parse_long("train", "--seed", optarg, 0, LONG_MAX, &seed))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_TIMEOUT:
+            if (cli_parse_double("train", "--timeout", optarg, 0.05, 3600, &timeout))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_MAXWAIT:
+            if (cli_parse_double("train", "--max-wait", optarg, 0.1, 1e7, &max_wait))
+                return CLI_EXIT_USAGE;
+            break;
+        default: return cli_bad_option("train", c, argv);
+        }
+    }
+    if (cli_no_positional("train", argc, argv))
+        return CLI_EXIT_USAGE;
+    const struct expert_model_spec *spec = expert_model_find(model);
+    if (!spec)
+        return cli_usage_error("train", "unknown model '%s'", model);
+    if (!initial)
+        return cli_usage_error("train", "--initial-peers LIST is required");
+
+    /* Data first: a missing package is the most likely problem. */
+    char dir[4096], err[512];
+    route_dataset train, test;
+    if (route_data_find_dir(data, dir, sizeof dir, err, sizeof err) != 0)
+        return cli_fail("train", "%s", err);
+    if (route_data_load(&train, dir, "train", err, sizeof err) != 0)
+        return cli_fail("train", "%s", err);
+    if (route_data_load(&test, dir, "t10k", err, sizeof err) != 0) {
+        route_data_free(&train);
+        return cli_fail("train", "%s", err);
+    }
+
+    tools_client cl;
+    int rc = tools_client_open(&cl, "train", initial, listen, identity, swarm, 15);
+    if (rc != CLI_EXIT_OK) {
+        route_data_free(&train);
+        route_data_free(&test);
+        return rc;
+    }
+
+    train_ui ui;
+    memset(&ui, 0, sizeof ui);
+    long n_train = ntrain > 0 && ntrain < train.n ? ntrain : train.n;
+    long total = n_train * epochs;
+    report_progress_init(&ui.prog, stderr, total, -1, mono());
+    ui.px = calloc(MAX_POINTS, sizeof *ui.px);
+    ui.py = calloc(MAX_POINTS, sizeof *ui.py);
+    ui.point_every = total / 200 > batch ? total / 200 : batch;
+    if (log_path && *log_path) {
+        ui.jsonl = fopen(log_path, "w");
+        if (!ui.jsonl)
+            fprintf(stderr, "starling train: warning: cannot write %s: %s\n", log_path, strerror(errno));
+    }
+    fprintf(stderr, "starling train: %s, %ld training samples x %ld epoch%s, batch %ld\n", spec->name,
+            n_train, epochs, epochs == 1 ? "" : "s", batch);
+
+    route_train_config tc;
+    memset(&tc, 0, sizeof tc);
+    tc.dht = cl.d;
+    tc.ident = &cl.ident;
+    tc.swarm_key = cl.has_swarm_key ? cl.swarm_key : NULL;
+    tc.model = spec;
+    tc.train = &train;
+    tc.test = &test;
+    tc.n_train = (int)ntrain;
+    tc.n_test = (int)ntest;
+    tc.epochs = (int)epochs;
+    tc.batch = (int)batch;
+    tc.inflight = (int)inflight;
+    tc.seed = (uint64_t)seed;
+    tc.call_timeout_s = timeout;
+    tc.max_wait_s = max_wait;
+    tc.on_progress = on_progress;
+    tc.on_epoch = on_epoch;
+    tc.on_message = on_message;
+    tc.arg = &ui;
+    route_train_result res;
+    rc = route_train_run(&cl.loop, &tc, &res);
+    tools_client_close(&cl);
+
+    if (ui.jsonl) {
+        fprintf(ui.jsonl,
+                "{\"event\":\"end\",\"status\":\"%s\",\"epochs\":%d,\"samples\":%ld,"
+                "\"samples_per_s\":%.1f,\"test_acc\":%.6f,\"retries\":%ld}\n",
+                rc == 0 ? "ok" : "failed", res.epochs, res.samples, res.samples_per_s, res.test_acc,
+                res.retries);
+        fclose(ui.jsonl);
+    }
+    if (plot_path && *plot_path && (ui.np > 0 || ui.ne > 0)) {
+        /* Accuracy is drawn at each epoch's end, on the samples axis. */
+        double ax[1024];
+        for (int i = 0; i < ui.ne; i++)
+            ax[i] = ui.ex[i] * (double)n_train;
+        report_series s[2] = {
+            {"training loss", "#1f77b4", ui.px, ui.py, ui.np, 0},
+            {"test accuracy", "#d62728", ax, ui.eacc, ui.ne, 1},
+        };
+        char title[128];
+        snprintf(title, sizeof title, "starling train: %s on Fashion-MNIST", spec->name);
+        int prc = report_plot_svg(plot_path, title, "training samples", "loss", "test accuracy", s, 2);
+        if (prc != 0)
+            fprintf(stderr, "starling train: warning: cannot write %s: %s\n", plot_path, strerror(-prc));
+    }
+    free(ui.px);
+    free(ui.py);
+    route_data_free(&train);
+    route_data_free(&test);
+    if (json)
+        printf("{\"samples_per_s\":%.1f,\"test_acc\":%.6f,\"test_loss\":%.6f,\"epochs\":%d,"
+               "\"samples\":%ld,\"retries\":%ld,\"train_time_s\":%.3f,\"status\":\"%s\"}\n",
+               res.samples_per_s, res.test_acc, res.test_loss, res.epochs, res.samples, res.retries,
+               res.train_time_s, rc == 0 ? "ok" : "failed");
+    if (rc != 0)
+        return cli_fail("train", "%s", res.error[0] ? res.error : strerror(-rc));
+    fprintf(stderr, "starling train: done: test accuracy %.4f after %d epoch%s, %.0f samples/s, %ld retries\n",
+            res.test_acc, res.epochs, res.epochs == 1 ? "" : "s", res.samples_per_s, res.retries);
+    return CLI_EXIT_OK;
 }
