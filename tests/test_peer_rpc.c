@@ -187,13 +187,15 @@ static int run_until(volatile int *flag, int ms)
 }
 
 static size_t server_max_held;
+static uint64_t server_hs_timeout;
 
 static peer_rpc_server *start_server(const uint8_t *swarm, size_t max_frame, int max_inflight,
                                      struct sockaddr_in *addr)
 {
     peer_rpc_server_config cfg = {.self = &id_s, .swarm_key = swarm, .max_frame = max_frame,
                                   .max_inflight = max_inflight, .handler = handler,
-                                  .max_held_bytes = server_max_held};
+                                  .max_held_bytes = server_max_held,
+                                  .handshake_timeout_ms = server_hs_timeout};
     peer_rpc_server *srv = peer_rpc_server_create(&loop, &cfg);
     assert_non_null(srv);
     uv_ip4_addr("127.0.0.1", 0, addr);
@@ -717,6 +719,38 @@ static void test_large_echo(void **state)
     stop_server(&srv);
 }
 
+/* A connection that never completes the handshake is closed after the
+ * handshake timeout; connecting where nobody listens fails cleanly. */
+static void test_silent_and_refused(void **state)
+{
+    (void)state;
+    struct sockaddr_in addr;
+    server_hs_timeout = 100;
+    peer_rpc_server *srv = start_server(NULL, 0, 0, &addr);
+    server_hs_timeout = 0;
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    assert_int_equal(connect(fd, (struct sockaddr *)&addr, sizeof addr), 0);
+    volatile int never = 0;
+    run_until(&never, 600); /* timeout 100 ms, swept every 250 ms */
+    uint8_t b;
+    ssize_t n = recv(fd, &b, 1, MSG_DONTWAIT);
+    if (n != 0)
+        fail_msg("silent connection still open after 600 ms (recv %zd, errno %d)", n, errno);
+    close(fd);
+    peer_rpc_server_stats s;
+    peer_rpc_server_stats_get(srv, &s);
+    assert_int_equal(s.handshakes_failed, 1);
+    assert_int_equal(s.conns_open, 0);
+    stop_server(&srv);
+
+    /* Nobody listens on the port the server just released. */
+    int st;
+    peer_rpc_client *cl = connect_client(&addr, id_s.id, NULL, 0, &st);
+    assert_int_equal(st, -ECONNREFUSED);
+    close_client(&cl);
+}
+
 /* ---- a hostile client on a raw socket, in a thread ---- */
 
 typedef struct hostile {
@@ -882,6 +916,7 @@ int main(void)
         cmocka_unit_test(test_oversize),
         cmocka_unit_test(test_large_echo),
         cmocka_unit_test(test_hostile_client),
+        cmocka_unit_test(test_silent_and_refused),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
