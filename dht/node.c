@@ -303,7 +303,8 @@ static void send_ping(dht_node *n, const dht_addr *to, const uint8_t *id, int ki
 static void own_from(own_entry *o, const dht_entry *e)
 {
     memset(o, 0, sizeof *o);
-    memcpy(o->sub, e->subkey, e->subkey_len);
+    if (e->subkey_len)
+        memcpy(o->sub, e->subkey, e->subkey_len);
     o->sub_len = e->subkey_len;
     o->val_len = e->value_len;
     o->expires = e->expires;
@@ -331,7 +332,7 @@ static void merge_entry(lookup *l, const dht_entry *e)
     for (size_t i = 0; i < l->n_res; i++) {
         own_entry *o = &l->res[i];
         if (o->is_signed == e->is_signed && o->sub_len == e->subkey_len &&
-            memcmp(o->sub, e->subkey, e->subkey_len) == 0) {
+            (!e->subkey_len || memcmp(o->sub, e->subkey, e->subkey_len) == 0)) {
             if (e->expires > o->expires) {
                 uint8_t *v = malloc(e->value_len ? e->value_len : 1);
                 if (!v)

@@ -219,7 +219,8 @@ int dht_store_put(dht_store *s, const uint8_t key[DHT_ID_LEN], const dht_entry *
     memmove(&k->e[lo + 1], &k->e[lo], (k->n - lo) * sizeof *k->e);
     sentry *x = &k->e[lo];
     memset(x, 0, sizeof *x);
-    memcpy(x->subkey, e->subkey, e->subkey_len);
+    if (e->subkey_len)
+        memcpy(x->subkey, e->subkey, e->subkey_len);
     x->subkey_len = (uint8_t)e->subkey_len;
     x->is_signed = (uint8_t)e->is_signed;
     memcpy(x->pk, e->pk, 32);

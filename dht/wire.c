@@ -26,7 +26,8 @@ static void w_raw(wr *w, const void *b, size_t n)
         w->err = 1;
         return;
     }
-    memcpy(w->p, b, n);
+    if (n)
+        memcpy(w->p, b, n);
     w->p += n;
 }
 
