@@ -121,10 +121,11 @@ static void reply_written(uv_write_t *wr, int status)
     (void)status;
     peer_rpc_request *r = wr->data;
     sconn *sc = r->conn;
-    int close_now = sc->close_after_write;
-    release_req(r);
-    if (close_now)
+    /* Close before releasing: releasing the last request of a closed
+     * connection frees it. */
+    if (sc->close_after_write && !sc->c.closing)
         close_conn(sc);
+    release_req(r);
 }
 
 /* Loop thread: seal and write a reply, or drop it. m is NULL when the
