@@ -289,6 +289,8 @@ static int send_request(dht_node *n, dht_msg *m, const dht_addr *to, const uint8
     }
     HASH_ADD_INT(n->rpcs, tid, r);
     n->n_rpcs++;
+    if (m->type < 5)
+        n->st.req_sent[m->type]++;
     return 0;
 }
 
@@ -1334,6 +1336,7 @@ void dht_node_get_stats(const dht_node *n, dht_node_stats *out)
 {
     *out = n->st;
     out->table_size = dht_table_size(n->table);
+    out->table_depth = dht_table_depth(n->table);
     out->store_keys = dht_store_count_keys(n->store);
     out->store_entries = dht_store_count_entries(n->store);
     out->store_bytes = dht_store_bytes(n->store);

@@ -65,6 +65,8 @@ typedef struct dht_node_stats {
     uint64_t drop_queue;        /* output queue full */
     uint64_t store_rejected;    /* store requests refused (token, signature, ...) */
     uint64_t timeouts;
+    uint64_t req_sent[5];       /* requests sent by type (index = enum dht_msg_type) */
+    int table_depth;            /* deepest non-empty bucket, -1 if empty */
     size_t table_size, store_keys, store_entries, store_bytes;
     size_t pending_rpcs, lookups;
 } dht_node_stats;
