@@ -347,6 +347,16 @@ void peer_batcher_get_stats(peer_batcher *b, peer_batcher_stats *out)
     out->version = expert_block_version(b->blk);
 }
 
+void peer_batcher_set_speed(peer_batcher *b, double fwd_row_s, double bwd_row_s)
+{
+    pthread_mutex_lock(&b->mu);
+    if (fwd_row_s > 0)
+        b->st.fwd_row_s = fwd_row_s;
+    if (bwd_row_s > 0)
+        b->st.bwd_row_s = bwd_row_s;
+    pthread_mutex_unlock(&b->mu);
+}
+
 double peer_batcher_train_throughput(const peer_batcher_stats *s)
 {
     double t = s->fwd_row_s + s->bwd_row_s;

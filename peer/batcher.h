@@ -94,6 +94,10 @@ int peer_batcher_submit(peer_batcher *b, peer_task *t);
 /* A consistent copy of the counters. */
 void peer_batcher_get_stats(peer_batcher *b, peer_batcher_stats *out);
 
+/* Seeds the per-row compute times (seconds) before any request has been
+ * measured, e.g. from a start-up calibration. Values <= 0 are ignored. */
+void peer_batcher_set_speed(peer_batcher *b, double fwd_row_s, double bwd_row_s);
+
 /* Estimated training throughput in samples/s (one forward plus one backward
  * per sample) from the measured per-row times; 0 before any measurement. */
 double peer_batcher_train_throughput(const peer_batcher_stats *s);

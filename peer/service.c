@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 
 #include "expert/block.h"
 #include "expert/model.h"
@@ -217,6 +218,43 @@ static void build_info(peer_service *s)
         snprintf(s->info_json + off, cap - off, "]}");
 }
 
+static double mono_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Measures forward and backward seconds per row on a throwaway copy of the
+ * block (its gradients must not be touched), so the first announcement
+ * already carries a measured throughput. Best effort: leaves the batcher's
+ * estimate unset when memory is short. */
+static void calibrate(svc_block *b, int max_batch)
+{
+    int rows = max_batch < 64 ? max_batch : 64;
+    expert_block *tmp = expert_block_create(&b->cfg, 1);
+    expert_workspace *ws = expert_workspace_create(&b->cfg, rows);
+    float *x = malloc((size_t)rows * (size_t)b->cfg.in * sizeof(float));
+    float *y = malloc((size_t)rows * (size_t)b->cfg.out * sizeof(float));
+    float *gx = malloc((size_t)rows * (size_t)b->cfg.in * sizeof(float));
+    if (tmp && ws && x && y && gx) {
+        for (size_t i = 0; i < (size_t)rows * (size_t)b->cfg.in; i++)
+            x[i] = (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
+        expert_block_forward(tmp, ws, y, x, rows, NULL); /* warm-up */
+        double t0 = mono_s();
+        expert_block_forward(tmp, ws, y, x, rows, NULL);
+        double t1 = mono_s();
+        expert_block_backward(tmp, ws, gx, y, x, rows, NULL);
+        double t2 = mono_s();
+        peer_batcher_set_speed(b->batcher, (t1 - t0) / rows, (t2 - t1) / rows);
+    }
+    free(x);
+    free(y);
+    free(gx);
+    expert_workspace_destroy(&ws);
+    expert_block_destroy(&tmp);
+}
+
 static void free_blocks(peer_service *s)
 {
     for (int i = 0; i < s->n_blocks; i++) {
@@ -325,6 +363,7 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
             snprintf(err, errlen, "cannot start compute threads for %s", b->name);
             goto fail;
         }
+        calibrate(b, cfg->max_batch);
     }
     build_info(s);
 
