@@ -401,6 +401,12 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
     d->svc = peer_service_create(loop, &sc, err, errlen);
     if (!d->svc)
         goto fail_dht;
+    for (int i = 0; i < peer_service_n_blocks(d->svc); i++) {
+        peer_block_info bi;
+        if (peer_service_block_info(d->svc, i, &bi) == 0 && bi.restored)
+            say(d, "restored %s from its checkpoint (weight version %llu)", bi.name,
+                (unsigned long long)bi.version);
+    }
     if (cfg->metrics_listen) {
         dht_addr ma;
         if (dht_addr_parse_listen(&ma, cfg->metrics_listen) != 0 ||
@@ -413,6 +419,10 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
             snprintf(err, errlen, "cannot serve metrics on %s: %s", cfg->metrics_listen, strerror(-rc));
             goto fail_svc;
         }
+        char mh[64];
+        dht_addr_format(mh, sizeof mh, &ma);
+        *strrchr(mh, ':') = '\0';
+        say(d, "metrics on http://%s:%d/metrics", mh, peer_metrics_port(d->metrics));
     }
     if (dht_addr_to_sockaddr(&bound, &ss) < 0 ||
         (rc = peer_service_listen(d->svc, (const struct sockaddr *)&ss)) != 0) {

@@ -50,6 +50,9 @@ static const char peer_help[] =
     "  --lr X                 learning rate (default 1e-3 adamw, 1e-2 sgd)\n"
     "  --seed N               initial weights seed when no checkpoint exists (default 0)\n"
     "  --metrics HOST:PORT    serve Prometheus metrics at http://HOST:PORT/metrics\n"
+    "  --announce-every S     seconds between announcements (default 20)\n"
+    "  --announce-ttl S       announcements expire this long after they are written\n"
+    "                         (default 60): how fast a dead peer disappears\n"
     "  -h, --help             this text\n"
     "\n"
     "Example (second machine of a swarm):\n"
@@ -126,7 +129,7 @@ int cmd_peer(int argc, char **argv)
 {
     enum { O_INITIAL = 256, O_MODEL, O_BLOCKS, O_DEVICE, O_LISTEN, O_ANNOUNCE, O_IDENTITY,
            O_CKPT_DIR, O_CKPT_EVERY, O_SWARM_KEY, O_THREADS, O_BLAS, O_MAX_BATCH, O_TARGET,
-           O_OPT, O_LR, O_SEED, O_METRICS };
+           O_OPT, O_LR, O_SEED, O_METRICS, O_ANN_EVERY, O_ANN_TTL };
     static const struct option opts[] = {
         {"initial-peers", required_argument, NULL, O_INITIAL},
         {"model", required_argument, NULL, O_MODEL},
@@ -146,6 +149,8 @@ int cmd_peer(int argc, char **argv)
         {"lr", required_argument, NULL, O_LR},
         {"seed", required_argument, NULL, O_SEED},
         {"metrics", required_argument, NULL, O_METRICS},
+        {"announce-every", required_argument, NULL, O_ANN_EVERY},
+        {"announce-ttl", required_argument, NULL, O_ANN_TTL},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -153,7 +158,7 @@ int cmd_peer(int argc, char **argv)
     const char *listen = "127.0.0.1:0", *announce_host = NULL, *identity = NULL;
     const char *ckpt_dir = NULL, *swarm_key_file = NULL, *metrics = NULL, *optimizer = "adamw";
     long threads = 1, blas = 0, max_batch = 256, target = 128, seed = 0;
-    double ckpt_every = 300, lr = -1;
+    double ckpt_every = 300, lr = -1, ann_every = 20, ann_ttl = 60;
     int c;
 
     optind = 1;
@@ -174,6 +179,14 @@ int cmd_peer(int argc, char **argv)
         case O_OPT: optimizer = optarg; break;
         case O_CKPT_EVERY:
             if (cli_parse_double("peer", "--checkpoint-every", optarg, 0, 1e7, &ckpt_every))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_ANN_EVERY:
+            if (cli_parse_double("peer", "--announce-every", optarg, 0.1, 3600, &ann_every))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_ANN_TTL:
+            if (cli_parse_double("peer", "--announce-ttl", optarg, 1, 86400, &ann_ttl))
                 return CLI_EXIT_USAGE;
             break;
         case O_THREADS:
@@ -253,6 +266,9 @@ int cmd_peer(int argc, char **argv)
         expert_optim_default_sgd(&optim);
     else
         return cli_usage_error("peer", "--optimizer must be adamw or sgd, not '%s'", optimizer);
+    if (ann_ttl <= ann_every)
+        return cli_usage_error("peer", "--announce-ttl (%g s) must be longer than --announce-every (%g s)",
+                               ann_ttl, ann_every);
     if (lr > 0)
         optim.lr = (float)lr;
     optim.target_batch = (int)target;
@@ -301,6 +317,8 @@ int cmd_peer(int argc, char **argv)
     dc.device = "cpu";
     dc.checkpoint_every_s = ckpt_dir ? ckpt_every : 0;
     dc.metrics_listen = metrics;
+    dc.announce_every_s = ann_every;
+    dc.ttl_s = ann_ttl;
     r.daemon = peer_daemon_start(&r.loop, &dc, err, sizeof err);
     sodium_memzero(&ident, sizeof ident);
     sodium_memzero(swarm_key, sizeof swarm_key);

@@ -1,0 +1,93 @@
+#!/bin/sh
+# Operating a swarm: the monitor lists the right holders (text and JSON),
+# a killed peer disappears when its announcement expires, the metrics
+# endpoint answers, SIGTERM stops a peer cleanly with checkpoints that a
+# restart resumes from, and a swarm key keeps strangers out.
+. "$(dirname "$0")/swarm_lib.sh"
+PY=$(command -v python3) || { echo "python3 needed to check JSON" >&2; exit 77; }
+start_bootstrap
+start_peer a 0-2 --checkpoint-dir "$T/ckpt" --metrics 127.0.0.1:0
+start_peer b 3-5 --announce-every 1 --announce-ttl 3
+id_a=$(sed -n 's#.*address .*/\([0-9a-f]\{40\}\)$#\1#p' "$T/a.out")
+id_b=$(sed -n 's#.*address .*/\([0-9a-f]\{40\}\)$#\1#p' "$T/b.out")
+
+# Text view: every stage covered, exit 0.
+"$S" monitor --initial-peers "$BS" >"$T/mon.txt" 2>&1; rc=$?
+[ "$rc" -eq 0 ] || { fail "monitor exit $rc, want 0"; show "$T/mon.txt"; }
+grep -q "every stage covered" "$T/mon.txt" || fail "monitor text lacks the coverage line"
+grep -q "$(echo "$id_a" | cut -c1-8)" "$T/mon.txt" || fail "monitor text lacks peer a"
+
+# JSON view: parses, follows the schema, names the right holders.
+"$S" monitor --initial-peers "$BS" --json >"$T/mon.json" 2>"$T/mon.err"
+"$PY" - "$T/mon.json" "$id_a" "$id_b" <<'PYEOF' || fail "monitor JSON check"
+import json, sys
+doc = json.load(open(sys.argv[1]))
+assert doc["schema"] == "starling.monitor.v1", doc["schema"]
+assert doc["peers"] == 2 and doc["blocks"] == 6, (doc["peers"], doc["blocks"])
+m = doc["models"][0]
+assert m["name"] == "fmnist-mlp" and m["covered"] is True and len(m["stages"]) == 6
+for st in m["stages"]:
+    assert st["covered"] and st["online"] == 1, st
+    h = st["holders"][0]
+    want = sys.argv[2] if st["index"] <= 2 else sys.argv[3]
+    assert h["id"] == want, (st["name"], h["id"], want)
+    assert h["state"] == "online" and h["throughput"] > 0 and 0 <= h["load"] <= 1
+    for k in ("addr", "age_s", "weight_version", "device"):
+        assert k in h, k
+assert isinstance(m["bottleneck"], str)
+PYEOF
+
+# Metrics endpoint.
+mport=$(sed -n 's#.*metrics on http://127.0.0.1:\([0-9]*\)/metrics#\1#p' "$T/a.err")
+"$PY" - "$mport" <<'PYEOF' || fail "metrics endpoint"
+import sys, urllib.request, urllib.error
+base = "http://127.0.0.1:%s" % sys.argv[1]
+body = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
+assert "starling_up 1" in body, body[:200]
+assert 'starling_requests_total{block="fmnist-mlp.0",kind="forward"}' in body
+assert "starling_dht_datagrams_total" in body
+try:
+    urllib.request.urlopen(base + "/nope", timeout=5)
+    raise SystemExit("404 expected")
+except urllib.error.HTTPError as e:
+    assert e.code == 404
+PYEOF
+
+# kill -9 peer b: its stages are reported uncovered (exit 1) once its
+# announcements expire (ttl 3 s).
+kill -9 "$PID_b"
+ok=0
+for i in $(seq 1 40); do
+    "$S" monitor --initial-peers "$BS" --model fmnist-mlp >"$T/mon2.txt" 2>&1
+    if [ $? -eq 1 ] && grep -q "fmnist-mlp.3 *UNCOVERED" "$T/mon2.txt"; then ok=1; break; fi
+    sleep 0.5
+done
+[ "$ok" = 1 ] || { fail "killed peer still listed after 20 s"; show "$T/mon2.txt"; }
+
+# SIGTERM: clean exit 0 with checkpoints, then a restart resumes from them.
+kill -TERM "$PID_a"
+for i in $(seq 1 100); do kill -0 "$PID_a" 2>/dev/null || break; sleep 0.1; done
+wait "$PID_a"; rc=$?
+[ "$rc" -eq 0 ] || { fail "peer a exited $rc after SIGTERM"; show "$T/a.err"; }
+for s in 0 1 2; do [ -s "$T/ckpt/fmnist-mlp.$s.ckpt" ] || fail "no checkpoint for stage $s"; done
+start_peer a2 0-2 --checkpoint-dir "$T/ckpt"
+grep -q "restored fmnist-mlp.0 from its checkpoint" "$T/a2.err" || { fail "restart did not restore"; show "$T/a2.err"; }
+
+# A private swarm: without the key (or with another) nothing is reachable.
+printf '%064x\n' 7 | tr ' ' 0 >"$T/key"; chmod 600 "$T/key"
+printf '%064x\n' 8 | tr ' ' 0 >"$T/other"; chmod 600 "$T/other"
+"$S" bootstrap --listen 127.0.0.1:0 --swarm-key "$T/key" >"$T/bs2.out" 2>"$T/bs2.err" &
+PIDS="$PIDS $!"
+wait_for "$T/bs2.out" '/' 10 || fail "private bootstrap did not start"
+BS2=$(head -1 "$T/bs2.out")
+"$S" peer --initial-peers "$BS2" --blocks 0 --swarm-key "$T/key" >"$T/p2.out" 2>"$T/p2.err" &
+PIDS="$PIDS $!"
+wait_for "$T/p2.err" 'joined the swarm' 15 || fail "keyed peer did not join"
+"$S" monitor --initial-peers "$BS2" --model fmnist-mlp --timeout 3 >"$T/m3.txt" 2>&1; rc=$?
+[ "$rc" -eq 2 ] || fail "monitor without the key: exit $rc, want 2"
+grep -q "cannot reach" "$T/m3.txt" || { fail "no clear message without the key"; show "$T/m3.txt"; }
+"$S" monitor --initial-peers "$BS2" --model fmnist-mlp --timeout 3 --swarm-key "$T/other" >/dev/null 2>&1
+[ $? -eq 2 ] || fail "monitor with the wrong key should exit 2"
+"$S" monitor --initial-peers "$BS2" --model fmnist-mlp --swarm-key "$T/key" >"$T/m4.txt" 2>&1
+grep -q "fmnist-mlp.0 " "$T/m4.txt" || { fail "monitor with the key does not see the peer"; show "$T/m4.txt"; }
+finish
