@@ -69,6 +69,11 @@ typedef struct trainer {
     double eval_loss;
     long eval_done;
     double no_holder_since[ROUTE_PIPELINE_MAX_STAGES];
+    /* The holder that served each in-flight batch's forward at each stage:
+     * its backward goes there too when it can, because replicas step on
+     * their own and a backward recomputed on another replica's weights
+     * would mismatch the activations the forward produced. */
+    uint8_t fwd_holder[ROUTE_PIPELINE_MAX_INFLIGHT][ROUTE_PIPELINE_MAX_STAGES][DHT_ID_LEN];
     double last_note[ROUTE_PIPELINE_MAX_STAGES];
     int finishing;
     int rc;
@@ -271,6 +276,8 @@ static void on_reply(void *arg, int status, const peer_msg *m)
         return;
     }
     memcpy(c->outputs, m->t[0].data, (size_t)c->rows * (size_t)width * sizeof(float));
+    if (c->kind == ROUTE_CALL_FORWARD)
+        memcpy(t->fwd_holder[c->token & 0xFF][c->stage], p->holder, DHT_ID_LEN);
     route_holder *h = find_holder(t, c->stage, p->holder);
     if (h) {
         if (h->rep.inflight > 0)
@@ -304,8 +311,15 @@ static int dispatch(trainer *t, pend *p)
     }
     t->no_holder_since[p->call.stage] = 0;
     uint8_t skip[ROUTE_MAX_HOLDERS] = {0};
+    int affine = -1;
+    if (p->call.kind == ROUTE_CALL_BACKWARD && p->call.attempt == 0) {
+        const uint8_t *want = t->fwd_holder[p->call.token & 0xFF][p->call.stage];
+        for (int i = 0; i < n; i++)
+            if (!memcmp(reps[i].id, want, DHT_ID_LEN) && route_replica_weight(&reps[i], now) > 0)
+                affine = i;
+    }
     for (int tries = 0; tries < n; tries++) {
-        int k = route_pick_replica(reps, n, skip, now, &t->rng, NULL);
+        int k = affine >= 0 && tries == 0 ? affine : route_pick_replica(reps, n, skip, now, &t->rng, NULL);
         if (k < 0)
             return 0;
         skip[k] = 1;
