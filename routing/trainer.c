@@ -8,10 +8,9 @@
 #include <string.h>
 #include <sys/socket.h>
 
-#include <uthash.h>
-
 #include "expert/ops.h"
 #include "peer/rpc_client.h"
+#include "routing/conns.h"
 #include "peer/wire.h"
 #include "routing/pipeline.h"
 #include "routing/replica.h"
@@ -19,17 +18,6 @@
 
 #define PUMP_MS 20
 #define WAIT_NOTE_S 5.0
-
-enum conn_state { CONN_CONNECTING, CONN_READY, CONN_FAILED };
-
-typedef struct conn {
-    uint8_t id[DHT_ID_LEN];        /* hash key */
-    struct trainer *t;
-    peer_rpc_client *cl;
-    int state;
-    int closing;
-    UT_hash_handle hh;
-} conn;
 
 /* A call taken from the pipeline: parked until sent, then outstanding. */
 typedef struct pend {
@@ -49,8 +37,7 @@ typedef struct trainer {
     route_train_result *res;
     route_swarm *swarm;
     route_pipeline *pipe;
-    conn *conns;
-    int conns_open;                /* clients not yet freed */
+    route_conns *conns;
     pend *pends;                   /* cfg.inflight entries */
     uv_timer_t pump_timer;
     int timer_closed;
@@ -135,89 +122,27 @@ static int loss_fn(void *ctx, const float *logits, const uint8_t *labels, int B,
 
 /* ---- connections ---- */
 
-static void on_conn_closed(peer_rpc_client *cl, void *arg)
-{
-    conn *c = arg;
-    trainer *t = c->t;
-    peer_rpc_client_destroy(&cl);
-    free(c);
-    t->conns_open--;
-}
-
-static void conn_drop(trainer *t, conn *c)
-{
-    if (c->closing)
-        return;
-    c->closing = 1;
-    HASH_DEL(t->conns, c);
-    peer_rpc_client_close(c->cl, on_conn_closed, c);
-}
-
 static void pump(trainer *t);
 
-static void on_connect(peer_rpc_client *cl, int status, void *arg)
+static void on_conn_ready(void *arg)
 {
-    (void)cl;
-    conn *c = arg;
-    trainer *t = c->t;
-    if (c->closing)
-        return;
-    if (status == 0) {
-        c->state = CONN_READY;
-    } else {
-        c->state = CONN_FAILED;
-        /* Ban the holder everywhere it appears. */
-        for (int s = 0; s < route_swarm_n_stages(t->swarm); s++) {
-            route_stage *st = route_swarm_stage(t->swarm, s);
-            for (int i = 0; i < st->n_holders; i++)
-                if (!memcmp(st->holders[i].rep.id, c->id, DHT_ID_LEN))
-                    route_replica_failure(&st->holders[i].rep, now_s(t), &t->rng);
-        }
-        char hex[DHT_ID_HEX_LEN + 1];
-        dht_id_to_hex(hex, c->id);
-        note(t, "cannot connect to holder %.12s: %s; trying other replicas", hex, strerror(-status));
-        conn_drop(t, c);
-    }
-    pump(t);
+    pump(arg);
 }
 
-/* The connection to holder h, started if needed; NULL when it cannot be
- * used right now (connecting, or it failed). */
-static conn *conn_get(trainer *t, const route_holder *h)
+/* A holder we could not connect to is banned in every stage it serves. */
+static void on_conn_failed(void *arg, const uint8_t id[DHT_ID_LEN], int status)
 {
-    conn *c = NULL;
-    HASH_FIND(hh, t->conns, h->rep.id, DHT_ID_LEN, c);
-    if (c)
-        return c->state == CONN_READY ? c : NULL;
-    dht_addr a;
-    struct sockaddr_storage ss;
-    if (dht_addr_parse(&a, h->ann.addr) != 0 || dht_addr_to_sockaddr(&a, &ss) < 0)
-        return NULL;
-    c = calloc(1, sizeof *c);
-    if (!c)
-        return NULL;
-    memcpy(c->id, h->rep.id, DHT_ID_LEN);
-    c->t = t;
-    peer_rpc_client_config cc;
-    memset(&cc, 0, sizeof cc);
-    cc.self = t->cfg.ident;
-    cc.expect_id = h->rep.id;
-    cc.swarm_key = t->cfg.swarm_key;
-    cc.max_pending = 4 * t->cfg.inflight + 8;
-    c->cl = peer_rpc_client_create(t->loop, &cc);
-    if (!c->cl) {
-        free(c);
-        return NULL;
+    trainer *t = arg;
+    for (int s = 0; s < route_swarm_n_stages(t->swarm); s++) {
+        route_stage *st = route_swarm_stage(t->swarm, s);
+        for (int i = 0; i < st->n_holders; i++)
+            if (!memcmp(st->holders[i].rep.id, id, DHT_ID_LEN))
+                route_replica_failure(&st->holders[i].rep, now_s(t), &t->rng);
     }
-    if (peer_rpc_client_connect(c->cl, (const struct sockaddr *)&ss, on_connect, c) != 0) {
-        peer_rpc_client_destroy(&c->cl);
-        free(c);
-        return NULL;
-    }
-    c->state = CONN_CONNECTING;
-    HASH_ADD(hh, t->conns, id, DHT_ID_LEN, c);
-    t->conns_open++;
-    return NULL;
+    char hex[DHT_ID_HEX_LEN + 1];
+    dht_id_to_hex(hex, id);
+    note(t, "cannot connect to holder %.12s: %s; trying other replicas", hex, strerror(-status));
+    pump(t);
 }
 
 /* ---- calls ---- */
@@ -239,12 +164,8 @@ static void call_failed(trainer *t, pend *p, const char *why, int drop_conn)
             h->rep.inflight--;
         route_replica_failure(&h->rep, now_s(t), &t->rng);
     }
-    if (drop_conn) {
-        conn *c = NULL;
-        HASH_FIND(hh, t->conns, p->holder, DHT_ID_LEN, c);
-        if (c)
-            conn_drop(t, c);
-    }
+    if (drop_conn)
+        route_conns_drop(t->conns, p->holder);
     (void)why;
     p->sent = 0;
     p->used = 0;
@@ -324,8 +245,8 @@ static int dispatch(trainer *t, pend *p)
             return 0;
         skip[k] = 1;
         route_holder *h = &st->holders[map[k]];
-        conn *c = conn_get(t, h);
-        if (!c)
+        peer_rpc_client *cl = route_conns_get(t->conns, h->rep.id, h->ann.addr);
+        if (!cl)
             continue;
         peer_msg m;
         peer_msg_init(&m, PEER_KIND_REQUEST,
@@ -342,14 +263,14 @@ static int dispatch(trainer *t, pend *p)
         memcpy(p->holder, h->rep.id, DHT_ID_LEN);
         p->t0 = now;
         uint64_t timeout = (uint64_t)(t->cfg.call_timeout_s * 1000);
-        int rc = peer_rpc_call(c->cl, &m, timeout, on_reply, p, NULL);
+        int rc = peer_rpc_call(cl, &m, timeout, on_reply, p, NULL);
         if (rc == 0) {
             p->sent = 1;
             h->rep.inflight++;
             return 1;
         }
         if (rc == -ENOTCONN)
-            conn_drop(t, c);
+            route_conns_drop(t->conns, h->rep.id);
     }
     return 0;
 }
@@ -537,9 +458,7 @@ static void finish(trainer *t, int rc)
     t->rc = rc;
     uv_timer_stop(&t->pump_timer);
     uv_close((uv_handle_t *)&t->pump_timer, on_timer_closed);
-    conn *c, *tmp;
-    HASH_ITER(hh, t->conns, c, tmp)
-        conn_drop(t, c);
+    route_conns_close_all(t->conns);
 }
 
 int route_train_run(uv_loop_t *loop, const route_train_config *cfg_in, route_train_result *out)
@@ -592,6 +511,9 @@ int route_train_run(uv_loop_t *loop, const route_train_config *cfg_in, route_tra
     route_pipeline_config pc = {m->n_stages, widths, t->cfg.batch, t->cfg.inflight, loss_fn, t};
     t->pipe = route_pipeline_create(&pc);
     t->swarm = route_swarm_create(t->cfg.dht, m, t->cfg.refresh_s);
+    route_conns_config cc = {t->cfg.ident, t->cfg.swarm_key, 4 * t->cfg.inflight + 8, on_conn_ready,
+                             on_conn_failed, t};
+    t->conns = route_conns_create(loop, &cc);
     t->pends = calloc((size_t)t->cfg.inflight, sizeof *t->pends);
     t->order = malloc((size_t)t->n_train * sizeof *t->order);
     t->probs = malloc((size_t)t->cfg.batch * (size_t)m->n_out * sizeof(float));
@@ -600,7 +522,7 @@ int route_train_run(uv_loop_t *loop, const route_train_config *cfg_in, route_tra
     t->xbuf = malloc((size_t)t->cfg.batch * (size_t)in_w * sizeof(float));
     t->ybuf = malloc((size_t)t->cfg.batch);
     int rc = 0;
-    if (!t->pipe || !t->swarm || !t->pends || !t->order || !t->probs || !t->losses || !t->targets ||
+    if (!t->pipe || !t->swarm || !t->conns || !t->pends || !t->order || !t->probs || !t->losses || !t->targets ||
         !t->xbuf || !t->ybuf) {
         snprintf(out->error, sizeof out->error, "out of memory");
         rc = -ENOMEM;
@@ -616,13 +538,14 @@ int route_train_run(uv_loop_t *loop, const route_train_config *cfg_in, route_tra
     uv_timer_start(&t->pump_timer, on_pump_timer, 0, PUMP_MS);
 
     /* The DHT keeps the loop alive, so run until our own handles are closed. */
-    while (!(t->finishing && t->timer_closed && t->conns_open == 0))
+    while (!(t->finishing && t->timer_closed && route_conns_open(t->conns) == 0))
         uv_run(loop, UV_RUN_ONCE);
     rc = t->rc;
     out->train_time_s = t->train_time;
     out->samples = t->done_total;
     out->samples_per_s = t->train_time > 0 ? (double)t->done_total / t->train_time : 0;
 out:
+    route_conns_destroy(&t->conns);
     route_swarm_destroy(&t->swarm);
     route_pipeline_destroy(&t->pipe);
     free(t->pends);
