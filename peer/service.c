@@ -119,7 +119,7 @@ static void task_done(peer_task *pt, int status)
         reply.meta = meta;
         reply.meta_len = sizeof meta;
         uint64_t shape[2] = {(uint64_t)pt->rows,
-                             (uint64_t)(t->method == PEER_METHOD_FORWARD ? b->cfg.out : b->cfg.in)};
+                             (uint64_t)(t->method == PEER_METHOD_BACKWARD ? b->cfg.in : b->cfg.out)};
         reply.n_tensors = 1;
         if (peer_tensor_f32(&reply.t[0], t->out, 2, shape) != 0 ||
             peer_rpc_respond(t->req, &reply) != 0) {
@@ -156,7 +156,8 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
         peer_rpc_respond(req, &reply);
         return;
     }
-    if (msg->method != PEER_METHOD_FORWARD && msg->method != PEER_METHOD_BACKWARD) {
+    if (msg->method != PEER_METHOD_FORWARD && msg->method != PEER_METHOD_BACKWARD &&
+        msg->method != PEER_METHOD_INFER) {
         peer_rpc_respond_error(req, ENOSYS, "unknown method");
         return;
     }
@@ -169,7 +170,7 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
         peer_rpc_respond_error(req, ENOENT, why);
         return;
     }
-    const int fwd = msg->method == PEER_METHOD_FORWARD;
+    const int fwd = msg->method != PEER_METHOD_BACKWARD;
     uint64_t rows = 0, rows2 = 0;
     if (msg->n_tensors != (fwd ? 1 : 2) || !is_f32_2d(&msg->t[0], b->cfg.in, s->cfg.max_batch, &rows) ||
         (!fwd && (!is_f32_2d(&msg->t[1], b->cfg.out, s->cfg.max_batch, &rows2) || rows2 != rows))) {
@@ -187,7 +188,9 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
     t->req = req;
     t->method = msg->method;
     memset(&t->t, 0, sizeof t->t);
-    t->t.kind = fwd ? PEER_TASK_FORWARD : PEER_TASK_BACKWARD;
+    t->t.kind = msg->method == PEER_METHOD_INFER ? PEER_TASK_INFER
+                : fwd                           ? PEER_TASK_FORWARD
+                                                : PEER_TASK_BACKWARD;
     t->t.rows = (int)rows;
     t->t.inputs = msg->t[0].data;
     t->t.grad_outputs = fwd ? NULL : msg->t[1].data;

@@ -80,23 +80,18 @@ static uint32_t be32(const unsigned char *b)
     return (uint32_t)b[0] << 24 | (uint32_t)b[1] << 16 | (uint32_t)b[2] << 8 | b[3];
 }
 
-/* Reads one IDX file of unsigned bytes with `ndims` dimensions into a fresh
- * buffer; dims_out receives the dimensions. */
-static int load_idx(const char *dir, const char *name, int ndims, uint32_t dims_out[3],
+/* Reads one IDX file of unsigned bytes with `ndims` dimensions from f
+ * (named path in messages) into a fresh buffer; dims_out receives the
+ * dimensions. Closes f. */
+static int read_idx(gzFile f, const char *path, int ndims, uint32_t dims_out[3],
                     uint8_t **data_out, char *err, size_t errlen)
 {
-    char path[PATH_MAX];
     unsigned char hdr[16];
     uint8_t *data = NULL;
     int rc = 0;
     const uint32_t want_magic = ndims == 3 ? IDX_MAGIC_U8_3D : IDX_MAGIC_U8_1D;
 
     *data_out = NULL;
-    gzFile f = open_idx(dir, name, path, sizeof path);
-    if (!f) {
-        snprintf(err, errlen, "cannot open %s/%s(.gz): %s", dir, name, strerror(errno ? errno : ENOENT));
-        return -ENOENT;
-    }
     size_t hlen = 4 + 4 * (size_t)ndims;
     if (read_exact(f, hdr, hlen) != 0) {
         snprintf(err, errlen, "%s: truncated or unreadable IDX header", path);
@@ -150,6 +145,76 @@ out:
     return rc;
 }
 
+static int load_idx(const char *dir, const char *name, int ndims, uint32_t dims_out[3],
+                    uint8_t **data_out, char *err, size_t errlen)
+{
+    char path[PATH_MAX];
+    gzFile f = open_idx(dir, name, path, sizeof path);
+    if (!f) {
+        *data_out = NULL;
+        snprintf(err, errlen, "cannot open %s/%s(.gz): %s", dir, name, strerror(errno ? errno : ENOENT));
+        return -ENOENT;
+    }
+    return read_idx(f, path, ndims, dims_out, data_out, err, errlen);
+}
+
+static int load_idx_path(const char *path, int ndims, uint32_t dims_out[3], uint8_t **data_out,
+                         char *err, size_t errlen)
+{
+    gzFile f = gzopen(path, "rb");
+    if (!f) {
+        *data_out = NULL;
+        snprintf(err, errlen, "cannot open %s: %s", path, strerror(errno ? errno : ENOENT));
+        return -ENOENT;
+    }
+    return read_idx(f, path, ndims, dims_out, data_out, err, errlen);
+}
+
+/* Builds the dataset from loaded pixels and (optional) labels; takes
+ * ownership of both. */
+static int assemble(route_dataset *out, uint8_t *pix, const uint32_t idims[3], uint8_t *lab,
+                    const uint32_t ldims[3], const char *what, char *err, size_t errlen)
+{
+    int rc = 0;
+    if (lab && ldims[0] != idims[0]) {
+        snprintf(err, errlen, "%s: %u images but %u labels", what, idims[0], ldims[0]);
+        rc = -EBADMSG;
+        goto fail;
+    }
+    int maxlab = -1;
+    for (uint32_t i = 0; lab && i < ldims[0]; i++)
+        if (lab[i] > maxlab)
+            maxlab = lab[i];
+    if (maxlab > 99) {
+        snprintf(err, errlen, "%s: label %d out of range", what, maxlab);
+        rc = -EBADMSG;
+        goto fail;
+    }
+    size_t npix = (size_t)idims[0] * idims[1] * idims[2];
+    float *img = malloc(npix * sizeof *img);
+    if (!img) {
+        snprintf(err, errlen, "out of memory for %zu pixels", npix);
+        rc = -ENOMEM;
+        goto fail;
+    }
+    const float scale = 1.0f / (255.0f * ROUTE_FMNIST_STD);
+    const float shift = ROUTE_FMNIST_MEAN / ROUTE_FMNIST_STD;
+    for (size_t i = 0; i < npix; i++)
+        img[i] = (float)pix[i] * scale - shift;
+    free(pix);
+    out->n = (int)idims[0];
+    out->rows = (int)idims[1];
+    out->cols = (int)idims[2];
+    out->classes = maxlab + 1;
+    out->images = img;
+    out->labels = lab;
+    return 0;
+fail:
+    free(pix);
+    free(lab);
+    return rc;
+}
+
 int route_data_load(route_dataset *out, const char *dir, const char *split,
                     char *err, size_t errlen)
 {
@@ -182,43 +247,35 @@ int route_data_load(route_dataset *out, const char *dir, const char *split,
         free(pix);
         return rc;
     }
-    if (ldims[0] != idims[0]) {
-        snprintf(err, errlen, "%s: %u images but %u labels", dir, idims[0], ldims[0]);
-        rc = -EBADMSG;
-        goto fail;
+    return assemble(out, pix, idims, lab, ldims, dir, err, errlen);
+}
+
+int route_data_load_files(route_dataset *out, const char *images, const char *labels, char *err,
+                          size_t errlen)
+{
+    uint32_t idims[3] = {0}, ldims[3] = {0};
+    uint8_t *pix = NULL, *lab = NULL;
+    char dummy[1];
+    if (!err) {
+        err = dummy;
+        errlen = sizeof dummy;
     }
-    int maxlab = 0;
-    for (uint32_t i = 0; i < ldims[0]; i++)
-        if (lab[i] > maxlab)
-            maxlab = lab[i];
-    if (maxlab > 99) {
-        snprintf(err, errlen, "%s: label %d out of range", dir, maxlab);
-        rc = -EBADMSG;
-        goto fail;
+    if (!out || !images) {
+        snprintf(err, errlen, "no images file");
+        return -EINVAL;
     }
-    size_t npix = (size_t)idims[0] * idims[1] * idims[2];
-    float *img = malloc(npix * sizeof *img);
-    if (!img) {
-        snprintf(err, errlen, "out of memory for %zu pixels", npix);
-        rc = -ENOMEM;
-        goto fail;
+    memset(out, 0, sizeof *out);
+    int rc = load_idx_path(images, 3, idims, &pix, err, errlen);
+    if (rc != 0)
+        return rc;
+    if (labels) {
+        rc = load_idx_path(labels, 1, ldims, &lab, err, errlen);
+        if (rc != 0) {
+            free(pix);
+            return rc;
+        }
     }
-    const float scale = 1.0f / (255.0f * ROUTE_FMNIST_STD);
-    const float shift = ROUTE_FMNIST_MEAN / ROUTE_FMNIST_STD;
-    for (size_t i = 0; i < npix; i++)
-        img[i] = (float)pix[i] * scale - shift;
-    free(pix);
-    out->n = (int)idims[0];
-    out->rows = (int)idims[1];
-    out->cols = (int)idims[2];
-    out->classes = maxlab + 1;
-    out->images = img;
-    out->labels = lab;
-    return 0;
-fail:
-    free(pix);
-    free(lab);
-    return rc;
+    return assemble(out, pix, idims, lab, ldims, images, err, errlen);
 }
 
 void route_data_free(route_dataset *d)

@@ -20,9 +20,9 @@
 typedef struct route_dataset {
     int n;            /* number of examples */
     int rows, cols;   /* image shape */
-    int classes;      /* 1 + the largest label */
+    int classes;      /* 1 + the largest label (0 without labels) */
     float *images;    /* (n, rows*cols), normalised; owned */
-    uint8_t *labels;  /* (n); owned */
+    uint8_t *labels;  /* (n); owned; NULL when loaded without labels */
 } route_dataset;
 
 /* Finds the data directory: `dir` when not NULL, else $FASHION_MNIST_DIR,
@@ -38,6 +38,12 @@ int route_data_find_dir(const char *dir, char *out, size_t outlen, char *err, si
  * -EINVAL. */
 int route_data_load(route_dataset *out, const char *dir, const char *split,
                     char *err, size_t errlen);
+
+/* Loads an IDX images file (3-D unsigned bytes, gzip or plain) and,
+ * when labels is not NULL, its IDX labels file. Without labels, out->labels
+ * is NULL and out->classes 0. Errors as route_data_load. */
+int route_data_load_files(route_dataset *out, const char *images, const char *labels, char *err,
+                          size_t errlen);
 
 /* Frees what route_data_load allocated and zeroes d. Accepts NULL. */
 void route_data_free(route_dataset *d);

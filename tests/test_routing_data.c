@@ -175,6 +175,30 @@ static void test_bad_arguments(void **state)
     assert_string_equal(out, dir);
 }
 
+static void test_load_files(void **state)
+{
+    (void)state;
+    char err[512], img[600], lab[600];
+    route_dataset d;
+    write_small_split(1, 3);
+    snprintf(img, sizeof img, "%s/t10k-images-idx3-ubyte.gz", dir);
+    snprintf(lab, sizeof lab, "%s/t10k-labels-idx1-ubyte.gz", dir);
+    assert_int_equal(route_data_load_files(&d, img, NULL, err, sizeof err), 0);
+    assert_int_equal(d.n, 3);
+    assert_null(d.labels);
+    assert_int_equal(d.classes, 0);
+    route_data_free(&d);
+    assert_int_equal(route_data_load_files(&d, img, lab, err, sizeof err), 0);
+    assert_int_equal(d.labels[2], 4);
+    route_data_free(&d);
+    /* A labels file given as images (wrong magic), a missing file. */
+    assert_int_equal(route_data_load_files(&d, lab, NULL, err, sizeof err), -EBADMSG);
+    assert_non_null(strstr(err, "labels-idx1"));
+    snprintf(img, sizeof img, "%s/none.gz", dir);
+    assert_int_equal(route_data_load_files(&d, img, NULL, err, sizeof err), -ENOENT);
+    assert_null(d.images);
+}
+
 /* The real data set from Debian's dataset-fashion-mnist (tools/test.sh
  * installs it); skipped when absent so the unit test runs anywhere. */
 static void test_real_fashion_mnist(void **state)
@@ -216,6 +240,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_small_gz_and_plain, setup, teardown),
         cmocka_unit_test_setup_teardown(test_hostile_files, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_arguments, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_load_files, setup, teardown),
         cmocka_unit_test(test_real_fashion_mnist),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
