@@ -7,6 +7,7 @@
 #define ROUTE_ROUTING_H
 
 #include "routing/data.h"
+#include "routing/infer.h"
 #include "routing/pipeline.h"
 #include "routing/replica.h"
 #include "routing/swarm.h"

@@ -1,37 +1,257 @@
-/* starling infer: predictions through the swarm (lands with the inference issue). */
+/* starling infer: predictions through the swarm, while it trains. */
+#include <errno.h>
+#include <limits.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
+#include "expert/model.h"
+#include "routing/routing.h"
 #include "tools/cli.h"
+#include "tools/client.h"
 
 static const char infer_help[] =
-    "Usage: starling infer --initial-peers ADDR --model NAME (--data test | --input FILE)\n"
-    "                      [--replicas K] [--json]\n"
+    "Usage: starling infer --initial-peers ADDR[,ADDR...] (--data test | --input FILE)\n"
+    "                      [--model NAME] [--replicas K] [--json] ...\n"
     "\n"
-    "Sends forward-only requests through the swarm while it trains and prints\n"
-    "the predicted classes, accuracy (when labels are known) and latency.\n"
+    "Sends forward-only requests through the swarm, which peers serve ahead of\n"
+    "training work and which never change weights, and prints the predicted\n"
+    "classes, the accuracy when labels are known, and latency p50/p99. Every\n"
+    "reply is computed on one consistent version of each block's weights; the\n"
+    "versions used are reported. With --replicas K each input goes along K\n"
+    "paths through different holders and the answer is the majority vote (ties\n"
+    "broken by the mean probability).\n"
     "\n"
     "Options:\n"
-    "  --initial-peers LIST  DHT addresses to join through\n"
-    "  --model NAME          model to query, e.g. fmnist-mlp\n"
-    "  --data test           use the Fashion-MNIST test set\n"
-    "  --input FILE          inputs from FILE\n"
-    "  --replicas K          send each input along K replica paths and vote\n"
-    "  --json                print one JSON document\n"
-    "  -h, --help            this text\n"
+    "  --initial-peers LIST   DHT addresses to join through (required)\n"
+    "  --model NAME           model (default fmnist-mlp)\n"
+    "  --data test            the Fashion-MNIST test set (labels known)\n"
+    "  --data-dir DIR         where Fashion-MNIST is (default: the Debian package's)\n"
+    "  --input FILE           inputs: an IDX file of 28x28 unsigned-byte images\n"
+    "                         (gzip or plain), as in Fashion-MNIST\n"
+    "  --labels FILE          IDX labels for --input (optional: accuracy)\n"
+    "  --samples N            use the first N inputs\n"
+    "  --replicas K           paths per input, 1..9 (default 1)\n"
+    "  --batch B              inputs per request (default 64)\n"
+    "  --inflight K           requests in flight (default 8)\n"
+    "  --output FILE          write one line per input: index class agreement\n"
+    "  --json                 print one JSON document instead of text\n"
+    "  --timeout S            seconds before a call is retried elsewhere (default 30)\n"
+    "  --max-wait S           give up when a stage has no holder this long (default 60)\n"
+    "  --identity FILE, --swarm-key FILE, --listen HOST:PORT   as for 'starling train'\n"
+    "  -h, --help             this text\n"
     "\n"
-    "Status: not in this build yet.\n";
+    "Without --json or --output, --input prints the predictions on stdout (one\n"
+    "line per input) and --data test prints only the summary (on stderr).\n"
+    "Exit status: 0 answered, 1 failed, 2 usage error.\n";
+
+static void on_message(void *arg, const char *msg)
+{
+    (void)arg;
+    fprintf(stderr, "starling infer: %s\n", msg);
+}
+
+static void write_predictions(FILE *f, const route_infer_result *r, int n, int K)
+{
+    for (int i = 0; i < n; i++)
+        fprintf(f, "%d %d %d/%d\n", i, r->pred[i], r->agree[i], K);
+}
 
 int cmd_infer(int argc, char **argv)
 {
+    enum { O_INITIAL = 256, O_MODEL, O_DATA, O_DATADIR, O_INPUT, O_LABELS, O_SAMPLES, O_REPLICAS,
+           O_BATCH, O_INFLIGHT, O_OUTPUT, O_JSON, O_TIMEOUT, O_MAXWAIT, O_IDENTITY, O_SWARM, O_LISTEN };
     static const struct option opts[] = {
-        {"initial-peers", required_argument, NULL, 'i'},
-        {"model", required_argument, NULL, 'm'},
-        {"data", required_argument, NULL, 'd'},
-        {"input", required_argument, NULL, 'f'},
-        {"replicas", required_argument, NULL, 'r'},
-        {"json", no_argument, NULL, 'j'},
+        {"initial-peers", required_argument, NULL, O_INITIAL},
+        {"model", required_argument, NULL, O_MODEL},
+        {"data", required_argument, NULL, O_DATA},
+        {"data-dir", required_argument, NULL, O_DATADIR},
+        {"input", required_argument, NULL, O_INPUT},
+        {"labels", required_argument, NULL, O_LABELS},
+        {"samples", required_argument, NULL, O_SAMPLES},
+        {"replicas", required_argument, NULL, O_REPLICAS},
+        {"batch", required_argument, NULL, O_BATCH},
+        {"inflight", required_argument, NULL, O_INFLIGHT},
+        {"output", required_argument, NULL, O_OUTPUT},
+        {"json", no_argument, NULL, O_JSON},
+        {"timeout", required_argument, NULL, O_TIMEOUT},
+        {"max-wait", required_argument, NULL, O_MAXWAIT},
+        {"identity", required_argument, NULL, O_IDENTITY},
+        {"swarm-key", required_argument, NULL, O_SWARM},
+        {"listen", required_argument, NULL, O_LISTEN},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
-    return cli_planned("infer", infer_help, opts, argc, argv);
+    const char *initial = NULL, *model = "fmnist-mlp", *data = NULL, *data_dir = NULL, *input = NULL;
+    const char *labels = NULL, *output = NULL, *identity = NULL, *swarm = NULL, *listen = NULL;
+    long samples = 0, replicas = 1, batch = 64, inflight = 8;
+    double timeout = 30, max_wait = 60;
+    int json = 0, c;
+
+    optind = 1;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
+        switch (c) {
+        case 'h': fputs(infer_help, stdout); return CLI_EXIT_OK;
+        case O_INITIAL: initial = optarg; break;
+        case O_MODEL: model = optarg; break;
+        case O_DATA: data = optarg; break;
+        case O_DATADIR: data_dir = optarg; break;
+        case O_INPUT: input = optarg; break;
+        case O_LABELS: labels = optarg; break;
+        case O_OUTPUT: output = optarg; break;
+        case O_JSON: json = 1; break;
+        case O_IDENTITY: identity = optarg; break;
+        case O_SWARM: swarm = optarg; break;
+        case O_LISTEN: listen = optarg; break;
+        case O_SAMPLES:
+            if (cli_parse_long("infer", "--samples", optarg, 1, INT_MAX, &samples))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_REPLICAS:
+            if (cli_parse_long("infer", "--replicas", optarg, 1, ROUTE_INFER_MAX_REPLICAS, &replicas))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_BATCH:
+            if (cli_parse_long("infer", "--batch", optarg, 1, 65536, &batch))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_INFLIGHT:
+            if (cli_parse_long("infer", "--inflight", optarg, 1, 1024, &inflight))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_TIMEOUT:
+            if (cli_parse_double("infer", "--timeout", optarg, 0.05, 3600, &timeout))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_MAXWAIT:
+            if (cli_parse_double("infer", "--max-wait", optarg, 0.1, 1e7, &max_wait))
+                return CLI_EXIT_USAGE;
+            break;
+        default: return cli_bad_option("infer", c, argv);
+        }
+    }
+    if (cli_no_positional("infer", argc, argv))
+        return CLI_EXIT_USAGE;
+    if (!data == !input)
+        return cli_usage_error("infer", "give exactly one of --data test or --input FILE");
+    if (data && strcmp(data, "test") != 0)
+        return cli_usage_error("infer", "--data takes 'test' (the Fashion-MNIST test set), not '%s'", data);
+    if (labels && !input)
+        return cli_usage_error("infer", "--labels goes with --input");
+    const struct expert_model_spec *spec = expert_model_find(model);
+    if (!spec)
+        return cli_usage_error("infer", "unknown model '%s'", model);
+    if (!initial)
+        return cli_usage_error("infer", "--initial-peers LIST is required");
+
+    char dir[4096], err[512];
+    route_dataset ds;
+    if (data) {
+        if (route_data_find_dir(data_dir, dir, sizeof dir, err, sizeof err) != 0 ||
+            route_data_load(&ds, dir, "t10k", err, sizeof err) != 0)
+            return cli_fail("infer", "%s", err);
+    } else if (route_data_load_files(&ds, input, labels, err, sizeof err) != 0) {
+        return cli_fail("infer", "%s", err);
+    }
+    if (ds.rows * ds.cols != spec->n_in) {
+        route_data_free(&ds);
+        return cli_fail("infer", "inputs have %d values each, model %s takes %d", ds.rows * ds.cols,
+                        spec->name, spec->n_in);
+    }
+    int n = samples > 0 && samples < ds.n ? (int)samples : ds.n;
+
+    tools_client cl;
+    int rc = tools_client_open(&cl, "infer", initial, listen, identity, swarm, 15);
+    if (rc != CLI_EXIT_OK) {
+        route_data_free(&ds);
+        return rc;
+    }
+    route_infer_result res;
+    memset(&res, 0, sizeof res);
+    res.pred = calloc((size_t)n, sizeof *res.pred);
+    res.prob = calloc((size_t)n, sizeof *res.prob);
+    res.agree = calloc((size_t)n, sizeof *res.agree);
+    route_infer_config ic;
+    memset(&ic, 0, sizeof ic);
+    ic.dht = cl.d;
+    ic.ident = &cl.ident;
+    ic.swarm_key = cl.has_swarm_key ? cl.swarm_key : NULL;
+    ic.model = spec;
+    ic.inputs = ds.images;
+    ic.n = n;
+    ic.batch = (int)batch;
+    ic.replicas = (int)replicas;
+    ic.inflight = (int)inflight;
+    ic.call_timeout_s = timeout;
+    ic.max_wait_s = max_wait;
+    ic.on_message = on_message;
+    if (!res.pred || !res.prob || !res.agree) {
+        rc = -ENOMEM;
+        snprintf(res.error, sizeof res.error, "out of memory");
+    } else {
+        rc = route_infer_run(&cl.loop, &ic, &res);
+    }
+    tools_client_close(&cl);
+
+    int status = CLI_EXIT_OK;
+    if (rc != 0) {
+        status = cli_fail("infer", "%s", res.error[0] ? res.error : strerror(-rc));
+    } else {
+        long correct = 0, unanimous = 0;
+        for (int i = 0; i < n; i++) {
+            if (ds.labels)
+                correct += res.pred[i] == ds.labels[i];
+            unanimous += res.agree[i] == replicas;
+        }
+        double acc = ds.labels ? (double)correct / n : -1;
+        if (output) {
+            FILE *f = fopen(output, "w");
+            if (!f) {
+                status = cli_fail("infer", "cannot write %s: %s", output, strerror(errno));
+            } else {
+                write_predictions(f, &res, n, (int)replicas);
+                fclose(f);
+            }
+        }
+        if (json) {
+            printf("{\"samples\":%d,\"replicas\":%ld,\"accuracy\":", n, replicas);
+            if (acc >= 0)
+                printf("%.6f", acc);
+            else
+                printf("null");
+            printf(",\"unanimous\":%.6f,\"p50_ms\":%.3f,\"p99_ms\":%.3f,\"requests_per_s\":%.1f,"
+                   "\"samples_per_s\":%.1f,\"retries\":%ld,\"versions\":[",
+                   (double)unanimous / n, res.p50_ms, res.p99_ms, res.requests_per_s, res.samples_per_s,
+                   res.retries);
+            for (int s = 0; s < spec->n_stages; s++)
+                printf("%s{\"stage\":%d,\"min\":%llu,\"max\":%llu}", s ? "," : "", s,
+                       (unsigned long long)res.ver_min[s], (unsigned long long)res.ver_max[s]);
+            printf("],\"predictions\":[");
+            for (int i = 0; i < n; i++)
+                printf("%s%d", i ? "," : "", res.pred[i]);
+            printf("]}\n");
+        } else {
+            if (input && !output)
+                write_predictions(stdout, &res, n, (int)replicas);
+            fprintf(stderr, "starling infer: %d inputs", n);
+            if (acc >= 0)
+                fprintf(stderr, ", accuracy %.4f", acc);
+            fprintf(stderr, ", latency p50 %.2f ms p99 %.2f ms, %.0f requests/s, %.0f samples/s", res.p50_ms,
+                    res.p99_ms, res.requests_per_s, res.samples_per_s);
+            if (replicas > 1)
+                fprintf(stderr, ", %ld paths agreed on %.1f%% of inputs", replicas,
+                        100.0 * (double)unanimous / n);
+            fprintf(stderr, "\nstarling infer: weight versions used:");
+            for (int s = 0; s < spec->n_stages; s++)
+                fprintf(stderr, " %d:%llu-%llu", s, (unsigned long long)res.ver_min[s],
+                        (unsigned long long)res.ver_max[s]);
+            fputc('\n', stderr);
+        }
+    }
+    free(res.pred);
+    free(res.prob);
+    free(res.agree);
+    route_data_free(&ds);
+    return status;
 }

@@ -1,0 +1,57 @@
+/* routing/infer.h: predictions from a swarm that may still be training.
+ *
+ * Each batch of inputs goes forward through every stage with the `infer`
+ * method, which peers serve ahead of queued training work and which never
+ * changes weights. Every reply names the weight version it was computed
+ * with (each peer computes a request on one pinned version, so no reply
+ * mixes two versions of a block). With replicas = K the same batch is sent
+ * along K paths that use different holders wherever the swarm has them, and
+ * each sample's answer is the majority vote of the paths, ties broken by
+ * the mean probability. Routing, bans and retries are the trainer's.
+ */
+#ifndef ROUTE_INFER_H
+#define ROUTE_INFER_H
+
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "dht/dht.h"
+#include "expert/model.h"
+
+#define ROUTE_INFER_MAX_REPLICAS 9
+
+typedef struct route_infer_config {
+    dht *dht;                               /* started and joined; borrowed */
+    const dht_identity *ident;
+    const uint8_t *swarm_key;               /* 32 bytes or NULL */
+    const struct expert_model_spec *model;
+    const float *inputs;                    /* (n, model->n_in) */
+    int n;
+    int batch;                              /* rows per request */
+    int replicas;                           /* paths per batch, 1..ROUTE_INFER_MAX_REPLICAS */
+    int inflight;                           /* (batch, path) units at once */
+    double call_timeout_s, max_wait_s, refresh_s;
+    void (*on_message)(void *arg, const char *msg);
+    void *arg;
+} route_infer_config;
+
+typedef struct route_infer_result {
+    int *pred;                 /* (n) caller-owned: the predicted class */
+    float *prob;               /* (n) caller-owned or NULL: its mean probability */
+    uint8_t *agree;            /* (n) caller-owned or NULL: paths that voted for it */
+    uint64_t ver_min[64], ver_max[64];  /* weight versions seen per stage */
+    double p50_ms, p99_ms;     /* latency of one (batch, path) through every stage */
+    double requests_per_s;     /* (batch, path) units completed per second */
+    double samples_per_s;      /* samples answered per second */
+    double elapsed_s;
+    long retries;
+    char error[320];
+} route_infer_result;
+
+/* Runs to the end. out->pred (and prob/agree when set) must have n entries.
+ * Returns 0, -ETIMEDOUT (a stage had no holder for max_wait_s), -EINVAL,
+ * -ENOMEM; out->error says what happened. */
+int route_infer_run(uv_loop_t *loop, const route_infer_config *cfg, route_infer_result *out);
+
+#endif
