@@ -10,6 +10,7 @@
 #include "expert/model.h"
 #include "peer/announce.h"
 #include "peer/metrics.h"
+#include "peer/statesync.h"
 
 #define JOIN_RETRY_MS 5000
 #define MAX_INITIAL 64
@@ -37,10 +38,16 @@ struct peer_daemon {
     int timers_open;
 
     int joined;
+    int syncing;                 /* index of the block whose state is being fetched, or -1 */
+    int sync_inflight;           /* a download's callback is still to come */
+    int no_state_download;
+    uint64_t sync_rng;
+    double sync_t0;
     int put_failures_logged;
+    uint64_t last_expiry;        /* announcements expire strictly later each time */
     int stopping;
     int offline_puts;            /* offline announcements still in flight */
-    int stop_phase;              /* 1 announcing offline, 2 closing service, 3 closing the rest */
+    int stop_phase;              /* 1 announcing offline, 2 closing service, 3 closing the rest, 4 done */
     int ckpt_busy;
     uv_work_t ckpt_work;
     int ckpt_status;
@@ -63,13 +70,21 @@ static void say(peer_daemon *d, const char *fmt, ...)
 
 /* ---- announcements ---- */
 
+static void on_announce_timer(uv_timer_t *t);
+
 static void on_put(dht *dh, int status, void *ud)
 {
     (void)dh;
     peer_daemon *d = ud;
-    if (status < 0 && !d->put_failures_logged && !d->stopping) {
-        say(d, "announcement not stored (%s); will retry", strerror(-status));
+    if (status < 0 && !d->stopping) {
+        if (!d->put_failures_logged)
+            say(d, "announcement not stored (%s); retrying in 2 s", strerror(-status));
         d->put_failures_logged = 1;
+        /* Retry soon rather than at the next period: until it is stored,
+         * clients see an old state (or nothing). */
+        uint64_t every = (uint64_t)(d->announce_every_s * 1000);
+        if (d->joined && d->syncing < 0 && uv_timer_get_due_in(&d->announce_timer) > 2000)
+            uv_timer_start(&d->announce_timer, on_announce_timer, 2000, every);
     } else if (status >= 0) {
         d->put_failures_logged = 0;
     }
@@ -93,6 +108,13 @@ static int announce(peer_daemon *d, peer_state state, dht_done_cb cb)
     uint8_t val[PEER_ANNOUNCE_MAX_BYTES], key[DHT_ID_LEN];
     uint64_t now = dht_now_ms();
     double ttl = state == PEER_STATE_OFFLINE ? 15.0 : d->ttl_s;
+    /* The DHT keeps the entry with the latest expiration: a new state
+     * (joining -> online -> offline) must never tie with or lose to the
+     * previous one, even within a millisecond or with a shorter TTL. */
+    uint64_t expiry = now + (uint64_t)(ttl * 1000);
+    if (expiry <= d->last_expiry)
+        expiry = d->last_expiry + 1;
+    d->last_expiry = expiry;
     int started = 0;
     for (int i = 0; i < peer_service_n_blocks(d->svc); i++) {
         peer_block_info info;
@@ -115,7 +137,7 @@ static int announce(peer_daemon *d, peer_state state, dht_done_cb cb)
         if (n < 0)
             continue;
         dht_id_of_bytes(key, info.name, strlen(info.name));
-        if (dht_put(d->dht, key, NULL, 0, val, (size_t)n, now + (uint64_t)(ttl * 1000), 1, cb, d) == 0)
+        if (dht_put(d->dht, key, NULL, 0, val, (size_t)n, expiry, 1, cb, d) == 0)
             started++;
     }
     if (state != PEER_STATE_OFFLINE) {
@@ -132,11 +154,138 @@ static int announce(peer_daemon *d, peer_state state, dht_done_cb cb)
     return started;
 }
 
+/* Announces online; when the DHT refuses to start some puts (too busy),
+ * tries again in 2 s instead of a whole period later. */
+static void announce_online(peer_daemon *d)
+{
+    int want = peer_service_n_blocks(d->svc) + 1;
+    if (announce(d, PEER_STATE_ONLINE, on_put) < want) {
+        uint64_t every = (uint64_t)(d->announce_every_s * 1000);
+        uv_timer_start(&d->announce_timer, on_announce_timer, 2000, every);
+    }
+}
+
 static void on_announce_timer(uv_timer_t *t)
 {
     peer_daemon *d = t->data;
     if (d->joined && !d->stopping)
-        announce(d, PEER_STATE_ONLINE, on_put);
+        announce_online(d);
+}
+
+/* ---- newcomer state ---- */
+
+static void go_online(peer_daemon *d)
+{
+    d->syncing = -1;
+    say(d, "online: announcing %d block%s", peer_service_n_blocks(d->svc),
+        peer_service_n_blocks(d->svc) == 1 ? "" : "s");
+    uint64_t every = (uint64_t)(d->announce_every_s * 1000);
+    uv_timer_start(&d->announce_timer, on_announce_timer, every, every);
+    announce_online(d);
+}
+
+static void sync_next(peer_daemon *d);
+
+static void maybe_free(peer_daemon *d);
+
+static void on_state(void *arg, int status, const uint8_t *buf, size_t len, uint64_t version)
+{
+    peer_daemon *d = arg;
+    d->sync_inflight = 0;
+    if (d->stopping) {
+        maybe_free(d);
+        return;
+    }
+    peer_block_info info;
+    peer_service_block_info(d->svc, d->syncing, &info);
+    if (status == 0) {
+        int rc = peer_service_install_state(d->svc, d->syncing, buf, len);
+        if (rc == 0)
+            say(d, "%s: downloaded the current state (weight version %llu, %.1f MB in %.2f s)", info.name,
+                (unsigned long long)version, (double)len / 1e6, (double)uv_now(d->loop) / 1000.0 - d->sync_t0);
+        else
+            say(d, "%s: the downloaded state was refused (%s); keeping ours", info.name, strerror(-rc));
+    } else {
+        say(d, "%s: state download failed (%s); keeping ours", info.name, strerror(-status));
+    }
+    sync_next(d);
+}
+
+/* Picks a donor among the online holders with the newest weights; a random
+ * one of the near-newest, so newcomers spread over donors. */
+static void on_holders(dht *dh, int status, const dht_entry *e, size_t n, void *ud)
+{
+    (void)dh;
+    peer_daemon *d = ud;
+    if (d->stopping)
+        return;
+    peer_block_info info;
+    peer_service_block_info(d->svc, d->syncing, &info);
+    uint64_t best = 0;
+    int found = 0;
+    peer_announce cand[16];
+    uint8_t ids[16][DHT_ID_LEN];
+    int nc = 0;
+    for (size_t i = 0; status == 0 && i < n; i++) {
+        peer_announce a;
+        if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN || !memcmp(e[i].subkey, d->ident.id, DHT_ID_LEN) ||
+            peer_announce_decode(&a, e[i].value, e[i].value_len) != 0 || a.state != PEER_STATE_ONLINE ||
+            a.stage_hash != info.stage_hash || strcmp(a.block, info.name) != 0)
+            continue;
+        if (!found || a.weight_version > best)
+            best = a.weight_version;
+        found = 1;
+        if (nc < 16) {
+            cand[nc] = a;
+            memcpy(ids[nc], e[i].subkey, DHT_ID_LEN);
+            nc++;
+        }
+    }
+    int pick = -1, seen = 0;
+    for (int i = 0; i < nc; i++) {
+        if (cand[i].weight_version + 1 < best)
+            continue;
+        d->sync_rng = d->sync_rng * 6364136223846793005ULL + 1442695040888963407ULL;
+        if ((int)((d->sync_rng >> 33) % (uint64_t)(++seen)) == 0)
+            pick = i;
+    }
+    int want = pick >= 0 && !d->no_state_download &&
+               (best > info.version || (!info.restored && info.version == 0));
+    if (!want) {
+        if (!found)
+            say(d, "%s: no other holder; starting from our %s", info.name,
+                info.restored ? "checkpoint" : "initial weights");
+        sync_next(d);
+        return;
+    }
+    d->sync_t0 = (double)uv_now(d->loop) / 1000.0;
+    int rc = peer_statesync_start(d->loop, &d->ident, d->has_swarm_key ? d->swarm_key : NULL, ids[pick],
+                                  cand[pick].addr, info.name, 30.0, on_state, d);
+    if (rc == 0)
+        d->sync_inflight = 1;
+    else {
+        say(d, "%s: cannot start the state download (%s); keeping ours", info.name, strerror(-rc));
+        sync_next(d);
+    }
+}
+
+static void sync_next(peer_daemon *d)
+{
+    if (d->stopping)
+        return;
+    for (;;) {
+        if (++d->syncing >= peer_service_n_blocks(d->svc)) {
+            go_online(d);
+            return;
+        }
+        peer_block_info info;
+        uint8_t key[DHT_ID_LEN];
+        peer_service_block_info(d->svc, d->syncing, &info);
+        dht_id_of_bytes(key, info.name, strlen(info.name));
+        if (dht_get(d->dht, key, on_holders, d) == 0)
+            return;
+        say(d, "%s: cannot look up holders; keeping ours", info.name);
+    }
 }
 
 /* ---- joining ---- */
@@ -163,11 +312,11 @@ static void on_join(dht *dh, int status, void *ud)
         return;
     }
     d->joined = 1;
-    say(d, "joined the swarm; announcing %d block%s", peer_service_n_blocks(d->svc),
-        peer_service_n_blocks(d->svc) == 1 ? "" : "s");
-    announce(d, PEER_STATE_ONLINE, on_put);
-    uint64_t every = (uint64_t)(d->announce_every_s * 1000);
-    uv_timer_start(&d->announce_timer, on_announce_timer, every, every);
+    say(d, "joined the swarm; fetching the current state of %d block%s from holders",
+        peer_service_n_blocks(d->svc), peer_service_n_blocks(d->svc) == 1 ? "" : "s");
+    announce(d, PEER_STATE_JOINING, on_put);
+    d->syncing = -1;
+    sync_next(d);
 }
 
 static void start_join(peer_daemon *d)
@@ -367,6 +516,9 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
     d->ttl_s = cfg->ttl_s > 0 ? cfg->ttl_s : 60.0;
     d->checkpoint_every_s = cfg->checkpoint_every_s;
     d->max_queue_rows = cfg->svc.max_queue_rows > 0 ? cfg->svc.max_queue_rows : 1;
+    d->syncing = -1;
+    d->no_state_download = cfg->no_state_download;
+    d->sync_rng = (uint64_t)d->ident.id[0] << 8 | d->ident.id[1];
     d->log = cfg->log ? cfg->log : stderr;
     memcpy(d->initial, cfg->initial, cfg->n_initial * sizeof *cfg->initial);
     d->n_initial = cfg->n_initial;
@@ -443,11 +595,9 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
     if (d->n_initial > 0) {
         start_join(d);
     } else {
-        /* The first node of a swarm: nothing to join, announce locally. */
+        /* The first node of a swarm: nothing to join or fetch. */
         d->joined = 1;
-        announce(d, PEER_STATE_ONLINE, on_put);
-        uint64_t every = (uint64_t)(d->announce_every_s * 1000);
-        uv_timer_start(&d->announce_timer, on_announce_timer, every, every);
+        go_online(d);
     }
     return d;
 
@@ -478,23 +628,32 @@ int peer_daemon_peer_string(const peer_daemon *d, char *buf, size_t cap)
     return n < 0 || (size_t)n >= cap ? -ENOSPC : n;
 }
 
+/* The daemon goes away once its timers are closed and no state download
+ * can still call back into it. */
+static void maybe_free(peer_daemon *d)
+{
+    if (d->timers_open > 0 || d->sync_inflight || d->stop_phase < 4)
+        return;
+    void (*cb)(int, void *) = d->stop_cb;
+    void *arg = d->stop_arg;
+    int status = d->final_status;
+    free(d);
+    if (cb)
+        cb(status, arg);
+}
+
 static void on_timer_closed(uv_handle_t *h)
 {
     peer_daemon *d = h->data;
-    if (--d->timers_open == 0) {
-        void (*cb)(int, void *) = d->stop_cb;
-        void *arg = d->stop_arg;
-        int status = d->final_status;
-        free(d);
-        if (cb)
-            cb(status, arg);
-    }
+    d->timers_open--;
+    maybe_free(d);
 }
 
 static void on_dht_closed(dht *dh, void *ud)
 {
     (void)dh;
     peer_daemon *d = ud;
+    d->stop_phase = 4;
     uv_close((uv_handle_t *)&d->announce_timer, on_timer_closed);
     uv_close((uv_handle_t *)&d->join_timer, on_timer_closed);
     uv_close((uv_handle_t *)&d->ckpt_timer, on_timer_closed);

@@ -3,9 +3,13 @@
  *
  * The DHT (UDP) and the tensor RPC (TCP) listen on the same HOST:PORT. The
  * daemon joins the swarm through the initial peers (retrying every few
- * seconds while nobody answers, with a message), then announces each hosted
- * block under its key (peer/announce.h) and the model under the models
- * index, signed, expiring ttl_s ahead and renewed every announce_every_s.
+ * seconds while nobody answers, with a message), announces its blocks as
+ * joining, downloads each block's newest state from an online holder
+ * (peer/statesync.h; a random one of the most up to date, so newcomers
+ * spread over donors) unless its own is as new, then announces each hosted
+ * block online under its key (peer/announce.h) and the model under the
+ * models index, signed, expiring ttl_s ahead and renewed every
+ * announce_every_s.
  * A stop announces the blocks offline, closes the service (which writes
  * checkpoints), and closes the DHT.
  *
@@ -34,6 +38,7 @@ typedef struct peer_daemon_config {
     double ttl_s;                      /* 0 = 60 */
     double checkpoint_every_s;         /* 0 = never (checkpoints still written at stop) */
     const char *metrics_listen;        /* "HOST:PORT" or NULL */
+    int no_state_download;             /* keep our own state even if holders have newer */
     FILE *log;                         /* status lines; NULL = stderr */
 } peer_daemon_config;
 

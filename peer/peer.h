@@ -16,6 +16,7 @@
 #include "peer/rpc_client.h"
 #include "peer/rpc_server.h"
 #include "peer/service.h"
+#include "peer/statesync.h"
 #include "peer/wire.h"
 
 #endif

@@ -40,10 +40,15 @@ struct svc_block {
     pthread_mutex_t pool_mu;
     svc_task *free_list;
     int pool_size, pool_cap;
+    uint8_t *state;            /* the latest serialized snapshot for downloads */
+    size_t state_len;
+    uint64_t state_id, state_version;
 };
 
 struct peer_service {
     uv_loop_t *loop;
+    uint64_t next_state_id;
+    float *chunk;                 /* state download buffer (loop thread) */
     peer_service_config cfg;
     char model[64];
     const struct expert_model_spec *spec;
@@ -130,6 +135,80 @@ static void task_done(peer_task *pt, int status)
     pool_put(b, t);
 }
 
+static uint64_t get_le64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+static void put_le64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+/* A chunk of block b's serialized state (see service.h). Runs on the loop
+ * thread; serialising a snapshot copies the parameters and optimizer state
+ * once per download, not per chunk. */
+static void handle_state(peer_service *s, svc_block *b, peer_rpc_request *req, const peer_msg *msg)
+{
+    if (!msg->meta || msg->meta_len != 16) {
+        peer_rpc_respond_error(req, EINVAL, "state takes meta = snapshot id and offset (16 bytes)");
+        return;
+    }
+    uint64_t id = get_le64(msg->meta), off = get_le64((const uint8_t *)msg->meta + 8);
+    if (id == 0) {
+        size_t need = expert_block_serialized_size(b->block, 1);
+        uint8_t *buf = realloc(b->state, need ? need : 1);
+        if (!buf) {
+            peer_rpc_respond_error(req, ENOMEM, "out of memory for the state snapshot");
+            return;
+        }
+        b->state = buf;
+        long n = expert_block_serialize(b->block, 1, buf, need);
+        if (n < 0) {
+            b->state_len = 0;
+            peer_rpc_respond_error(req, EIO, "cannot serialize the block");
+            return;
+        }
+        b->state_len = (size_t)n;
+        b->state_id = ++s->next_state_id;
+        b->state_version = expert_block_version(b->block);
+        off = 0;
+    } else if (id != b->state_id || !b->state_len) {
+        peer_rpc_respond_error(req, ESTALE, "the state snapshot was replaced; start again");
+        return;
+    }
+    if (off > b->state_len) {
+        peer_rpc_respond_error(req, EINVAL, "offset past the end of the state");
+        return;
+    }
+    size_t len = b->state_len - off < PEER_STATE_CHUNK ? b->state_len - (size_t)off : PEER_STATE_CHUNK;
+    if (!s->chunk && !(s->chunk = malloc(PEER_STATE_CHUNK + 4))) {
+        peer_rpc_respond_error(req, ENOMEM, "out of memory");
+        return;
+    }
+    float *chunk = s->chunk;
+    size_t nf = (len + 3) / 4;
+    chunk[nf ? nf - 1 : 0] = 0.0f; /* zero the padding */
+    memcpy(chunk, b->state + off, len);
+    uint8_t meta[24];
+    put_le64(meta, b->state_id);
+    put_le64(meta + 8, b->state_len);
+    put_le64(meta + 16, b->state_version);
+    peer_msg reply;
+    peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_STATE, 0);
+    reply.meta = meta;
+    reply.meta_len = sizeof meta;
+    uint64_t shape[2] = {1, nf};
+    reply.n_tensors = nf ? 1 : 0;
+    if (nf)
+        peer_tensor_f32(&reply.t[0], chunk, 2, shape);
+    peer_rpc_respond(req, &reply);
+}
+
 static int is_f32_2d(const peer_tensor *t, int cols, int max_rows, uint64_t *rows_out)
 {
     if (t->dtype != PEER_DTYPE_F32 || t->ndim != 2 || t->shape[1] != (uint64_t)cols ||
@@ -157,7 +236,7 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
         return;
     }
     if (msg->method != PEER_METHOD_FORWARD && msg->method != PEER_METHOD_BACKWARD &&
-        msg->method != PEER_METHOD_INFER) {
+        msg->method != PEER_METHOD_INFER && msg->method != PEER_METHOD_STATE) {
         peer_rpc_respond_error(req, ENOSYS, "unknown method");
         return;
     }
@@ -168,6 +247,10 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
     if (!b) {
         snprintf(why, sizeof why, "block '%.80s' is not hosted by this peer", msg->block);
         peer_rpc_respond_error(req, ENOENT, why);
+        return;
+    }
+    if (msg->method == PEER_METHOD_STATE) {
+        handle_state(s, b, req, msg);
         return;
     }
     const int fwd = msg->method != PEER_METHOD_BACKWARD;
@@ -265,6 +348,8 @@ static void free_blocks(peer_service *s)
         peer_batcher_destroy(&b->batcher);
         pool_free(b);
         pthread_mutex_destroy(&b->pool_mu);
+        free(b->state);
+        b->state = NULL;
         expert_block_destroy(&b->block);
     }
     s->n_blocks = 0;
@@ -381,6 +466,8 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
             widest = w;
     }
     rc.max_frame = (size_t)cfg->max_batch * widest * sizeof(float) + 65536;
+    if (rc.max_frame < PEER_STATE_CHUNK + 65536)
+        rc.max_frame = PEER_STATE_CHUNK + 65536; /* state downloads */
     rc.handler = handle;
     rc.arg = s;
     s->rpc = peer_rpc_server_create(loop, &rc);
@@ -430,6 +517,13 @@ int peer_service_block_info(peer_service *s, int i, peer_block_info *info)
     return 0;
 }
 
+int peer_service_install_state(peer_service *s, int i, const void *buf, size_t len)
+{
+    if (!s || i < 0 || i >= s->n_blocks || !buf)
+        return -EINVAL;
+    return expert_block_deserialize(s->blocks[i].block, buf, len);
+}
+
 int peer_service_checkpoint(peer_service *s)
 {
     int first = 0;
@@ -476,6 +570,7 @@ void peer_service_destroy(peer_service **pp)
     peer_service *s = *pp;
     peer_rpc_server_destroy(&s->rpc);
     free_blocks(s);
+    free(s->chunk);
     free(s);
     *pp = NULL;
 }

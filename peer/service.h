@@ -17,6 +17,16 @@
  * ESHUTDOWN stopping, EIO compute failed. info returns a JSON document
  * (meta) describing the hosted blocks.
  *
+ * state(block, meta = u64 snapshot id (0: take a new snapshot) + u64 offset,
+ * both little-endian) -> one f32 tensor (1, n) carrying up to
+ * PEER_STATE_CHUNK bytes of the block's serialized state (parameters and
+ * optimizer state, the checkpoint format; zero padded to whole floats), and
+ * meta = u64 snapshot id, u64 total bytes, u64 weight version. A newcomer
+ * asks for offset 0 with id 0, then for the following offsets with the id it
+ * got; if the snapshot was replaced meanwhile the answer is ESTALE and it
+ * starts again. The serialized bytes carry their own checksum and config
+ * hash, which the receiver verifies when it installs them.
+ *
  * Thread-safety: create, listen, checkpoint, close and the getters run on
  * the loop thread.
  */
@@ -33,6 +43,7 @@
 #include "peer/batcher.h"
 
 #define PEER_SERVICE_MAX_BLOCKS 64
+#define PEER_STATE_CHUNK (256 * 1024)
 
 typedef struct peer_service_config {
     const dht_identity *self;     /* required; borrowed for create only */
@@ -78,6 +89,12 @@ int peer_service_port(const peer_service *s);
 int peer_service_n_blocks(const peer_service *s);
 /* Fills info for hosted block i. Returns 0 or -EINVAL. */
 int peer_service_block_info(peer_service *s, int i, peer_block_info *info);
+
+/* Installs serialized state (from a donor's PEER_METHOD_STATE download) into
+ * hosted block i. Returns 0, -EINVAL, or expert_block_deserialize's error
+ * (-EBADMSG corrupt, -ESTALE another configuration); the block is unchanged
+ * on error. Loop thread. */
+int peer_service_install_state(peer_service *s, int i, const void *buf, size_t len);
 
 /* Writes every block's checkpoint now (atomically; blocks the caller for the
  * time of the writes). Returns 0 or the first error. */

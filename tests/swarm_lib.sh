@@ -50,7 +50,7 @@ start_peer() {
     pid=$!
     PIDS="$PIDS $pid"
     eval "PID_$name=$pid"
-    wait_for "$T/$name.err" 'joined the swarm' 15 || { show "$T/$name.out" "$T/$name.err"; echo "peer $name did not join" >&2; exit 1; }
+    wait_for "$T/$name.err" 'online: announcing' 30 || { show "$T/$name.out" "$T/$name.err"; echo "peer $name did not come online" >&2; exit 1; }
 }
 
 # json_field FILE KEY: prints a number or string field of the last JSON line.

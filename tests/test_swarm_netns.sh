@@ -39,8 +39,8 @@ PIDS="$PIDS $!"
 ip netns exec "${tag}h3" "$S" peer --initial-peers "$BS" --blocks 3-5 --listen 0.0.0.0:4001 \
     --announce 192.0.2.3 >"$T/b.out" 2>"$T/b.err" &
 PIDS="$PIDS $!"
-wait_for "$T/a.err" 'joined the swarm' 15 || { fail "peer on host 2 did not join"; show "$T/a.err"; }
-wait_for "$T/b.err" 'joined the swarm' 15 || { fail "peer on host 3 did not join"; show "$T/b.err"; }
+wait_for "$T/a.err" 'online: announcing' 30 || { fail "peer on host 2 did not join"; show "$T/a.err"; }
+wait_for "$T/b.err" 'online: announcing' 30 || { fail "peer on host 3 did not join"; show "$T/b.err"; }
 grep -q '192.0.2.3:4001/' "$T/b.out" || fail "host 3 does not announce its reachable address"
 
 ip netns exec "${tag}h1" "$S" monitor --initial-peers "$BS" >"$T/mon.txt" 2>&1

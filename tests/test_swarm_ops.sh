@@ -82,7 +82,7 @@ wait_for "$T/bs2.out" '/' 10 || fail "private bootstrap did not start"
 BS2=$(head -1 "$T/bs2.out")
 "$S" peer --initial-peers "$BS2" --blocks 0 --swarm-key "$T/key" >"$T/p2.out" 2>"$T/p2.err" &
 PIDS="$PIDS $!"
-wait_for "$T/p2.err" 'joined the swarm' 15 || fail "keyed peer did not join"
+wait_for "$T/p2.err" 'online: announcing' 30 || fail "keyed peer did not join"
 "$S" monitor --initial-peers "$BS2" --model fmnist-mlp --timeout 3 >"$T/m3.txt" 2>&1; rc=$?
 [ "$rc" -eq 2 ] || fail "monitor without the key: exit $rc, want 2"
 grep -q "cannot reach" "$T/m3.txt" || { fail "no clear message without the key"; show "$T/m3.txt"; }

@@ -50,6 +50,9 @@ static const char peer_help[] =
     "  --lr X                 learning rate (default 1e-3 adamw, 1e-2 sgd)\n"
     "  --seed N               initial weights seed when no checkpoint exists (default 0)\n"
     "  --metrics HOST:PORT    serve Prometheus metrics at http://HOST:PORT/metrics\n"
+    "  --no-state-download    serve our own checkpoint or initial weights even when\n"
+    "                         other holders have newer ones (by default a joining\n"
+    "                         peer first downloads the newest state from a holder)\n"
     "  --announce-every S     seconds between announcements (default 20)\n"
     "  --announce-ttl S       announcements expire this long after they are written\n"
     "                         (default 60): how fast a dead peer disappears\n"
@@ -129,7 +132,7 @@ int cmd_peer(int argc, char **argv)
 {
     enum { O_INITIAL = 256, O_MODEL, O_BLOCKS, O_DEVICE, O_LISTEN, O_ANNOUNCE, O_IDENTITY,
            O_CKPT_DIR, O_CKPT_EVERY, O_SWARM_KEY, O_THREADS, O_BLAS, O_MAX_BATCH, O_TARGET,
-           O_OPT, O_LR, O_SEED, O_METRICS, O_ANN_EVERY, O_ANN_TTL };
+           O_OPT, O_LR, O_SEED, O_METRICS, O_ANN_EVERY, O_ANN_TTL, O_NO_SYNC };
     static const struct option opts[] = {
         {"initial-peers", required_argument, NULL, O_INITIAL},
         {"model", required_argument, NULL, O_MODEL},
@@ -151,6 +154,7 @@ int cmd_peer(int argc, char **argv)
         {"metrics", required_argument, NULL, O_METRICS},
         {"announce-every", required_argument, NULL, O_ANN_EVERY},
         {"announce-ttl", required_argument, NULL, O_ANN_TTL},
+        {"no-state-download", no_argument, NULL, O_NO_SYNC},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -159,13 +163,14 @@ int cmd_peer(int argc, char **argv)
     const char *ckpt_dir = NULL, *swarm_key_file = NULL, *metrics = NULL, *optimizer = "adamw";
     long threads = 1, blas = 0, max_batch = 256, target = 128, seed = 0;
     double ckpt_every = 300, lr = -1, ann_every = 20, ann_ttl = 60;
-    int c;
+    int c, no_sync = 0;
 
     optind = 1;
     opterr = 0;
     while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
         switch (c) {
         case 'h': fputs(peer_help, stdout); return CLI_EXIT_OK;
+        case O_NO_SYNC: no_sync = 1; break;
         case O_INITIAL: initial = optarg; break;
         case O_MODEL: model = optarg; break;
         case O_BLOCKS: blocks_s = optarg; break;
@@ -318,6 +323,7 @@ int cmd_peer(int argc, char **argv)
     dc.checkpoint_every_s = ckpt_dir ? ckpt_every : 0;
     dc.metrics_listen = metrics;
     dc.announce_every_s = ann_every;
+    dc.no_state_download = no_sync;
     dc.ttl_s = ann_ttl;
     r.daemon = peer_daemon_start(&r.loop, &dc, err, sizeof err);
     sodium_memzero(&ident, sizeof ident);

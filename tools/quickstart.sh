@@ -48,7 +48,7 @@ start_peer() { # NAME BLOCKS
     "$S" peer --initial-peers "$BS" --blocks "$2" --checkpoint-dir "$work/ckpt-$1" \
         --metrics 127.0.0.1:0 >"$work/$1.out" 2>"$work/$1.err" &
     pids="$pids $!"
-    wait_for "$work/$1.err" 'joined the swarm' 15 || exit 1
+    wait_for "$work/$1.err" 'online: announcing' 30 || exit 1
     echo "   peer $1          stages $2  ($(sed -n 's/.*address //p' "$work/$1.out"))"
 }
 start_peer a 0-2
