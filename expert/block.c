@@ -41,6 +41,7 @@ struct expert_block {
     int accum;
     uint64_t steps;
     int optim_kind;        /* 0 until the first step */
+    uint64_t dropped_steps; /* steps refused for non-finite gradients */
 };
 
 struct expert_workspace {
@@ -585,6 +586,14 @@ int expert_block_accumulated(expert_block *b)
     return n;
 }
 
+uint64_t expert_block_dropped_steps(expert_block *b)
+{
+    pthread_mutex_lock(&b->grad_mu);
+    uint64_t n = b->dropped_steps;
+    pthread_mutex_unlock(&b->grad_mu);
+    return n;
+}
+
 uint64_t expert_block_steps(expert_block *b)
 {
     pthread_mutex_lock(&b->grad_mu);
@@ -612,6 +621,14 @@ static int step_locked(expert_block *b, const struct expert_optim *o,
         return -EAGAIN;
     float gscale = 1.0f / (float)b->accum;
     double norm = sqrt(expert_sqnorm(b->grads, b->n)) * gscale;
+    if (!isfinite(norm)) {
+        /* A NaN/Inf gradient (e.g. a bad grad_output from a peer) would
+         * poison every weight for good: drop the whole accumulation. */
+        memset(b->grads, 0, b->n * sizeof(float));
+        b->accum = 0;
+        b->dropped_steps++;
+        return -ERANGE;
+    }
     if (o->clip_norm > 0.0f && norm > o->clip_norm)
         gscale *= (float)(o->clip_norm / (norm + 1e-6)); /* torch clip_grad_norm_ */
     const float *src = current_params(b);

@@ -132,7 +132,8 @@ void expert_block_snapshot_release(expert_block *b, struct expert_snapshot *s);
 uint64_t expert_block_version(expert_block *b);
 
 /* out (B,out) = block(inp (B,in)) on the current weights (or on snapshot s
- * for the _snapshot variant, which the caller pinned). 1 <= B <= the
+ * for the _snapshot variant, which the caller pinned). out must not alias
+ * inp. 1 <= B <= the
  * workspace's max batch; the workspace must match the config. Inference
  * only: touches no gradient. *version_out (may be NULL) = version used.
  * Returns 0, -EINVAL. */
@@ -173,7 +174,9 @@ struct expert_step_info {
  * new version, zeroes the gradients and the sample count. Waits for readers
  * of the old spare slot. Returns 0, -EINVAL (bad optimizer config, or a
  * kind that differs from the block's earlier steps' state), -EAGAIN (no
- * samples accumulated). info may be NULL. */
+ * samples accumulated), -ERANGE (the gradient holds NaN/Inf, e.g. from a
+ * bad grad_output: the accumulation is dropped, the weights are unchanged
+ * and expert_block_dropped_steps() counts it). info may be NULL. */
 int expert_block_step(expert_block *b, const struct expert_optim *o,
                       struct expert_step_info *info);
 /* Steps only when at least o->target_batch samples have accumulated.
@@ -182,6 +185,8 @@ int expert_block_maybe_step(expert_block *b, const struct expert_optim *o,
                             struct expert_step_info *info);
 /* Drops the accumulated gradients and sample count without stepping. */
 void expert_block_zero_grad(expert_block *b);
+/* Steps refused with -ERANGE since create. */
+uint64_t expert_block_dropped_steps(expert_block *b);
 /* Optimizer steps taken (the AdamW t). */
 uint64_t expert_block_steps(expert_block *b);
 

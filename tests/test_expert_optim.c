@@ -177,6 +177,49 @@ static void test_clip_by_norm(void **state)
     expert_block_destroy(&b);
 }
 
+/* A NaN in a grad_output must not reach the weights: the step refuses,
+ * drops the accumulation, and the next clean step works. */
+static void test_nonfinite_gradient_refused(void **state)
+{
+    (void)state;
+    struct expert_block_config cfg = { EXPERT_BLOCK_RESFFN, 8, 8, 16 };
+    expert_block *b = expert_block_create(&cfg, 4);
+    expert_workspace *ws = expert_workspace_create(&cfg, 2);
+    size_t np = expert_block_nparams(b);
+    float x[16], dy[16], *before = tx_alloc(np);
+    uint64_t s = 8;
+    tx_fill(x, 16, &s, 1.0f);
+    tx_fill(dy, 16, &s, 1.0f);
+    struct expert_snapshot sn;
+    expert_block_snapshot_acquire(b, &sn);
+    memcpy(before, sn.params, np * sizeof(float));
+    expert_block_snapshot_release(b, &sn);
+    struct expert_optim o;
+    expert_optim_default_adamw(&o);
+    const float bad[2] = { NAN, INFINITY };
+    for (int k = 0; k < 2; k++) {
+        float d2[16];
+        memcpy(d2, dy, sizeof d2);
+        d2[5] = bad[k];
+        assert_int_equal(expert_block_backward(b, ws, NULL, dy, x, 2, NULL), 0);
+        assert_int_equal(expert_block_backward(b, ws, NULL, d2, x, 2, NULL), 0);
+        assert_int_equal(expert_block_step(b, &o, NULL), -ERANGE);
+        assert_int_equal(expert_block_accumulated(b), 0);
+        assert_int_equal(expert_block_version(b), 0);
+        assert_int_equal(expert_block_dropped_steps(b), (uint64_t)k + 1);
+    }
+    expert_block_snapshot_acquire(b, &sn);
+    assert_memory_equal(sn.params, before, np * sizeof(float));
+    expert_block_snapshot_release(b, &sn);
+    assert_int_equal(expert_block_backward(b, ws, NULL, dy, x, 2, NULL), 0);
+    assert_int_equal(expert_block_step(b, &o, NULL), 0);
+    assert_int_equal(expert_block_version(b), 1);
+    assert_int_equal(expert_block_steps(b), 1);
+    free(before);
+    expert_workspace_destroy(&ws);
+    expert_block_destroy(&b);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -184,6 +227,7 @@ int main(void)
         cmocka_unit_test(test_check_rejects),
         cmocka_unit_test(test_accumulation_matches_full_batch),
         cmocka_unit_test(test_clip_by_norm),
+        cmocka_unit_test(test_nonfinite_gradient_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
