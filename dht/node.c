@@ -58,6 +58,7 @@ typedef struct cand {
     uint8_t state, anon, has_token, pages, tries;
     uint8_t token[DHT_TOKEN_LEN];
     uint16_t depth;
+    uint64_t sent_at;       /* when the request in flight went out */
 } cand;
 
 /* An entry owned by a lookup (dht_entry borrows; this copies). */
@@ -79,6 +80,7 @@ typedef struct lookup {
     cand c[LOOKUP_MAX];
     size_t n;
     size_t q_inflight;      /* lookup requests in flight */
+    uint64_t wake_at;       /* next time an in-flight request turns stale */
     size_t other_inflight;  /* page and store requests in flight */
     dht_node_cb cb;
     void *ud;
@@ -576,6 +578,7 @@ static void lookup_send(dht_node *n, lookup *l, cand *c, uint64_t now)
     memcpy(m.target, l->target, DHT_ID_LEN);
     if (send_request(n, &m, &c->addr, c->anon ? NULL : c->id, RPC_LOOKUP, l->id, now) == 0) {
         c->state = C_INFLIGHT;
+        c->sent_at = now;
         l->q_inflight++;
         l->msgs++;
     } else {
@@ -592,17 +595,54 @@ static void store_phase(dht_node *n, lookup *l, uint64_t now);
 static void lookup_step(dht_node *n, lookup *l, uint64_t now, int may_finish)
 {
     if (l->phase == 0) {
-        size_t counted = 0;
+        /* A request unanswered for a quarter of the timeout is "stale": it
+         * no longer holds one of the alpha slots, and the lookup may finish
+         * without it once k closer-or-equal nodes have answered. Dead nodes
+         * then cost a lookup rpc_timeout/4, not the full timeout (the full
+         * timeout still decides whether the table drops them). */
+        uint64_t soft = n->cfg.rpc_timeout_ms / 4;
+        size_t counted = 0, active = 0;
         int busy = 0;
+        l->wake_at = UINT64_MAX;
+        size_t limit = n->cfg.alpha, seen = 0;
+        int near_done = 1;
+        for (size_t i = 0; i < l->n; i++) {
+            if (l->c[i].state == C_INFLIGHT && now < l->c[i].sent_at + soft)
+                active++;
+            if (l->c[i].state != C_FAILED && seen++ < n->cfg.alpha && l->c[i].state != C_DONE)
+                near_done = 0;
+        }
+        /* Once the alpha nearest candidates have answered, the lookup has
+         * converged: ask the rest of the k nearest all at once instead of
+         * alpha per round trip (the final step of Kademlia's lookup). */
+        if (near_done && seen >= n->cfg.alpha)
+            limit = n->cfg.k;
         for (size_t i = 0; i < l->n && counted < n->cfg.k; i++) {
             cand *c = &l->c[i];
             if (c->state == C_FAILED)
                 continue;
-            counted++;
-            if (c->state == C_NEW && l->q_inflight < n->cfg.alpha)
+            if (c->state == C_NEW && active < limit) {
                 lookup_send(n, l, c, now);
+                if (c->state == C_INFLIGHT)
+                    active++;
+            }
             if (c->state == C_FAILED)
                 continue;
+            if (c->state == C_INFLIGHT && now >= c->sent_at + soft) {
+                if (c->tries == 0) {
+                    /* First time stale: ask again at once (a lost datagram
+                     * should not cost a lookup its best candidate). */
+                    c->tries = 1;
+                    lookup_send(n, l, c, now);
+                    if (c->state == C_FAILED)
+                        continue;
+                } else {
+                    continue; /* stale twice: neither counted nor waited for */
+                }
+            }
+            counted++;
+            if (c->state == C_INFLIGHT && c->sent_at + soft < l->wake_at)
+                l->wake_at = c->sent_at + soft;
             if (c->state != C_DONE)
                 busy = 1;
         }
@@ -634,14 +674,19 @@ static void lookup_step(dht_node *n, lookup *l, uint64_t now, int may_finish)
             /* A join through a node that was itself still joining sees
              * few nodes: look ourselves up again soon, when the swarm has
              * learned more (and then every refresh period). */
-            if (!n->joined)
-                n->next_selfcheck = now + 5ull * n->cfg.maint_ms;
+            if (!n->joined) {
+                /* Few nodes known: the seed was itself still joining. */
+                n->next_selfcheck = now + (dht_table_size(n->table) < n->cfg.k
+                                               ? 5ull * n->cfg.maint_ms : n->cfg.refresh_ms);
+                /* Refresh every bucket farther than our neighbourhood, so
+                 * the table learns nodes at every distance now, not in 15
+                 * minutes. (Later self-lookups only renew the neighbourhood:
+                 * the periodic bucket refresh covers the rest.) */
+                int depth = dht_table_depth(n->table);
+                for (int b = 0; b < depth; b++)
+                    start_refresh(n, b, now);
+            }
             n->joined = 1;
-            /* Refresh every bucket farther than our neighbourhood, so the
-             * table learns nodes at every distance now, not in 15 minutes. */
-            int depth = dht_table_depth(n->table);
-            for (int b = 0; b < depth; b++)
-                start_refresh(n, b, now);
         }
         break;
     case OP_GET: {
@@ -746,8 +791,10 @@ static void reply_nodes(dht_node *n, dht_msg *r, const uint8_t target[DHT_ID_LEN
     for (size_t i = 0; i < ne && r->n_nodes < max; i++) {
         if (exclude && memcmp(e[i].id, exclude, DHT_ID_LEN) == 0)
             continue;
-        /* Only nodes the requester can reach: it asked over this family. */
-        if (family && e[i].addr.family != family)
+        /* Only nodes the requester can reach (it asked over this family),
+         * and none that failed its last request: spreading possibly dead
+         * contacts costs every lookup a timeout. */
+        if ((family && e[i].addr.family != family) || e[i].fails)
             continue;
         memcpy(r->nodes[r->n_nodes].id, e[i].id, DHT_ID_LEN);
         r->nodes[r->n_nodes].addr = e[i].addr;
@@ -877,9 +924,10 @@ static void rpc_done(dht_node *n, rpc *r, const dht_msg *m, int timeout, uint64_
             l->other_inflight--;
         if (c && r->kind == RPC_LOOKUP) {
             if (!m) {
-                /* One retry after a timeout: a lost datagram should not cost
-                 * a lookup its best candidate (or a join its only seed). */
-                c->state = timeout && ++c->tries < 2 ? C_NEW : C_FAILED;
+                /* A timeout of the first attempt while the retry is still
+                 * out changes nothing; a wrong answer fails at once. */
+                if (!timeout || now >= c->sent_at + n->cfg.rpc_timeout_ms)
+                    c->state = C_FAILED;
             } else {
                 c->state = C_DONE;
                 if (c->anon) {
@@ -1148,6 +1196,9 @@ uint64_t dht_node_next_deadline(const dht_node *n)
     for (const rpc *r = n->rpcs; r; r = r->hh.next)
         if (r->deadline < d)
             d = r->deadline;
+    for (const lookup *l = n->lookups; l; l = l->next)
+        if (l->phase == 0 && l->wake_at && l->wake_at < d)
+            d = l->wake_at;
     return d;
 }
 
@@ -1208,6 +1259,18 @@ void dht_node_tick(dht_node *n, uint64_t now)
             dht_table_failed(n->table, r->id, 0);
         rpc_done(n, r, NULL, 1, now);
         free(r);
+    }
+    /* Lookups with a request turning stale move on now. */
+    for (int again = 1; again;) {
+        again = 0;
+        for (lookup *l = n->lookups; l; l = l->next) {
+            if (l->phase == 0 && l->wake_at && l->wake_at <= now) {
+                l->wake_at = 0;
+                lookup_step(n, l, now, 1);
+                again = 1; /* the list may have changed */
+                break;
+            }
+        }
     }
     if (n->deferred) {
         n->deferred = 0;

@@ -68,15 +68,22 @@ static void emit(const char *fmt, ...)
 
 static const char *field(const char *s, const char *name)
 {
+    /* A key is "name" followed by a colon; "name" as a value (as in
+     * "cmd":"op") does not count. */
     char pat[64];
     snprintf(pat, sizeof pat, "\"%s\"", name);
-    const char *p = strstr(s, pat);
-    if (!p)
-        return NULL;
-    p += strlen(pat);
-    while (*p == ' ' || *p == ':')
-        p++;
-    return p;
+    for (const char *p = strstr(s, pat); p; p = strstr(p + 1, pat)) {
+        const char *q = p + strlen(pat);
+        while (*q == ' ')
+            q++;
+        if (*q != ':')
+            continue;
+        q++;
+        while (*q == ' ')
+            q++;
+        return q;
+    }
+    return NULL;
 }
 
 static long field_long(const char *s, const char *name, long dflt)
