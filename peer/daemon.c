@@ -617,6 +617,11 @@ fail_dht:
     return NULL;
 }
 
+dht *peer_daemon_dht(peer_daemon *d)
+{
+    return d ? d->dht : NULL;
+}
+
 int peer_daemon_peer_string(const peer_daemon *d, char *buf, size_t cap)
 {
     dht_addr bound;

@@ -51,6 +51,10 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
 /* The address string of this node for --initial-peers ("HOST:PORT/ID"). */
 int peer_daemon_peer_string(const peer_daemon *d, char *buf, size_t cap);
 
+/* The daemon's DHT node (for views of the swarm built on top, e.g. block
+ * rebalancing); valid until the stop callback runs. */
+dht *peer_daemon_dht(peer_daemon *d);
+
 /* Graceful stop; cb runs on the loop when done, with the checkpoint status
  * (0 or -errno). The daemon frees itself after cb returns. */
 void peer_daemon_stop(peer_daemon *d, void (*cb)(int status, void *arg), void *arg);

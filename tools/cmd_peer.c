@@ -15,10 +15,15 @@
 #include "expert/model.h"
 #include "peer/daemon.h"
 #include "peer/peer.h"
+#include "routing/balance.h"
+#include "routing/replica.h"
+#include "routing/swarm.h"
 #include "tools/cli.h"
+#include "tools/client.h"
 
 static const char peer_help[] =
-    "Usage: starling peer --blocks LIST [--initial-peers ADDR[,ADDR...]] [--model NAME]\n"
+    "Usage: starling peer [--blocks LIST | --num-blocks K] [--initial-peers ADDR[,ADDR...]]\n"
+    "                     [--model NAME]\n"
     "                     [--listen HOST:PORT] [--announce HOST] [--identity FILE]\n"
     "                     [--checkpoint-dir DIR] [--swarm-key FILE] [--device cpu|cuda:N] ...\n"
     "\n"
@@ -28,7 +33,13 @@ static const char peer_help[] =
     "it announces itself offline, finishes queued work and writes checkpoints.\n"
     "\n"
     "Options:\n"
-    "  --blocks LIST          stage indices to host: 1,2 or 1-3 (required)\n"
+    "  --blocks LIST          stage indices to host: 1,2 or 1-3\n"
+    "  --num-blocks K         without --blocks: host the K contiguous stages the swarm\n"
+    "                         serves least (default 2), re-checked every\n"
+    "                         --rebalance-every S seconds (default 60; 0 off); a peer\n"
+    "                         first covers stages that have no holder, otherwise\n"
+    "                         moves only to a span served less than half as well\n"
+    "                         (holder-equivalents: throughput / fastest holder's)\n"
     "  --initial-peers LIST   DHT peers to join through (from 'starling bootstrap');\n"
     "                         without it this peer starts a new swarm\n"
     "  --model NAME           model to serve (default fmnist-mlp)\n"
@@ -100,18 +111,39 @@ static int parse_blocks(const char *s, int *out, int max)
 typedef struct run_ctx {
     uv_loop_t loop;
     uv_signal_t sigint, sigterm;
+    uv_timer_t rebalance;
     peer_daemon *daemon;
-    int stopping;
+    peer_daemon_config dc;
+    const struct expert_model_spec *spec;
+    const char *device_desc;
+    dht_identity ident;
+    uint8_t swarm_key[32];
+    int blocks[PEER_SERVICE_MAX_BLOCKS];
+    char listen[96];              /* listen address, with the bound port after the first start */
+    int auto_k;                   /* 0: --blocks given; else span length */
+    int cur;                      /* start of the current span (auto mode) */
+    int next;                     /* start to move to */
+    double rebalance_every;
+    route_swarm *sw;
+    int eval_pending;
+    uint64_t rng;
+    int stopping, moving;
     int status;
 } run_ctx;
+
+static void close_handles(run_ctx *r)
+{
+    uv_close((uv_handle_t *)&r->sigint, NULL);
+    uv_close((uv_handle_t *)&r->sigterm, NULL);
+    uv_close((uv_handle_t *)&r->rebalance, NULL);
+}
 
 static void on_stopped(int status, void *arg)
 {
     run_ctx *r = arg;
     r->status = status == 0 ? CLI_EXIT_OK : CLI_EXIT_FAIL;
     r->daemon = NULL;
-    uv_close((uv_handle_t *)&r->sigint, NULL);
-    uv_close((uv_handle_t *)&r->sigterm, NULL);
+    close_handles(r);
     fprintf(stderr, "starling peer: stopped\n");
 }
 
@@ -125,14 +157,207 @@ static void on_signal(uv_signal_t *h, int signum)
     r->stopping = 1;
     fprintf(stderr, "starling peer: %s received, stopping (announcing offline, writing checkpoints)\n",
             signum == SIGINT ? "SIGINT" : "SIGTERM");
-    peer_daemon_stop(r->daemon, on_stopped, r);
+    uv_timer_stop(&r->rebalance);
+    route_swarm_destroy(&r->sw);
+    if (r->daemon)
+        peer_daemon_stop(r->daemon, on_stopped, r);
+    /* else: a move is in progress; on_moved sees `stopping` */
+}
+
+static void span_string(char *buf, size_t len, const int *blocks, int n)
+{
+    if (n == 1)
+        snprintf(buf, len, "%d", blocks[0]);
+    else
+        snprintf(buf, len, "%d-%d", blocks[0], blocks[n - 1]);
+}
+
+/* Starts the daemon with r->dc; prints where it serves. */
+static int start_daemon(run_ctx *r, char *err, size_t errlen)
+{
+    r->dc.ident = &r->ident;
+    r->dc.listen = r->listen;
+    r->daemon = peer_daemon_start(&r->loop, &r->dc, err, errlen);
+    if (!r->daemon)
+        return -1;
+    /* Keep the port: a move restarts on the same one. */
+    dht_addr bound;
+    if (dht_local_addr(peer_daemon_dht(r->daemon), &bound) == 0) {
+        char *colon = strrchr(r->listen, ':');
+        if (colon)
+            snprintf(colon, sizeof r->listen - (size_t)(colon - r->listen), ":%u", (unsigned)bound.port);
+    }
+    char addr[128], span[32];
+    peer_daemon_peer_string(r->daemon, addr, sizeof addr);
+    if (r->auto_k)
+        span_string(span, sizeof span, r->dc.svc.blocks, r->dc.svc.n_blocks);
+    printf("starling peer: serving %s stages %s on %s (%s)\n", r->spec->name,
+           r->auto_k ? span : "(as listed)", addr, r->device_desc);
+    printf("starling peer: address %s\n", addr);
+    fflush(stdout);
+    return 0;
+}
+
+static void set_span(run_ctx *r, int start)
+{
+    for (int i = 0; i < r->auto_k; i++)
+        r->blocks[i] = start + i;
+    r->dc.svc.blocks = r->blocks;
+    r->dc.svc.n_blocks = r->auto_k;
+    r->cur = start;
+}
+
+/* How well each stage is served by the OTHER online holders (self_id NULL:
+ * every holder), in holder-equivalents: the stage's total announced
+ * throughput divided by its fastest holder's. Throughput alone would make
+ * intrinsically cheap stages (a small input projection) look well served
+ * and expensive ones look starved however many holders they have. */
+static void stage_scores(route_swarm *sw, const struct expert_model_spec *spec, const uint8_t *self_id,
+                         double *score, int *holders)
+{
+    for (int i = 0; i < spec->n_stages; i++) {
+        route_stage *st = route_swarm_stage(sw, i);
+        double total = 0, best = 0;
+        score[i] = 0;
+        holders[i] = 0;
+        for (int h = 0; st && h < st->n_holders; h++) {
+            const route_holder *ho = &st->holders[h];
+            if (ho->ann.state != PEER_STATE_ONLINE || (self_id && !memcmp(ho->rep.id, self_id, DHT_ID_LEN)))
+                continue;
+            holders[i]++;
+            total += ho->ann.throughput;
+            if (ho->ann.throughput > best)
+                best = ho->ann.throughput;
+        }
+        score[i] = best > 0 ? total / best : holders[i];
+    }
+}
+
+static void on_rebalance(uv_timer_t *t);
+
+static void schedule_rebalance(run_ctx *r, double seconds)
+{
+    /* +-50% jitter so peers that started together do not re-check together. */
+    double s = seconds * (0.5 + route_rand01(&r->rng));
+    uv_timer_start(&r->rebalance, on_rebalance, (uint64_t)(s * 1000), 0);
+}
+
+static void on_moved(int status, void *arg)
+{
+    run_ctx *r = arg;
+    char err[512];
+    r->daemon = NULL;
+    r->moving = 0;
+    if (status != 0)
+        fprintf(stderr, "starling peer: warning: checkpoints before the move failed\n");
+    if (r->stopping) {
+        close_handles(r);
+        fprintf(stderr, "starling peer: stopped\n");
+        return;
+    }
+    set_span(r, r->next);
+    if (start_daemon(r, err, sizeof err) != 0) {
+        fprintf(stderr, "starling peer: cannot restart after the move: %s\n", err);
+        r->status = CLI_EXIT_FAIL;
+        close_handles(r);
+        return;
+    }
+    schedule_rebalance(r, r->rebalance_every);
+}
+
+/* Every rebalance_every seconds: look up every stage again, then decide
+ * whether our span should move (routing/balance.h). */
+static void on_rebalance(uv_timer_t *t)
+{
+    run_ctx *r = t->data;
+    if (r->stopping || r->moving || !r->daemon)
+        return;
+    double now = (double)uv_now(&r->loop) / 1000.0;
+    if (!r->eval_pending) {
+        if (!r->sw)
+            r->sw = route_swarm_create(peer_daemon_dht(r->daemon), r->spec, 1e9);
+        if (!r->sw) {
+            schedule_rebalance(r, r->rebalance_every);
+            return;
+        }
+        for (int i = 0; i < r->spec->n_stages; i++)
+            route_swarm_invalidate(r->sw, i);
+        route_swarm_refresh(r->sw, now);
+        r->eval_pending = 1;
+        uv_timer_start(&r->rebalance, on_rebalance, 1000, 0);
+        return;
+    }
+    double tput[64] = {0};
+    int holders[64] = {0};
+    for (int i = 0; i < r->spec->n_stages; i++)
+        if (route_swarm_stage(r->sw, i)->pending) {
+            uv_timer_start(&r->rebalance, on_rebalance, 1000, 0);
+            return;
+        }
+    stage_scores(r->sw, r->spec, r->ident.id, tput, holders);
+    r->eval_pending = 0;
+    int to = -1;
+    if (route_balance_should_move(tput, holders, r->spec->n_stages, r->auto_k, r->cur, 0.5, &r->rng, &to) == 1) {
+        char from_s[32], to_s[32];
+        int nb[PEER_SERVICE_MAX_BLOCKS];
+        for (int i = 0; i < r->auto_k; i++)
+            nb[i] = to + i;
+        span_string(from_s, sizeof from_s, r->blocks, r->auto_k);
+        span_string(to_s, sizeof to_s, nb, r->auto_k);
+        fprintf(stderr, "starling peer: moving from stages %s to %s, which the swarm serves much less\n",
+                from_s, to_s);
+        r->next = to;
+        r->moving = 1;
+        route_swarm_destroy(&r->sw);
+        peer_daemon_stop(r->daemon, on_moved, r);
+        return;
+    }
+    schedule_rebalance(r, r->rebalance_every);
+}
+
+/* The first choice of a peer without --blocks: join as a light client, look
+ * at every stage, take the least served span. */
+static int choose_first_span(run_ctx *r, const char *initial, const char *swarm_key_file, int *start)
+{
+    if (!initial) {
+        *start = 0;
+        return 0;
+    }
+    tools_client cl;
+    int rc = tools_client_open(&cl, "peer", initial, NULL, NULL, swarm_key_file, 15);
+    if (rc != CLI_EXIT_OK)
+        return rc;
+    route_swarm *sw = route_swarm_create(cl.d, r->spec, 1e9);
+    double tput[64] = {0};
+    int holders[64] = {0};
+    if (sw) {
+        route_swarm_refresh(sw, 0);
+        for (int waited = 0; waited < 1000; waited++) {
+            int pending = 0;
+            for (int i = 0; i < r->spec->n_stages; i++)
+                pending |= route_swarm_stage(sw, i)->pending;
+            if (!pending)
+                break;
+            uv_run(&cl.loop, UV_RUN_ONCE);
+        }
+        stage_scores(sw, r->spec, NULL, tput, holders);
+        route_swarm_destroy(&sw);
+    }
+    tools_client_close(&cl);
+    *start = route_balance_choose(tput, r->spec->n_stages, r->auto_k, &r->rng);
+    double served = 0;
+    for (int i = *start; *start >= 0 && i < *start + r->auto_k; i++)
+        served += tput[i];
+    fprintf(stderr, "starling peer: chose stages %d-%d, the least served span (%.1f holder-equivalents)\n",
+            *start, *start + r->auto_k - 1, served);
+    return *start < 0 ? CLI_EXIT_FAIL : 0;
 }
 
 int cmd_peer(int argc, char **argv)
 {
     enum { O_INITIAL = 256, O_MODEL, O_BLOCKS, O_DEVICE, O_LISTEN, O_ANNOUNCE, O_IDENTITY,
            O_CKPT_DIR, O_CKPT_EVERY, O_SWARM_KEY, O_THREADS, O_BLAS, O_MAX_BATCH, O_TARGET,
-           O_OPT, O_LR, O_SEED, O_METRICS, O_ANN_EVERY, O_ANN_TTL, O_NO_SYNC };
+           O_OPT, O_LR, O_SEED, O_METRICS, O_ANN_EVERY, O_ANN_TTL, O_NO_SYNC, O_NUM_BLOCKS, O_REBALANCE };
     static const struct option opts[] = {
         {"initial-peers", required_argument, NULL, O_INITIAL},
         {"model", required_argument, NULL, O_MODEL},
@@ -155,6 +380,8 @@ int cmd_peer(int argc, char **argv)
         {"announce-every", required_argument, NULL, O_ANN_EVERY},
         {"announce-ttl", required_argument, NULL, O_ANN_TTL},
         {"no-state-download", no_argument, NULL, O_NO_SYNC},
+        {"num-blocks", required_argument, NULL, O_NUM_BLOCKS},
+        {"rebalance-every", required_argument, NULL, O_REBALANCE},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -162,7 +389,8 @@ int cmd_peer(int argc, char **argv)
     const char *listen = "127.0.0.1:0", *announce_host = NULL, *identity = NULL;
     const char *ckpt_dir = NULL, *swarm_key_file = NULL, *metrics = NULL, *optimizer = "adamw";
     long threads = 1, blas = 0, max_batch = 256, target = 128, seed = 0;
-    double ckpt_every = 300, lr = -1, ann_every = 20, ann_ttl = 60;
+    double ckpt_every = 300, lr = -1, ann_every = 20, ann_ttl = 60, rebalance = 60;
+    long num_blocks = 0;
     int c, no_sync = 0;
 
     optind = 1;
@@ -184,6 +412,14 @@ int cmd_peer(int argc, char **argv)
         case O_OPT: optimizer = optarg; break;
         case O_CKPT_EVERY:
             if (cli_parse_double("peer", "--checkpoint-every", optarg, 0, 1e7, &ckpt_every))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_NUM_BLOCKS:
+            if (cli_parse_long("peer", "--num-blocks", optarg, 1, PEER_SERVICE_MAX_BLOCKS, &num_blocks))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_REBALANCE:
+            if (cli_parse_double("peer", "--rebalance-every", optarg, 0, 86400, &rebalance))
                 return CLI_EXIT_USAGE;
             break;
         case O_ANN_EVERY:
@@ -243,17 +479,27 @@ int cmd_peer(int argc, char **argv)
                      expert_model_at(i)->name);
         return cli_usage_error("peer", "unknown model '%s' (known: %s)", model, names);
     }
-    if (!blocks_s)
-        return cli_usage_error("peer", "--blocks is required (e.g. --blocks 1,2; stages 0..%d)",
-                               spec->n_stages - 1);
-    int blocks[PEER_SERVICE_MAX_BLOCKS];
-    int nb = parse_blocks(blocks_s, blocks, PEER_SERVICE_MAX_BLOCKS);
-    if (nb <= 0)
-        return cli_usage_error("peer", "--blocks '%s' is not a list like 1,2 or 1-3", blocks_s);
-    for (int i = 0; i < nb; i++)
-        if (blocks[i] >= spec->n_stages)
-            return cli_usage_error("peer", "model %s has stages 0..%d, not %d", spec->name,
-                                   spec->n_stages - 1, blocks[i]);
+    static run_ctx r;
+    memset(&r, 0, sizeof r);
+    r.spec = spec;
+    r.device_desc = dev.desc;
+    int nb = 0;
+    if (blocks_s) {
+        if (num_blocks)
+            return cli_usage_error("peer", "give --blocks or --num-blocks, not both");
+        nb = parse_blocks(blocks_s, r.blocks, PEER_SERVICE_MAX_BLOCKS);
+        if (nb <= 0)
+            return cli_usage_error("peer", "--blocks '%s' is not a list like 1,2 or 1-3", blocks_s);
+        for (int i = 0; i < nb; i++)
+            if (r.blocks[i] >= spec->n_stages)
+                return cli_usage_error("peer", "model %s has stages 0..%d, not %d", spec->name,
+                                       spec->n_stages - 1, r.blocks[i]);
+    } else {
+        r.auto_k = num_blocks ? (int)num_blocks : (spec->n_stages < 2 ? spec->n_stages : 2);
+        if (r.auto_k > spec->n_stages)
+            return cli_usage_error("peer", "--num-blocks %d: model %s has only %d stages", r.auto_k,
+                                   spec->name, spec->n_stages);
+    }
     dht_peer_addr peers[64];
     int np = 0;
     if (initial) {
@@ -278,73 +524,81 @@ int cmd_peer(int argc, char **argv)
         optim.lr = (float)lr;
     optim.target_batch = (int)target;
 
-    dht_identity ident;
     if (identity) {
-        rc = dht_identity_load(&ident, identity);
+        rc = dht_identity_load(&r.ident, identity);
         if (rc != 0)
             return cli_fail("peer", "cannot load identity '%s': %s", identity, dht_identity_strerror(rc));
-    } else if (dht_identity_generate(&ident) != 0) {
+    } else if (dht_identity_generate(&r.ident) != 0) {
         return cli_fail("peer", "cannot create an identity");
     }
-    uint8_t swarm_key[32];
     if (swarm_key_file) {
-        rc = dht_swarm_key_load(swarm_key, swarm_key_file);
-        if (rc != 0)
+        rc = dht_swarm_key_load(r.swarm_key, swarm_key_file);
+        if (rc != 0) {
+            sodium_memzero(&r.ident, sizeof r.ident);
             return cli_fail("peer", "cannot load swarm key '%s': %s", swarm_key_file,
                             rc == -EPERM ? "readable by group or others; chmod 600 it"
                             : rc == -EBADMSG ? "expected 64 hex digits"
                                              : strerror(-rc));
+        }
     }
     if (blas > 0)
         expert_blas_set_threads((int)blas);
+    r.rng = ((uint64_t)r.ident.id[0] << 24 | (uint64_t)r.ident.id[1] << 16 | (uint64_t)r.ident.id[2] << 8 |
+             r.ident.id[3]) + 1;
+    r.rebalance_every = rebalance;
+    snprintf(r.listen, sizeof r.listen, "%s", listen);
 
-    run_ctx r;
-    memset(&r, 0, sizeof r);
+    peer_daemon_config *dc = &r.dc;
+    dc->swarm_key = swarm_key_file ? r.swarm_key : NULL;
+    dc->announce_host = announce_host;
+    dc->initial = peers;
+    dc->n_initial = (size_t)np;
+    dc->svc.model = spec->name;
+    dc->svc.blocks = r.blocks;
+    dc->svc.n_blocks = nb;
+    dc->svc.threads = (int)threads;
+    dc->svc.max_batch = (int)max_batch;
+    dc->svc.max_queue_rows = (int)max_batch * 8;
+    dc->svc.optim = optim;
+    dc->svc.seed = (uint64_t)seed;
+    dc->svc.checkpoint_dir = ckpt_dir;
+    dc->device = "cpu";
+    dc->checkpoint_every_s = ckpt_dir ? ckpt_every : 0;
+    dc->metrics_listen = metrics;
+    dc->announce_every_s = ann_every;
+    dc->no_state_download = no_sync;
+    dc->ttl_s = ann_ttl;
+    if (r.auto_k) {
+        int start = 0;
+        rc = choose_first_span(&r, initial, swarm_key_file, &start);
+        if (rc != 0) {
+            sodium_memzero(&r.ident, sizeof r.ident);
+            sodium_memzero(r.swarm_key, sizeof r.swarm_key);
+            return rc;
+        }
+        set_span(&r, start);
+    }
     if (uv_loop_init(&r.loop) != 0)
         return cli_fail("peer", "cannot create the event loop");
-    peer_daemon_config dc;
-    memset(&dc, 0, sizeof dc);
-    dc.ident = &ident;
-    dc.swarm_key = swarm_key_file ? swarm_key : NULL;
-    dc.listen = listen;
-    dc.announce_host = announce_host;
-    dc.initial = peers;
-    dc.n_initial = (size_t)np;
-    dc.svc.model = spec->name;
-    dc.svc.blocks = blocks;
-    dc.svc.n_blocks = nb;
-    dc.svc.threads = (int)threads;
-    dc.svc.max_batch = (int)max_batch;
-    dc.svc.max_queue_rows = (int)max_batch * 8;
-    dc.svc.optim = optim;
-    dc.svc.seed = (uint64_t)seed;
-    dc.svc.checkpoint_dir = ckpt_dir;
-    dc.device = "cpu";
-    dc.checkpoint_every_s = ckpt_dir ? ckpt_every : 0;
-    dc.metrics_listen = metrics;
-    dc.announce_every_s = ann_every;
-    dc.no_state_download = no_sync;
-    dc.ttl_s = ann_ttl;
-    r.daemon = peer_daemon_start(&r.loop, &dc, err, sizeof err);
-    sodium_memzero(&ident, sizeof ident);
-    sodium_memzero(swarm_key, sizeof swarm_key);
-    if (!r.daemon) {
+    if (start_daemon(&r, err, sizeof err) != 0) {
+        sodium_memzero(&r.ident, sizeof r.ident);
+        sodium_memzero(r.swarm_key, sizeof r.swarm_key);
         uv_run(&r.loop, UV_RUN_DEFAULT); /* let failed handles close */
         uv_loop_close(&r.loop);
         return cli_fail("peer", "%s", err);
     }
-    char addr[128];
-    peer_daemon_peer_string(r.daemon, addr, sizeof addr);
-    printf("starling peer: serving %s stages %s on %s (%s)\n", spec->name, blocks_s, addr, dev.desc);
-    printf("starling peer: address %s\n", addr);
-    fflush(stdout);
-
     uv_signal_init(&r.loop, &r.sigint);
     uv_signal_init(&r.loop, &r.sigterm);
-    r.sigint.data = r.sigterm.data = &r;
+    uv_timer_init(&r.loop, &r.rebalance);
+    r.sigint.data = r.sigterm.data = r.rebalance.data = &r;
     uv_signal_start(&r.sigint, on_signal, SIGINT);
     uv_signal_start(&r.sigterm, on_signal, SIGTERM);
+    if (r.auto_k && r.rebalance_every > 0)
+        schedule_rebalance(&r, r.rebalance_every);
     uv_run(&r.loop, UV_RUN_DEFAULT);
+    route_swarm_destroy(&r.sw);
+    sodium_memzero(&r.ident, sizeof r.ident);
+    sodium_memzero(r.swarm_key, sizeof r.swarm_key);
     if (uv_loop_close(&r.loop) != 0)
         fprintf(stderr, "starling peer: warning: handles left open at exit\n");
     return r.status;
