@@ -607,9 +607,13 @@ static void lookup_step(dht_node *n, lookup *l, uint64_t now, int may_finish)
         size_t limit = n->cfg.alpha, seen = 0;
         int near_done = 1;
         for (size_t i = 0; i < l->n; i++) {
-            if (l->c[i].state == C_INFLIGHT && now < l->c[i].sent_at + soft)
+            const cand *c = &l->c[i];
+            int stale = c->state == C_INFLIGHT && now >= c->sent_at + soft;
+            if (c->state == C_INFLIGHT && !stale)
                 active++;
-            if (l->c[i].state != C_FAILED && seen++ < n->cfg.alpha && l->c[i].state != C_DONE)
+            if (c->state == C_FAILED || (stale && c->tries))
+                continue; /* presumed dead: does not hold the lookup back */
+            if (seen++ < n->cfg.alpha && c->state != C_DONE)
                 near_done = 0;
         }
         /* Once the alpha nearest candidates have answered, the lookup has
@@ -683,6 +687,8 @@ static void lookup_step(dht_node *n, lookup *l, uint64_t now, int may_finish)
                  * minutes. (Later self-lookups only renew the neighbourhood:
                  * the periodic bucket refresh covers the rest.) */
                 int depth = dht_table_depth(n->table);
+                for (int b = 0; b < DHT_BUCKETS; b++)
+                    dht_table_bucket_touch(n->table, b, now); /* the self-lookup covered the rest */
                 for (int b = 0; b < depth; b++)
                     start_refresh(n, b, now);
             }
