@@ -5,6 +5,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define EWMA_ALPHA 0.1
 
@@ -16,6 +19,7 @@ typedef struct worker {
     struct peer_batcher *b;
     pthread_t thread;
     int started;
+    int infer_only;   /* the inference lane: never takes training work */
     expert_workspace *ws;
     float *in_buf;    /* (max_batch, in): joined inputs */
     float *go_buf;    /* (max_batch, out): joined grad_outputs */
@@ -23,6 +27,7 @@ typedef struct worker {
 } worker;
 
 struct peer_batcher {
+    int nworkers;             /* cfg.threads + cfg.infer_threads */
     expert_block *blk;
     peer_batcher_config cfg;
     int in, out;
@@ -89,10 +94,10 @@ static void q_take_matching(queue *q, int fwd, int max, int *rows, peer_task **h
 
 /* Takes the next joined batch, or returns NULL when stopping and empty.
  * Called with mu held. */
-static peer_task *take_batch(peer_batcher *b, int *fwd_out, int *rows_out)
+static peer_task *take_batch(peer_batcher *b, int infer_only, int *fwd_out, int *rows_out)
 {
     for (;;) {
-        queue *q = b->infer.head ? &b->infer : b->train.head ? &b->train : NULL;
+        queue *q = b->infer.head ? &b->infer : (!infer_only && b->train.head) ? &b->train : NULL;
         if (q) {
             int fwd = is_forward(q->head->kind);
             int rows = 0;
@@ -100,7 +105,7 @@ static peer_task *take_batch(peer_batcher *b, int *fwd_out, int *rows_out)
             q_take_matching(q, fwd, b->cfg.max_batch, &rows, &head, &tail);
             /* Inference batches are topped up with queued training forwards:
              * same operation, and it costs the inference nothing. */
-            if (fwd && q == &b->infer)
+            if (fwd && q == &b->infer && !infer_only)
                 q_take_matching(&b->train, 1, b->cfg.max_batch, &rows, &head, &tail);
             int n = 0;
             for (peer_task *t = head; t; t = t->next_)
@@ -187,10 +192,15 @@ static void *worker_main(void *arg)
 {
     worker *w = arg;
     peer_batcher *b = w->b;
+    /* Training threads yield the CPU to the inference lane: on a loaded
+     * machine the lane's requests would otherwise wait for a time slice.
+     * Best effort (a nice value per thread is Linux behaviour). */
+    if (!w->infer_only && b->cfg.infer_threads > 0)
+        (void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 10);
     pthread_mutex_lock(&b->mu);
     for (;;) {
         int fwd = 0, rows = 0;
-        peer_task *head = take_batch(b, &fwd, &rows);
+        peer_task *head = take_batch(b, w->infer_only, &fwd, &rows);
         if (!head)
             break;
         pthread_mutex_unlock(&b->mu);
@@ -232,7 +242,7 @@ static void *worker_main(void *arg)
 
 static void free_workers(peer_batcher *b)
 {
-    for (int i = 0; i < b->cfg.threads; i++) {
+    for (int i = 0; i < b->nworkers; i++) {
         worker *w = &b->workers[i];
         expert_workspace_destroy(&w->ws);
         free(w->in_buf);
@@ -244,7 +254,8 @@ static void free_workers(peer_batcher *b)
 
 peer_batcher *peer_batcher_create(expert_block *blk, const peer_batcher_config *cfg)
 {
-    if (!blk || !cfg || cfg->threads < 1 || cfg->threads > 256 || cfg->max_batch < 1 ||
+    if (!blk || !cfg || cfg->threads < 1 || cfg->threads > 256 || cfg->infer_threads < 0 ||
+        cfg->infer_threads > 16 || cfg->max_batch < 1 ||
         cfg->max_queue_rows < cfg->max_batch || expert_optim_check(&cfg->optim) != 0)
         return NULL;
     peer_batcher *b = calloc(1, sizeof *b);
@@ -256,14 +267,16 @@ peer_batcher *peer_batcher_create(expert_block *blk, const peer_batcher_config *
     b->in = bc->in;
     b->out = bc->out;
     size_t wide = (size_t)(b->in > b->out ? b->in : b->out);
-    b->workers = calloc((size_t)cfg->threads, sizeof *b->workers);
+    b->nworkers = cfg->threads + cfg->infer_threads;
+    b->workers = calloc((size_t)b->nworkers, sizeof *b->workers);
     if (!b->workers) {
         free(b);
         return NULL;
     }
-    for (int i = 0; i < cfg->threads; i++) {
+    for (int i = 0; i < b->nworkers; i++) {
         worker *w = &b->workers[i];
         w->b = b;
+        w->infer_only = i >= cfg->threads;
         w->ws = expert_workspace_create(bc, cfg->max_batch);
         w->in_buf = malloc((size_t)cfg->max_batch * (size_t)b->in * sizeof(float));
         w->go_buf = malloc((size_t)cfg->max_batch * (size_t)b->out * sizeof(float));
@@ -276,7 +289,7 @@ peer_batcher *peer_batcher_create(expert_block *blk, const peer_batcher_config *
     }
     pthread_mutex_init(&b->mu, NULL);
     pthread_cond_init(&b->cv, NULL);
-    for (int i = 0; i < cfg->threads; i++) {
+    for (int i = 0; i < b->nworkers; i++) {
         if (pthread_create(&b->workers[i].thread, NULL, worker_main, &b->workers[i]) != 0) {
             peer_batcher_destroy(&b);
             return NULL;
@@ -295,7 +308,7 @@ void peer_batcher_destroy(peer_batcher **pp)
     b->stopping = 1;
     pthread_cond_broadcast(&b->cv);
     pthread_mutex_unlock(&b->mu);
-    for (int i = 0; i < b->cfg.threads; i++)
+    for (int i = 0; i < b->nworkers; i++)
         if (b->workers[i].started)
             pthread_join(b->workers[i].thread, NULL);
     pthread_cond_destroy(&b->cv);
@@ -332,7 +345,8 @@ int peer_batcher_submit(peer_batcher *b, peer_task *t)
     q_push(t->kind == PEER_TASK_INFER ? &b->infer : &b->train, t);
     b->queued_rows += t->rows;
     b->queued_tasks++;
-    pthread_cond_signal(&b->cv);
+    /* Wake everyone: an inference lane may be the only thread free. */
+    pthread_cond_broadcast(&b->cv);
     pthread_mutex_unlock(&b->mu);
     return 0;
 }

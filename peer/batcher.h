@@ -58,6 +58,9 @@ typedef struct peer_batcher_config {
     int max_batch;        /* rows per joined batch (and per task) */
     int max_queue_rows;   /* queued rows before submit says -EAGAIN */
     struct expert_optim optim;
+    int infer_threads;    /* extra threads that serve only inference (>= 0), so an
+                             inference request never waits behind a training
+                             batch already being computed */
 } peer_batcher_config;
 
 typedef struct peer_batcher_stats {

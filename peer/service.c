@@ -419,7 +419,7 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
         expert_stage_name(b->name, sizeof b->name, spec, idx);
         b->stage_hash = expert_stage_hash(spec, idx);
         pthread_mutex_init(&b->pool_mu, NULL);
-        b->pool_cap = cfg->max_queue_rows + cfg->threads * cfg->max_batch + 16;
+        b->pool_cap = cfg->max_queue_rows + (cfg->threads + 2) * cfg->max_batch + 16;
         s->n_blocks++;
         b->block = expert_block_create(&b->cfg, expert_stage_seed(cfg->seed, idx));
         if (!b->block) {
@@ -445,7 +445,7 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
                 b->restored = 1;
             }
         }
-        peer_batcher_config bc = {cfg->threads, cfg->max_batch, cfg->max_queue_rows, cfg->optim};
+        peer_batcher_config bc = {cfg->threads, cfg->max_batch, cfg->max_queue_rows, cfg->optim, 1};
         b->batcher = peer_batcher_create(b->block, &bc);
         if (!b->batcher) {
             snprintf(err, errlen, "cannot start compute threads for %s", b->name);

@@ -54,7 +54,9 @@ typedef struct infer {
 
 static double now_s(const infer *in)
 {
-    return (double)uv_now(in->loop) / 1000.0;
+    /* uv_now has millisecond resolution: too coarse for latencies. */
+    (void)in;
+    return (double)uv_hrtime() * 1e-9;
 }
 
 static void note(infer *in, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

@@ -195,6 +195,52 @@ static void test_backpressure_and_priority(void **state)
     sem_destroy(&gate);
 }
 
+/* The inference lane: with the only training thread busy (held inside a
+ * training task's callback), an inference task is still served. */
+static void test_inference_lane(void **state)
+{
+    (void)state;
+    expert_block *blk = expert_block_create(&cfg, 5);
+    sem_t done, gate;
+    sem_init(&done, 0, 0);
+    sem_init(&gate, 0, 0);
+    atomic_int order = 0;
+    peer_batcher_config c = bcfg(1, 4, 16);
+    c.infer_threads = 1;
+    peer_batcher *b = peer_batcher_create(blk, &c);
+    assert_non_null(b);
+    static float x[4 * D], y[3][4 * D];
+    fill(x, 4 * D, 9);
+    rec r[3];
+    memset(r, 0, sizeof r);
+    for (int i = 0; i < 3; i++) {
+        r[i].t = (peer_task){.kind = PEER_TASK_FORWARD, .rows = 4, .inputs = x, .outputs = y[i], .done = on_done};
+        r[i].done_sem = &done;
+        r[i].order = &order;
+    }
+    r[0].gate = &gate; /* holds the training thread */
+    assert_int_equal(peer_batcher_submit(b, &r[0].t), 0);
+    for (int k = 0; k < 2000 && atomic_load(&order) == 0; k++)
+        usleep(1000);
+    assert_int_equal(atomic_load(&order), 1);
+    assert_int_equal(peer_batcher_submit(b, &r[1].t), 0); /* training: must wait */
+    r[2].t.kind = PEER_TASK_INFER;
+    assert_int_equal(peer_batcher_submit(b, &r[2].t), 0);
+    sem_wait(&done); /* the inference one, served by the lane */
+    assert_int_equal(r[2].finished_at, 1);
+    assert_int_equal(r[1].finished_at, 0); /* still queued */
+    usleep(20000);
+    assert_int_equal(atomic_load(&order), 2); /* the lane never took the training task */
+    sem_post(&gate);
+    sem_wait(&done);
+    sem_wait(&done);
+    assert_int_equal(r[1].finished_at, 2);
+    peer_batcher_destroy(&b);
+    expert_block_destroy(&blk);
+    sem_destroy(&done);
+    sem_destroy(&gate);
+}
+
 static void test_bad_submits(void **state)
 {
     (void)state;
@@ -308,6 +354,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_joined_equals_direct),
         cmocka_unit_test(test_backpressure_and_priority),
+        cmocka_unit_test(test_inference_lane),
         cmocka_unit_test(test_bad_submits),
         cmocka_unit_test(test_concurrent_and_steps),
     };
