@@ -156,6 +156,14 @@ static int setup(void **state)
     return 0;
 }
 
+static void close_leftover(uv_handle_t *h, void *arg)
+{
+    if (!uv_is_closing(h)) {
+        (*(int *)arg)++;
+        uv_close(h, NULL);
+    }
+}
+
 static int teardown(void **state)
 {
     (void)state;
@@ -165,8 +173,17 @@ static int teardown(void **state)
     pthread_mutex_unlock(&W.mu);
     pthread_join(W.th, NULL);
     uv_close((uv_handle_t *)&tick, NULL);
-    uv_run(&loop, UV_RUN_DEFAULT);
+    /* Bounded: a failed test may have left a server or client open, and
+     * that must fail here rather than hang the run. */
+    for (int i = 0; i < 200 && uv_loop_alive(&loop); i++)
+        uv_run(&loop, UV_RUN_NOWAIT);
+    int left = 0;
+    uv_walk(&loop, close_leftover, &left);
+    for (int i = 0; i < 200 && uv_loop_alive(&loop); i++)
+        uv_run(&loop, UV_RUN_NOWAIT);
     int rc = uv_loop_close(&loop);
+    if (left)
+        fail_msg("%d libuv handles were left open", left);
     if (rc != 0)
         fail_msg("uv_loop_close: %s", uv_strerror(rc));
     return 0;
@@ -757,6 +774,7 @@ typedef struct hostile {
     int port;
     atomic_int done;
     int garbage_reply_code, oversize_reply_code, eof_after_oversize, prehs_closed;
+    int dribble_ok;
     char err[128];
 } hostile;
 
@@ -809,6 +827,88 @@ static int read_error_reply(int fd, peer_channel *ch)
     return code;
 }
 
+/* Sends n bytes in pieces of 1..7 bytes with TCP_NODELAY, so the server's
+ * reassembly sees every possible split of headers and records. */
+static int send_dribble(int fd, const uint8_t *p, size_t n, uint32_t *seed)
+{
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    while (n) {
+        *seed = *seed * 1664525u + 1013904223u;
+        size_t k = 1 + (*seed >> 24) % 7;
+        if (k > n)
+            k = n;
+        if (send(fd, p, k, MSG_NOSIGNAL) != (ssize_t)k)
+            return -1;
+        p += k;
+        n -= k;
+        if ((*seed & 0x300) == 0)
+            usleep(200); /* let some pieces arrive in separate reads */
+    }
+    return 0;
+}
+
+/* A whole conversation dribbled a few bytes at a time: handshake, then two
+ * forward requests; the replies must be exact. */
+static int dribble_client(int port, uint32_t seed)
+{
+    int fd = dial(port);
+    if (fd < 0)
+        return -1;
+    peer_channel_config cc = {.self = &id_c, .expect_id = id_s.id};
+    peer_channel *ch = peer_channel_create(&cc, 1);
+    uint8_t m[PEER_CHANNEL_HS_MAX], r[PEER_CHANNEL_HS_MAX];
+    size_t n;
+    int ok = 0;
+    int len = peer_channel_hello(ch, m);
+    if (send_dribble(fd, m, (size_t)len, &seed) || read_full(fd, r, PEER_CHANNEL_HS2_LEN) ||
+        peer_channel_hs_input(ch, r, m, &n) != 1 || send_dribble(fd, m, n, &seed))
+        goto out;
+    float x[5] = {0.5f, -1, 2, 1e3f, -7};
+    uint64_t shape[1] = {5};
+    peer_msg req;
+    peer_msg_init(&req, PEER_KIND_REQUEST, PEER_METHOD_FORWARD, 0);
+    snprintf(req.block, sizeof req.block, "affine");
+    peer_tensor_f32(&req.t[0], x, 1, shape);
+    req.n_tensors = 1;
+    /* Two records back to back in one dribbled stream. */
+    uint8_t out[2][256];
+    size_t total = 0;
+    uint8_t both[512];
+    for (int i = 0; i < 2; i++) {
+        req.id = 10 + (uint64_t)i;
+        long pl = peer_wire_encode(&req, out[i] + 4, sizeof out[i] - 4 - 16);
+        long rl = pl < 0 ? pl : peer_channel_seal(ch, out[i], (size_t)pl);
+        if (rl < 0)
+            goto out;
+        memcpy(both + total, out[i], (size_t)rl);
+        total += (size_t)rl;
+    }
+    if (send_dribble(fd, both, total, &seed))
+        goto out;
+    for (int i = 0; i < 2; i++) {
+        uint8_t hdr[4], rec[512], *plain;
+        size_t rl, pl;
+        peer_msg rep;
+        if (read_full(fd, hdr, 4) || peer_channel_record_len(ch, hdr, &rl) || rl > sizeof rec)
+            goto out;
+        memcpy(rec, hdr, 4);
+        if (read_full(fd, rec + 4, rl - 4) || peer_channel_open(ch, rec, rl, &plain, &pl) ||
+            peer_wire_decode(plain, pl, NULL, &rep) || rep.kind != PEER_KIND_REPLY ||
+            rep.id != 10 + (uint64_t)i || rep.n_tensors != 1 || rep.t[0].nbytes != sizeof x)
+            goto out;
+        const float *y = rep.t[0].data;
+        for (int k = 0; k < 5; k++)
+            if (y[k] != 2.0f * x[k] + 1.0f)
+                goto out;
+    }
+    ok = 1;
+out:
+    peer_channel_destroy(&ch);
+    close(fd);
+    return ok;
+}
+
 static void *hostile_main(void *arg)
 {
     hostile *h = arg;
@@ -826,7 +926,9 @@ static void *hostile_main(void *arg)
         h->prehs_closed = recv(fd, &b, 1, 0) <= 0;
         close(fd);
     }
-    /* 2. A proper handshake, then a sealed record of garbage, then an
+    /* 2. A valid conversation, a few bytes per send. */
+    h->dribble_ok = dribble_client(h->port, SEED + 9) && dribble_client(h->port, SEED + 10);
+    /* 3. A proper handshake, then a sealed record of garbage, then an
      * oversize record header. */
     fd = dial(h->port);
     if (fd < 0)
@@ -893,6 +995,8 @@ static void test_hostile_client(void **state)
     assert_string_equal(h.err, "");
     assert_int_equal(good_ok, rounds);
     assert_true(h.prehs_closed);
+    if (!h.dribble_ok)
+        fail_msg("seed %u: a conversation sent a few bytes at a time failed", SEED);
     assert_int_equal(h.garbage_reply_code, EBADMSG);
     assert_int_equal(h.oversize_reply_code, EMSGSIZE);
     assert_true(h.eof_after_oversize);
