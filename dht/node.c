@@ -35,6 +35,7 @@
 #define HANDOVER_BUDGET 32   /* stores sent to one newcomer */
 #define REPUBLISH_BATCH 16   /* keys republished per housekeeping tick */
 #define RL_SLOTS 256
+#define VCACHE_SLOTS 256     /* (ID, address) pairs proven recently, beyond the table */
 #define PROOF_CTX "starling-dht-id-v1"
 
 enum rpc_kind { RPC_LOOKUP, RPC_PAGE, RPC_STORE, RPC_VERIFY, RPC_EVICT, RPC_HANDOVER };
@@ -119,6 +120,7 @@ struct dht_node {
     uint8_t rl_key[crypto_shorthash_KEYBYTES];
     struct { uint64_t last, milli; } rl[RL_SLOTS];
     uint64_t verify_at[RL_SLOTS]; /* last verify ping per hashed address */
+    struct { uint8_t id[DHT_ID_LEN]; dht_addr addr; } vcache[VCACHE_SLOTS];
     uint64_t next_maint, next_republish;
     uint64_t next_selfcheck;  /* next lookup of our own ID (0: not joined) */
     size_t republish_cursor;
@@ -237,15 +239,38 @@ static int send_msg(dht_node *n, const dht_msg *m, const dht_addr *to)
     return 0;
 }
 
-/* Proof is needed unless the table already holds id at addr. */
+static size_t vslot(const dht_node *n, const uint8_t id[DHT_ID_LEN])
+{
+    uint8_t h[crypto_shorthash_BYTES];
+    crypto_shorthash(h, id, DHT_ID_LEN, n->rl_key);
+    return (size_t)(h[4] | h[5] << 8) % VCACHE_SLOTS;
+}
+
+/* 1 if id proved itself at addr: it is in the table there, or it answered
+ * a challenge recently (a small direct-mapped cache, so that lookups do not
+ * ask the same non-table nodes for a signature again and again). */
+static int known_at(dht_node *n, const uint8_t id[DHT_ID_LEN], const dht_addr *addr)
+{
+    dht_table_entry *e = dht_table_find(n->table, id);
+    if (e)
+        return dht_addr_equal(&e->addr, addr);
+    size_t v = vslot(n, id);
+    return memcmp(n->vcache[v].id, id, DHT_ID_LEN) == 0 && dht_addr_equal(&n->vcache[v].addr, addr);
+}
+
+static void proven(dht_node *n, const uint8_t id[DHT_ID_LEN], const dht_addr *addr)
+{
+    size_t v = vslot(n, id);
+    memcpy(n->vcache[v].id, id, DHT_ID_LEN);
+    n->vcache[v].addr = *addr;
+}
+
+/* Proof is needed unless id is known to be at addr. */
 static int need_proof(dht_node *n, const uint8_t *id, const dht_addr *addr)
 {
     if (!n->cfg.verify_ids)
         return 0;
-    if (!id)
-        return 1;
-    dht_table_entry *e = dht_table_find(n->table, id);
-    return !e || !dht_addr_equal(&e->addr, addr);
+    return !id || !known_at(n, id, addr);
 }
 
 /* Sends request m (type, target, ... filled by the caller) and records it.
@@ -1015,13 +1040,10 @@ static void handle_reply(dht_node *n, const dht_msg *m, const dht_addr *from, ui
         free(r);
         return;
     }
-    if (r->has_nonce || !n->cfg.verify_ids) {
+    if (r->has_nonce)
+        proven(n, m->id, from);
+    if (r->has_nonce || !n->cfg.verify_ids || known_at(n, m->id, from))
         node_seen(n, m->id, from, m->has_token ? m->token : NULL, now);
-    } else {
-        dht_table_entry *e = dht_table_find(n->table, m->id);
-        if (e && dht_addr_equal(&e->addr, from))
-            node_seen(n, m->id, from, m->has_token ? m->token : NULL, now);
-    }
     rpc_done(n, r, m, 0, now);
     free(r);
 }
