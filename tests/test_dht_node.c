@@ -268,6 +268,11 @@ static void test_rate_limit_per_source(void **state)
     peer_addr(&a, 9, 2000);
     assert_int_equal(dht_node_input(n, buf, (size_t)len, &a, T0), -EAGAIN);
     assert_int_equal(dht_node_input(n, buf, (size_t)len, &a, T0 + 100), 0);
+    /* Loopback is exempt (a local swarm shares 127.0.0.1). */
+    const uint8_t lo[4] = {127, 0, 0, 1};
+    dht_addr_v4(&a, lo, 3000);
+    for (int i = 0; i < 1000; i++)
+        assert_int_equal(dht_node_input(n, buf, (size_t)len, &a, T0 + 100), 0);
     dht_node_destroy(&n);
 }
 
