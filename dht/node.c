@@ -828,10 +828,11 @@ static void reply_nodes(dht_node *n, dht_msg *r, const uint8_t target[DHT_ID_LEN
     for (size_t i = 0; i < ne && r->n_nodes < max; i++) {
         if (exclude && memcmp(e[i].id, exclude, DHT_ID_LEN) == 0)
             continue;
-        /* Only nodes the requester can reach (it asked over this family),
-         * and none that failed its last request: spreading possibly dead
-         * contacts costs every lookup a timeout. */
-        if ((family && e[i].addr.family != family) || e[i].fails)
+        /* Only nodes the requester can reach: it asked over this family.
+         * (Entries whose last request failed are still handed out: with
+         * datagram loss, hiding them hides live nodes; lookups stop waiting
+         * for silent ones after rpc_timeout/4 anyway.) */
+        if (family && e[i].addr.family != family)
             continue;
         memcpy(r->nodes[r->n_nodes].id, e[i].id, DHT_ID_LEN);
         r->nodes[r->n_nodes].addr = e[i].addr;
@@ -1289,8 +1290,13 @@ void dht_node_tick(dht_node *n, uint64_t now)
         r = expired;
         expired = r->hh.next;
         n->st.timeouts++;
-        if (r->has_id && r->kind != RPC_EVICT)
-            dht_table_failed(n->table, r->id, 0);
+        if (r->has_id && r->kind != RPC_EVICT) {
+            /* Only a node silent since the request went out has failed: a
+             * lookup's retry may have been answered meanwhile. */
+            dht_table_entry *e = dht_table_find(n->table, r->id);
+            if (e && e->last_seen < r->deadline - n->cfg.rpc_timeout_ms)
+                dht_table_failed(n->table, r->id, 0);
+        }
         rpc_done(n, r, NULL, 1, now);
         free(r);
     }
