@@ -34,6 +34,8 @@ struct expert_block {
     pthread_cond_t cv;
     int cur;
     int refs[2];
+    uint64_t slot_version[2]; /* the weight version each slot holds */
+    int slot_valid[2];
     uint64_t version;
 
     /* Gradient / optimizer state, under grad_mu (taken before mu). */
@@ -233,6 +235,7 @@ expert_block *expert_block_create(const struct expert_block_config *cfg, uint64_
     if (!b)
         return NULL;
     b->cfg = *cfg;
+    b->slot_valid[0] = 1; /* slot 0 holds version 0 */
     b->nt = expert_block_config_tensors(cfg, b->t, &b->n);
     b->params = alloc_floats(2 * b->n);
     b->grads = alloc_floats(b->n);
@@ -401,6 +404,8 @@ static void spare_publish(expert_block *b, uint64_t version)
     pthread_mutex_lock(&b->mu);
     b->cur = 1 - b->cur;
     b->version = version;
+    b->slot_version[b->cur] = version;
+    b->slot_valid[b->cur] = 1;
     pthread_mutex_unlock(&b->mu);
 }
 
@@ -552,6 +557,14 @@ int expert_block_forward_backward(expert_block *b, expert_workspace *ws, float *
                                   float *dinp, const float *dout, const float *inp,
                                   int B, uint64_t *version_out)
 {
+    return expert_block_backward_at(b, ws, out, dinp, dout, inp, B, EXPERT_VERSION_CURRENT,
+                                    version_out);
+}
+
+int expert_block_backward_at(expert_block *b, expert_workspace *ws, float *out, float *dinp,
+                             const float *dout, const float *inp, int B, uint64_t at_version,
+                             uint64_t *version_out)
+{
     if (!b || !dout || !inp)
         return -EINVAL;
     int rc = check_call(b, ws, B);
@@ -564,6 +577,22 @@ int expert_block_forward_backward(expert_block *b, expert_workspace *ws, float *
     }
     struct expert_snapshot s;
     expert_block_snapshot_acquire(b, &s);
+    if (at_version != EXPERT_VERSION_CURRENT && at_version != s.version) {
+        /* The forward ran on the previous version: when the other slot still
+         * holds it, recompute on exactly those weights (no step can replace
+         * that slot while we hold grad_mu). */
+        pthread_mutex_lock(&b->mu);
+        int other = 1 - s.slot;
+        if (b->slot_valid[other] && b->slot_version[other] == at_version) {
+            if (--b->refs[s.slot] == 0)
+                pthread_cond_broadcast(&b->cv);
+            b->refs[other]++;
+            s.slot = other;
+            s.version = at_version;
+            s.params = b->params + (size_t)other * b->n;
+        }
+        pthread_mutex_unlock(&b->mu);
+    }
     backward_params(b, s.params, ws, out, dinp, dout, inp, B);
     if (version_out)
         *version_out = s.version;

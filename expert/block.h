@@ -159,6 +159,19 @@ int expert_block_forward_backward(expert_block *b, expert_workspace *ws, float *
                                   float *dinp, const float *dout, const float *inp,
                                   int B, uint64_t *version_out);
 
+/* "The current weights" for expert_block_backward_at. */
+#define EXPERT_VERSION_CURRENT UINT64_MAX
+
+/* As expert_block_forward_backward (out may be NULL), but recomputes the
+ * forward on weight version at_version when the block still holds it (the
+ * current one or the one before it: the two slots), so a backward whose
+ * forward ran just before a step uses the same weights as that forward
+ * (weight stashing); otherwise on the current weights. *version_out says
+ * which version was used. */
+int expert_block_backward_at(expert_block *b, expert_workspace *ws, float *out, float *dinp,
+                             const float *dout, const float *inp, int B, uint64_t at_version,
+                             uint64_t *version_out);
+
 /* Samples accumulated in the gradients since the last step. */
 int expert_block_accumulated(expert_block *b);
 

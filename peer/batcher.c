@@ -65,13 +65,22 @@ static int is_forward(peer_task_kind k)
 
 /* Moves from q into *list (appending at *tail) every task whose operation
  * matches `fwd`, in order, while the joined rows stay <= max. */
+/* Backwards join only when they ask for the same weights. */
+static int same_weights(const peer_task *a, const peer_task *b)
+{
+    if (!a || is_forward(a->kind))
+        return 1;
+    return a->has_at_version == b->has_at_version &&
+           (!a->has_at_version || a->at_version == b->at_version);
+}
+
 static void q_take_matching(queue *q, int fwd, int max, int *rows, peer_task **head,
                             peer_task **tail)
 {
     peer_task *prev = NULL, *t = q->head;
     while (t && *rows < max) {
         peer_task *next = t->next_;
-        if (is_forward(t->kind) == fwd && *rows + t->rows <= max) {
+        if (is_forward(t->kind) == fwd && *rows + t->rows <= max && same_weights(*head, t)) {
             if (prev)
                 prev->next_ = next;
             else
@@ -169,7 +178,9 @@ static int compute(worker *w, peer_task *head, int fwd, int rows, uint64_t *vers
         x = w->in_buf;
         gy = w->go_buf;
     }
-    rc = expert_block_backward(b->blk, w->ws, want_gx ? gx : NULL, gy, x, rows, version);
+    rc = expert_block_backward_at(b->blk, w->ws, NULL, want_gx ? gx : NULL, gy, x, rows,
+                                  head->has_at_version ? head->at_version : EXPERT_VERSION_CURRENT,
+                                  version);
     if (rc == 0 && !single && want_gx) {
         size_t off = 0;
         for (peer_task *t = head; t; t = t->next_) {

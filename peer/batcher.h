@@ -49,6 +49,8 @@ struct peer_task {
     peer_task_done_fn done;
     void *user;               /* for the caller */
     uint64_t version;         /* out: weight version the task computed with */
+    int has_at_version;       /* backward: recompute on weight version at_version when */
+    uint64_t at_version;      /*   the block still holds it (see expert_block_backward_at) */
     /* internal */
     peer_task *next_;
 };

@@ -279,6 +279,12 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
     t->t.grad_outputs = fwd ? NULL : msg->t[1].data;
     t->t.outputs = t->out;
     t->t.done = task_done;
+    /* A backward may name the weight version its forward used (8 bytes LE
+     * in meta), so the recompute uses the same weights when still held. */
+    if (!fwd && msg->meta && msg->meta_len == 8) {
+        t->t.has_at_version = 1;
+        t->t.at_version = get_le64(msg->meta);
+    }
     int rc = peer_batcher_submit(b->batcher, &t->t);
     if (rc != 0) {
         pool_put(b, t);

@@ -61,6 +61,10 @@ typedef struct trainer {
      * their own and a backward recomputed on another replica's weights
      * would mismatch the activations the forward produced. */
     uint8_t fwd_holder[ROUTE_PIPELINE_MAX_INFLIGHT][ROUTE_PIPELINE_MAX_STAGES][DHT_ID_LEN];
+    /* ... and the weight version it used: the backward asks the holder to
+     * recompute on the same version (weight stashing) when it still has it. */
+    uint64_t fwd_version[ROUTE_PIPELINE_MAX_INFLIGHT][ROUTE_PIPELINE_MAX_STAGES];
+    int fwd_version_known[ROUTE_PIPELINE_MAX_INFLIGHT][ROUTE_PIPELINE_MAX_STAGES];
     double last_note[ROUTE_PIPELINE_MAX_STAGES];
     int finishing;
     int rc;
@@ -197,8 +201,17 @@ static void on_reply(void *arg, int status, const peer_msg *m)
         return;
     }
     memcpy(c->outputs, m->t[0].data, (size_t)c->rows * (size_t)width * sizeof(float));
-    if (c->kind == ROUTE_CALL_FORWARD)
-        memcpy(t->fwd_holder[c->token & 0xFF][c->stage], p->holder, DHT_ID_LEN);
+    if (c->kind == ROUTE_CALL_FORWARD) {
+        int slot = (int)(c->token & 0xFF);
+        memcpy(t->fwd_holder[slot][c->stage], p->holder, DHT_ID_LEN);
+        t->fwd_version_known[slot][c->stage] = m->meta && m->meta_len == 8;
+        if (t->fwd_version_known[slot][c->stage]) {
+            uint64_t v = 0;
+            for (int i = 0; i < 8; i++)
+                v |= (uint64_t)((const uint8_t *)m->meta)[i] << (8 * i);
+            t->fwd_version[slot][c->stage] = v;
+        }
+    }
     route_holder *h = find_holder(t, c->stage, p->holder);
     if (h) {
         if (h->rep.inflight > 0)
@@ -256,9 +269,18 @@ static int dispatch(trainer *t, pend *p)
         uint64_t sout[2] = {(uint64_t)p->call.rows, (uint64_t)p->call.width_out};
         peer_tensor_f32(&m.t[0], p->call.inputs, 2, sin);
         m.n_tensors = 1;
+        uint8_t meta[8];
         if (p->call.kind == ROUTE_CALL_BACKWARD) {
             peer_tensor_f32(&m.t[1], p->call.grad_outputs, 2, sout);
             m.n_tensors = 2;
+            int slot = (int)(p->call.token & 0xFF);
+            if (k == affine && t->fwd_version_known[slot][p->call.stage]) {
+                uint64_t v = t->fwd_version[slot][p->call.stage];
+                for (int i = 0; i < 8; i++)
+                    meta[i] = (uint8_t)(v >> (8 * i));
+                m.meta = meta;
+                m.meta_len = sizeof meta;
+            }
         }
         memcpy(p->holder, h->rep.id, DHT_ID_LEN);
         p->t0 = now;
