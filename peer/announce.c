@@ -36,7 +36,7 @@ long peer_announce_encode(const peer_announce *a, uint8_t *buf, size_t cap)
     dht_mp_writer w;
     dht_mp_writer_init(&w, buf, cap < PEER_ANNOUNCE_MAX_BYTES ? cap : PEER_ANNOUNCE_MAX_BYTES);
     msgpack_packer *pk = &w.pk;
-    msgpack_pack_map(pk, 10);
+    msgpack_pack_map(pk, 11);
     dht_mp_pack_cstr(pk, "v");
     msgpack_pack_uint64(pk, PEER_ANNOUNCE_VERSION);
     dht_mp_pack_cstr(pk, "b");
@@ -57,6 +57,8 @@ long peer_announce_encode(const peer_announce *a, uint8_t *buf, size_t cap)
     dht_mp_pack_cstr(pk, a->device);
     dht_mp_pack_cstr(pk, "t");
     msgpack_pack_uint64(pk, a->time_ms);
+    dht_mp_pack_cstr(pk, "ar");
+    msgpack_pack_uint64(pk, a->avg_rounds);
     return dht_mp_writer_finish(&w);
 }
 
@@ -116,6 +118,9 @@ int peer_announce_decode(peer_announce *out, const uint8_t *buf, size_t len)
                 goto bad;
         } else if (!strcmp(key, "t")) {
             if (dht_mp_uint(&r, &out->time_ms))
+                goto bad;
+        } else if (!strcmp(key, "ar")) {
+            if (dht_mp_uint(&r, &out->avg_rounds))
                 goto bad;
         } else if (dht_mp_skip(&r, 1)) {
             goto bad;

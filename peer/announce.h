@@ -13,6 +13,7 @@
  *     "ld" f64 load: queued rows / queue bound, in [0, 1]
  *     "dv" str device, e.g. "cpu" or "cuda:0" (<= 32 bytes)
  *     "t"  u   when this value was made, ms since the epoch
+ *     "ar" u   replica averaging exchanges completed (optional)
  * It expires about a minute after it is written and is renewed every ~20 s,
  * so a peer that dies disappears within a minute. Unknown keys are skipped
  * (newer peers may add fields); missing required keys ("v", "b", "a", "st",
@@ -49,6 +50,7 @@ typedef struct peer_announce {
     double load;
     char device[33];
     uint64_t time_ms;
+    uint64_t avg_rounds;
 } peer_announce;
 
 typedef struct peer_model_record {

@@ -34,7 +34,10 @@ struct peer_daemon {
     dht *dht;
     peer_service *svc;
     peer_metrics *metrics;
-    uv_timer_t announce_timer, join_timer, ckpt_timer, stop_timer;
+    uv_timer_t announce_timer, join_timer, ckpt_timer, stop_timer, avg_timer;
+    double average_every_s;
+    int avg_block;               /* block being averaged this round, or -1 */
+    uint64_t avg_rounds;         /* averaging exchanges completed (announced) */
     int timers_open;
 
     int joined;
@@ -133,6 +136,7 @@ static int announce(peer_daemon *d, peer_state state, dht_done_cb cb)
             a.load = 1;
         snprintf(a.device, sizeof a.device, "%s", d->device);
         a.time_ms = now;
+        a.avg_rounds = d->avg_rounds;
         long n = peer_announce_encode(&a, val, sizeof val);
         if (n < 0)
             continue;
@@ -188,8 +192,10 @@ static void sync_next(peer_daemon *d);
 
 static void maybe_free(peer_daemon *d);
 
-static void on_state(void *arg, int status, const uint8_t *buf, size_t len, uint64_t version)
+static void on_state(void *arg, int status, const uint8_t *buf, size_t len, uint64_t version,
+                     uint64_t samples)
 {
+    (void)samples;
     peer_daemon *d = arg;
     d->sync_inflight = 0;
     if (d->stopping) {
@@ -286,6 +292,99 @@ static void sync_next(peer_daemon *d)
             return;
         say(d, "%s: cannot look up holders; keeping ours", info.name);
     }
+}
+
+/* ---- replica averaging ---- */
+
+static void avg_next(peer_daemon *d);
+
+static void on_avg_state(void *arg, int status, const uint8_t *buf, size_t len, uint64_t version,
+                         uint64_t samples)
+{
+    peer_daemon *d = arg;
+    d->sync_inflight = 0;
+    if (d->stopping) {
+        maybe_free(d);
+        return;
+    }
+    (void)version;
+    peer_block_info info;
+    peer_service_block_info(d->svc, d->avg_block, &info);
+    if (status == 0) {
+        double w = 0, d0 = 0, d1 = 0;
+        int rc = peer_service_average(d->svc, d->avg_block, buf, len, samples, &w, &d0, &d1);
+        if (rc == 0) {
+            d->avg_rounds++;
+            say(d, "%s: averaged with a replica (our weight %.2f; distance %.6g -> %.6g)", info.name, w, d0,
+                d1);
+        } else {
+            say(d, "%s: averaging skipped: %s", info.name, strerror(-rc));
+        }
+    } else {
+        /* A replica that vanished mid-round changes nothing here. */
+        say(d, "%s: averaging skipped: the replica's state download failed (%s)", info.name,
+            strerror(-status));
+    }
+    avg_next(d);
+}
+
+/* Picks one other online replica of the block at random and pulls its
+ * state; pairwise (gossip) averaging: every replica does the same on its own
+ * timer, so the group converges without a coordinator. */
+static void on_avg_holders(dht *dh, int status, const dht_entry *e, size_t n, void *ud)
+{
+    (void)dh;
+    peer_daemon *d = ud;
+    if (d->stopping)
+        return;
+    peer_block_info info;
+    peer_service_block_info(d->svc, d->avg_block, &info);
+    int pick = -1, seen = 0;
+    peer_announce cand, a;
+    uint8_t id[DHT_ID_LEN];
+    for (size_t i = 0; status == 0 && i < n; i++) {
+        if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN || !memcmp(e[i].subkey, d->ident.id, DHT_ID_LEN) ||
+            peer_announce_decode(&a, e[i].value, e[i].value_len) != 0 || a.state != PEER_STATE_ONLINE ||
+            a.stage_hash != info.stage_hash || strcmp(a.block, info.name) != 0)
+            continue;
+        d->sync_rng = d->sync_rng * 6364136223846793005ULL + 1442695040888963407ULL;
+        if ((int)((d->sync_rng >> 33) % (uint64_t)(++seen)) == 0) {
+            pick = (int)i;
+            cand = a;
+            memcpy(id, e[i].subkey, DHT_ID_LEN);
+        }
+    }
+    if (pick < 0) {
+        avg_next(d);
+        return;
+    }
+    if (peer_statesync_start(d->loop, &d->ident, d->has_swarm_key ? d->swarm_key : NULL, id, cand.addr,
+                             info.name, 30.0, on_avg_state, d) == 0)
+        d->sync_inflight = 1;
+    else
+        avg_next(d);
+}
+
+static void avg_next(peer_daemon *d)
+{
+    while (!d->stopping && ++d->avg_block < peer_service_n_blocks(d->svc)) {
+        peer_block_info info;
+        uint8_t key[DHT_ID_LEN];
+        peer_service_block_info(d->svc, d->avg_block, &info);
+        dht_id_of_bytes(key, info.name, strlen(info.name));
+        if (dht_get(d->dht, key, on_avg_holders, d) == 0)
+            return;
+    }
+    d->avg_block = -1;
+}
+
+static void on_avg_timer(uv_timer_t *t)
+{
+    peer_daemon *d = t->data;
+    /* One round at a time, and only once online (not while fetching state). */
+    if (d->stopping || !d->joined || d->syncing >= 0 || d->avg_block >= 0 || d->sync_inflight)
+        return;
+    avg_next(d);
 }
 
 /* ---- joining ---- */
@@ -517,6 +616,8 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
     d->checkpoint_every_s = cfg->checkpoint_every_s;
     d->max_queue_rows = cfg->svc.max_queue_rows > 0 ? cfg->svc.max_queue_rows : 1;
     d->syncing = -1;
+    d->avg_block = -1;
+    d->average_every_s = cfg->average_every_s;
     d->no_state_download = cfg->no_state_download;
     d->sync_rng = (uint64_t)d->ident.id[0] << 8 | d->ident.id[1];
     d->log = cfg->log ? cfg->log : stderr;
@@ -582,8 +683,9 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
                  strerror(-rc));
         goto fail_metrics;
     }
-    uv_timer_t *timers[] = {&d->announce_timer, &d->join_timer, &d->ckpt_timer, &d->stop_timer};
-    for (size_t i = 0; i < 4; i++) {
+    uv_timer_t *timers[] = {&d->announce_timer, &d->join_timer, &d->ckpt_timer, &d->stop_timer,
+                            &d->avg_timer};
+    for (size_t i = 0; i < 5; i++) {
         uv_timer_init(loop, timers[i]);
         timers[i]->data = d;
         d->timers_open++;
@@ -591,6 +693,10 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
     if (d->checkpoint_every_s > 0) {
         uint64_t ms = (uint64_t)(d->checkpoint_every_s * 1000);
         uv_timer_start(&d->ckpt_timer, on_ckpt_timer, ms, ms);
+    }
+    if (d->average_every_s > 0) {
+        uint64_t ms = (uint64_t)(d->average_every_s * 1000);
+        uv_timer_start(&d->avg_timer, on_avg_timer, ms, ms);
     }
     if (d->n_initial > 0) {
         start_join(d);
@@ -663,6 +769,7 @@ static void on_dht_closed(dht *dh, void *ud)
     uv_close((uv_handle_t *)&d->join_timer, on_timer_closed);
     uv_close((uv_handle_t *)&d->ckpt_timer, on_timer_closed);
     uv_close((uv_handle_t *)&d->stop_timer, on_timer_closed);
+    uv_close((uv_handle_t *)&d->avg_timer, on_timer_closed);
 }
 
 static void on_svc_closed(peer_service *s, int ckpt_status, void *arg)
@@ -711,6 +818,7 @@ void peer_daemon_stop(peer_daemon *d, void (*cb)(int status, void *arg), void *a
     uv_timer_stop(&d->announce_timer);
     uv_timer_stop(&d->join_timer);
     uv_timer_stop(&d->ckpt_timer);
+    uv_timer_stop(&d->avg_timer);
     d->stop_phase = 1;
     d->offline_puts = d->joined ? announce(d, PEER_STATE_OFFLINE, on_offline_put) : 0;
     if (d->offline_puts == 0) {

@@ -9,7 +9,10 @@
  * spread over donors) unless its own is as new, then announces each hosted
  * block online under its key (peer/announce.h) and the model under the
  * models index, signed, expiring ttl_s ahead and renewed every
- * announce_every_s.
+ * announce_every_s. Every average_every_s seconds it averages each block's
+ * parameters with one other online replica chosen at random (pairwise
+ * gossip averaging over the state download; weighted by the samples each
+ * trained on since its last round).
  * A stop announces the blocks offline, closes the service (which writes
  * checkpoints), and closes the DHT.
  *
@@ -39,6 +42,7 @@ typedef struct peer_daemon_config {
     double checkpoint_every_s;         /* 0 = never (checkpoints still written at stop) */
     const char *metrics_listen;        /* "HOST:PORT" or NULL */
     int no_state_download;             /* keep our own state even if holders have newer */
+    double average_every_s;            /* replica averaging period; 0 = off */
     FILE *log;                         /* status lines; NULL = stderr */
 } peer_daemon_config;
 

@@ -40,6 +40,7 @@ struct svc_block {
     pthread_mutex_t pool_mu;
     svc_task *free_list;
     int pool_size, pool_cap;
+    uint64_t avg_mark;         /* backward rows at the last averaging round */
     uint8_t *state;            /* the latest serialized snapshot for downloads */
     size_t state_len;
     uint64_t state_id, state_version;
@@ -149,6 +150,15 @@ static void put_le64(uint8_t *p, uint64_t v)
         p[i] = (uint8_t)(v >> (8 * i));
 }
 
+/* Training samples this block has processed since its last averaging. */
+static uint64_t samples_since_avg(svc_block *b)
+{
+    peer_batcher_stats st;
+    peer_batcher_get_stats(b->batcher, &st);
+    uint64_t rows = st.rows[PEER_TASK_BACKWARD];
+    return rows >= b->avg_mark ? rows - b->avg_mark : 0;
+}
+
 /* A chunk of block b's serialized state (see service.h). Runs on the loop
  * thread; serialising a snapshot copies the parameters and optimizer state
  * once per download, not per chunk. */
@@ -194,10 +204,11 @@ static void handle_state(peer_service *s, svc_block *b, peer_rpc_request *req, c
     size_t nf = (len + 3) / 4;
     chunk[nf ? nf - 1 : 0] = 0.0f; /* zero the padding */
     memcpy(chunk, b->state + off, len);
-    uint8_t meta[24];
+    uint8_t meta[32];
     put_le64(meta, b->state_id);
     put_le64(meta + 8, b->state_len);
     put_le64(meta + 16, b->state_version);
+    put_le64(meta + 24, samples_since_avg(b));
     peer_msg reply;
     peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_STATE, 0);
     reply.meta = meta;
@@ -528,6 +539,31 @@ int peer_service_install_state(peer_service *s, int i, const void *buf, size_t l
     if (!s || i < 0 || i >= s->n_blocks || !buf)
         return -EINVAL;
     return expert_block_deserialize(s->blocks[i].block, buf, len);
+}
+
+int peer_service_average(peer_service *s, int i, const void *buf, size_t len, uint64_t their_samples,
+                         double *w_self_out, double *dist_before, double *dist_after)
+{
+    if (!s || i < 0 || i >= s->n_blocks || !buf)
+        return -EINVAL;
+    svc_block *b = &s->blocks[i];
+    peer_batcher_stats st;
+    peer_batcher_get_stats(b->batcher, &st);
+    uint64_t ours = samples_since_avg(b);
+    /* Weighted by the samples each side trained on since its last round;
+     * equal weights when neither trained (or the other did not say). */
+    double ws = (double)ours, wo = (double)their_samples;
+    if (ws + wo <= 0) {
+        ws = 1;
+        wo = 1;
+    }
+    int rc = expert_block_average_with(b->block, buf, len, ws, wo, dist_before, dist_after);
+    if (rc == 0) {
+        b->avg_mark = st.rows[PEER_TASK_BACKWARD];
+        if (w_self_out)
+            *w_self_out = ws / (ws + wo);
+    }
+    return rc;
 }
 
 int peer_service_checkpoint(peer_service *s)

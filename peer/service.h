@@ -21,7 +21,8 @@
  * both little-endian) -> one f32 tensor (1, n) carrying up to
  * PEER_STATE_CHUNK bytes of the block's serialized state (parameters and
  * optimizer state, the checkpoint format; zero padded to whole floats), and
- * meta = u64 snapshot id, u64 total bytes, u64 weight version. A newcomer
+ * meta = u64 snapshot id, u64 total bytes, u64 weight version, u64 training
+ * samples processed since the block's last averaging round. A newcomer
  * asks for offset 0 with id 0, then for the following offsets with the id it
  * got; if the snapshot was replaced meanwhile the answer is ESTALE and it
  * starts again. The serialized bytes carry their own checksum and config
@@ -95,6 +96,14 @@ int peer_service_block_info(peer_service *s, int i, peer_block_info *info);
  * (-EBADMSG corrupt, -ESTALE another configuration); the block is unchanged
  * on error. Loop thread. */
 int peer_service_install_state(peer_service *s, int i, const void *buf, size_t len);
+
+/* Replica averaging: mixes another replica's state (a PEER_METHOD_STATE
+ * download) into hosted block i, weighted by the training samples each side
+ * processed since its last round (equal when neither says), as one new
+ * weight version. *w_self_out gets our weight; the distances are those of
+ * expert_block_average_with. Returns 0 or its error (block unchanged). */
+int peer_service_average(peer_service *s, int i, const void *buf, size_t len, uint64_t their_samples,
+                         double *w_self_out, double *dist_before, double *dist_after);
 
 /* Writes every block's checkpoint now (atomically; blocks the caller for the
  * time of the writes). Returns 0 or the first error. */

@@ -264,11 +264,12 @@ static int dispatch(infer *in, unit *u)
         for (int i = 0; i < n; i++)
             if (!skip[i] && !memcmp(reps[i].id, u->prev, DHT_ID_LEN) && route_replica_weight(&reps[i], now) > 0)
                 stay = i;
+    int fresh_busy = 0; /* a holder no sibling uses is still connecting */
     for (int tries = 0; tries < n; tries++) {
         int k = stay >= 0 && tries == 0 ? stay : route_pick_replica(reps, n, skip, now, &in->rng, NULL);
         if (k < 0) {
-            if (avoided == 0)
-                return 0;
+            if (avoided == 0 || fresh_busy)
+                return 0; /* wait for it rather than doubling up on a sibling's holder */
             memset(skip, 0, sizeof skip); /* every fresh holder is banned: reuse one */
             avoided = 0;
             k = route_pick_replica(reps, n, skip, now, &in->rng, NULL);
@@ -278,8 +279,10 @@ static int dispatch(infer *in, unit *u)
         skip[k] = 1;
         route_holder *h = &st->holders[map[k]];
         peer_rpc_client *cl = route_conns_get(in->conns, h->rep.id, h->ann.addr);
-        if (!cl)
+        if (!cl) {
+            fresh_busy |= avoided > 0;
             continue;
+        }
         peer_msg m;
         peer_msg_init(&m, PEER_KIND_REQUEST, PEER_METHOD_INFER, 0);
         snprintf(m.block, sizeof m.block, "%s", st->name);

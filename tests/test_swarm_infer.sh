@@ -20,7 +20,7 @@ kill "$PID_a" "$PID_b"
 start_bootstrap
 start_peer c 0-5
 start_peer d 0-5
-start_peer e 0-5 --seed 9 --no-state-download
+start_peer e 0-5 --seed 9 --no-state-download --average-every 0
 "$S" infer --initial-peers "$BS" --data test --samples 1000 --replicas 3 --output "$T/vote.txt" \
     --json >"$T/vote.json" 2>"$T/i2.err"
 [ $? -eq 0 ] || { fail "infer --replicas 3 failed"; show "$T/i2.err"; }

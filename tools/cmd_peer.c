@@ -64,6 +64,8 @@ static const char peer_help[] =
     "  --no-state-download    serve our own checkpoint or initial weights even when\n"
     "                         other holders have newer ones (by default a joining\n"
     "                         peer first downloads the newest state from a holder)\n"
+    "  --average-every S      average each stage's parameters with one other replica\n"
+    "                         (chosen at random) every S seconds (default 30; 0 off)\n"
     "  --announce-every S     seconds between announcements (default 20)\n"
     "  --announce-ttl S       announcements expire this long after they are written\n"
     "                         (default 60): how fast a dead peer disappears\n"
@@ -357,7 +359,7 @@ int cmd_peer(int argc, char **argv)
 {
     enum { O_INITIAL = 256, O_MODEL, O_BLOCKS, O_DEVICE, O_LISTEN, O_ANNOUNCE, O_IDENTITY,
            O_CKPT_DIR, O_CKPT_EVERY, O_SWARM_KEY, O_THREADS, O_BLAS, O_MAX_BATCH, O_TARGET,
-           O_OPT, O_LR, O_SEED, O_METRICS, O_ANN_EVERY, O_ANN_TTL, O_NO_SYNC, O_NUM_BLOCKS, O_REBALANCE };
+           O_OPT, O_LR, O_SEED, O_METRICS, O_ANN_EVERY, O_ANN_TTL, O_NO_SYNC, O_NUM_BLOCKS, O_REBALANCE, O_AVERAGE };
     static const struct option opts[] = {
         {"initial-peers", required_argument, NULL, O_INITIAL},
         {"model", required_argument, NULL, O_MODEL},
@@ -382,6 +384,7 @@ int cmd_peer(int argc, char **argv)
         {"no-state-download", no_argument, NULL, O_NO_SYNC},
         {"num-blocks", required_argument, NULL, O_NUM_BLOCKS},
         {"rebalance-every", required_argument, NULL, O_REBALANCE},
+        {"average-every", required_argument, NULL, O_AVERAGE},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -389,7 +392,7 @@ int cmd_peer(int argc, char **argv)
     const char *listen = "127.0.0.1:0", *announce_host = NULL, *identity = NULL;
     const char *ckpt_dir = NULL, *swarm_key_file = NULL, *metrics = NULL, *optimizer = "adamw";
     long threads = 1, blas = 0, max_batch = 256, target = 128, seed = 0;
-    double ckpt_every = 300, lr = -1, ann_every = 20, ann_ttl = 60, rebalance = 60;
+    double ckpt_every = 300, lr = -1, ann_every = 20, ann_ttl = 60, rebalance = 60, average = 30;
     long num_blocks = 0;
     int c, no_sync = 0;
 
@@ -416,6 +419,10 @@ int cmd_peer(int argc, char **argv)
             break;
         case O_NUM_BLOCKS:
             if (cli_parse_long("peer", "--num-blocks", optarg, 1, PEER_SERVICE_MAX_BLOCKS, &num_blocks))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_AVERAGE:
+            if (cli_parse_double("peer", "--average-every", optarg, 0, 86400, &average))
                 return CLI_EXIT_USAGE;
             break;
         case O_REBALANCE:
@@ -567,6 +574,7 @@ int cmd_peer(int argc, char **argv)
     dc->metrics_listen = metrics;
     dc->announce_every_s = ann_every;
     dc->no_state_download = no_sync;
+    dc->average_every_s = average;
     dc->ttl_s = ann_ttl;
     if (r.auto_k) {
         int start = 0;
