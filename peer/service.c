@@ -118,9 +118,7 @@ static void task_done(peer_task *pt, int status)
     } else {
         peer_msg reply;
         uint8_t meta[8];
-        uint64_t v = pt->version;
-        for (int i = 0; i < 8; i++)
-            meta[i] = (uint8_t)(v >> (8 * i));
+        peer_put_le64(meta, pt->version);
         peer_msg_init(&reply, PEER_KIND_REPLY, (peer_method)t->method, 0);
         reply.meta = meta;
         reply.meta_len = sizeof meta;
@@ -134,20 +132,6 @@ static void task_done(peer_task *pt, int status)
         }
     }
     pool_put(b, t);
-}
-
-static uint64_t get_le64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++)
-        v |= (uint64_t)p[i] << (8 * i);
-    return v;
-}
-
-static void put_le64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
 }
 
 /* Training samples this block has processed since its last averaging. */
@@ -168,7 +152,7 @@ static void handle_state(peer_service *s, svc_block *b, peer_rpc_request *req, c
         peer_rpc_respond_error(req, EINVAL, "state takes meta = snapshot id and offset (16 bytes)");
         return;
     }
-    uint64_t id = get_le64(msg->meta), off = get_le64((const uint8_t *)msg->meta + 8);
+    uint64_t id = peer_get_le64(msg->meta), off = peer_get_le64((const uint8_t *)msg->meta + 8);
     if (id == 0) {
         size_t need = expert_block_serialized_size(b->block, 1);
         uint8_t *buf = realloc(b->state, need ? need : 1);
@@ -205,10 +189,10 @@ static void handle_state(peer_service *s, svc_block *b, peer_rpc_request *req, c
     chunk[nf ? nf - 1 : 0] = 0.0f; /* zero the padding */
     memcpy(chunk, b->state + off, len);
     uint8_t meta[32];
-    put_le64(meta, b->state_id);
-    put_le64(meta + 8, b->state_len);
-    put_le64(meta + 16, b->state_version);
-    put_le64(meta + 24, samples_since_avg(b));
+    peer_put_le64(meta, b->state_id);
+    peer_put_le64(meta + 8, b->state_len);
+    peer_put_le64(meta + 16, b->state_version);
+    peer_put_le64(meta + 24, samples_since_avg(b));
     peer_msg reply;
     peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_STATE, 0);
     reply.meta = meta;
@@ -294,7 +278,7 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
      * in meta), so the recompute uses the same weights when still held. */
     if (!fwd && msg->meta && msg->meta_len == 8) {
         t->t.has_at_version = 1;
-        t->t.at_version = get_le64(msg->meta);
+        t->t.at_version = peer_get_le64(msg->meta);
     }
     int rc = peer_batcher_submit(b->batcher, &t->t);
     if (rc != 0) {

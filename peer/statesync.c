@@ -26,20 +26,6 @@ typedef struct sync {
     int done;
 } sync_t;
 
-static uint64_t get_le64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++)
-        v |= (uint64_t)p[i] << (8 * i);
-    return v;
-}
-
-static void put_le64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
 static void on_closed(peer_rpc_client *cl, void *arg)
 {
     sync_t *s = arg;
@@ -66,8 +52,8 @@ static void on_reply(void *arg, int status, const peer_msg *m);
 static void request(sync_t *s)
 {
     uint8_t meta[16];
-    put_le64(meta, s->id);
-    put_le64(meta + 8, s->got);
+    peer_put_le64(meta, s->id);
+    peer_put_le64(meta + 8, s->got);
     peer_msg m;
     peer_msg_init(&m, PEER_KIND_REQUEST, PEER_METHOD_STATE, 0);
     snprintf(m.block, sizeof m.block, "%s", s->block);
@@ -101,8 +87,8 @@ static void on_reply(void *arg, int status, const peer_msg *m)
         finish(s, -EBADMSG);
         return;
     }
-    uint64_t id = get_le64(m->meta), total = get_le64((const uint8_t *)m->meta + 8);
-    uint64_t version = get_le64((const uint8_t *)m->meta + 16);
+    uint64_t id = peer_get_le64(m->meta), total = peer_get_le64((const uint8_t *)m->meta + 8);
+    uint64_t version = peer_get_le64((const uint8_t *)m->meta + 16);
     if (s->id == 0) {
         /* The first chunk fixes the snapshot and its size. */
         if (total == 0 || total > MAX_STATE_BYTES) {
@@ -118,7 +104,7 @@ static void on_reply(void *arg, int status, const peer_msg *m)
         s->id = id;
         s->total = total;
         s->version = version;
-        s->samples = m->meta_len == 32 ? get_le64((const uint8_t *)m->meta + 24) : 0;
+        s->samples = m->meta_len == 32 ? peer_get_le64((const uint8_t *)m->meta + 24) : 0;
     } else if (id != s->id || total != s->total) {
         finish(s, -EBADMSG);
         return;

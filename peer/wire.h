@@ -72,6 +72,23 @@ typedef struct peer_wire_limits {
     int max_tensors;                   /* 0 = PEER_WIRE_MAX_TENSORS */
 } peer_wire_limits;
 
+/* Little-endian u64 fields of meta blobs (weight versions, offsets). */
+static inline uint64_t peer_get_le64(const void *p)
+{
+    const uint8_t *b = p;
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v |= (uint64_t)b[i] << (8 * i);
+    return v;
+}
+
+static inline void peer_put_le64(void *p, uint64_t v)
+{
+    uint8_t *b = p;
+    for (int i = 0; i < 8; i++)
+        b[i] = (uint8_t)(v >> (8 * i));
+}
+
 /* Fills t as an f32 tensor of the given shape over data (borrowed).
  * Returns 0, or -EINVAL (too many dims) or -EOVERFLOW (size overflows). */
 int peer_tensor_f32(peer_tensor *t, const float *data, int ndim, const uint64_t *shape);

@@ -190,10 +190,7 @@ static void on_reply(void *arg, int status, const peer_msg *m)
         return;
     }
     memcpy(u->buf[(u->stage + 1) & 1], m->t[0].data, (size_t)u->rows * (size_t)st->out * sizeof(float));
-    uint64_t v = 0;
-    if (m->meta && m->meta_len == 8)
-        for (int i = 0; i < 8; i++)
-            v |= (uint64_t)((const uint8_t *)m->meta)[i] << (8 * i);
+    uint64_t v = m->meta && m->meta_len == 8 ? peer_get_le64(m->meta) : 0;
     if (v < in->res->ver_min[u->stage])
         in->res->ver_min[u->stage] = v;
     if (v > in->res->ver_max[u->stage])

@@ -206,10 +206,7 @@ static void on_reply(void *arg, int status, const peer_msg *m)
         memcpy(t->fwd_holder[slot][c->stage], p->holder, DHT_ID_LEN);
         t->fwd_version_known[slot][c->stage] = m->meta && m->meta_len == 8;
         if (t->fwd_version_known[slot][c->stage]) {
-            uint64_t v = 0;
-            for (int i = 0; i < 8; i++)
-                v |= (uint64_t)((const uint8_t *)m->meta)[i] << (8 * i);
-            t->fwd_version[slot][c->stage] = v;
+            t->fwd_version[slot][c->stage] = peer_get_le64(m->meta);
         }
     }
     route_holder *h = find_holder(t, c->stage, p->holder);
@@ -275,9 +272,7 @@ static int dispatch(trainer *t, pend *p)
             m.n_tensors = 2;
             int slot = (int)(p->call.token & 0xFF);
             if (k == affine && t->fwd_version_known[slot][p->call.stage]) {
-                uint64_t v = t->fwd_version[slot][p->call.stage];
-                for (int i = 0; i < 8; i++)
-                    meta[i] = (uint8_t)(v >> (8 * i));
+                peer_put_le64(meta, t->fwd_version[slot][p->call.stage]);
                 m.meta = meta;
                 m.meta_len = sizeof meta;
             }
