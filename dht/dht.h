@@ -61,7 +61,10 @@ int dht_swarm_key_load(uint8_t key[32], const char *path);
 dht *dht_create(uv_loop_t *loop, const dht_identity *ident, const dht_config *cfg);
 
 /* Binds the UDP socket to listen ("HOST:PORT", "[V6]:PORT"; port 0 picks a
- * free one) and starts receiving. Returns 0, -EINVAL, or a libuv -errno. */
+ * free one) and starts receiving. Returns 0, -EINVAL, or a libuv -errno; on
+ * failure d stays valid and must still be released with dht_close. A socket
+ * bound to a specific IPv6 address reaches IPv6 peers only; one bound to
+ * [::] reaches both (IPv4 through mapped addresses). */
 int dht_start(dht *d, const char *listen);
 
 /* The address actually bound (after dht_start). Returns 0 or -ENOTCONN. */

@@ -710,9 +710,10 @@ static void lookup_step(dht_node *n, lookup *l, uint64_t now, int may_finish)
              * few nodes: look ourselves up again soon, when the swarm has
              * learned more (and then every refresh period). */
             if (!n->joined) {
-                /* Few nodes known: the seed was itself still joining. */
-                n->next_selfcheck = now + (dht_table_size(n->table) < n->cfg.k
-                                               ? 5ull * n->cfg.maint_ms : n->cfg.refresh_ms);
+                /* Look ourselves up once more shortly: nodes that joined
+                 * meanwhile (or a seed that was itself still joining) make
+                 * the first answer incomplete. */
+                n->next_selfcheck = now + 5ull * n->cfg.maint_ms;
                 /* Refresh every bucket farther than our neighbourhood, so
                  * the table learns nodes at every distance now, not in 15
                  * minutes. (Later self-lookups only renew the neighbourhood:
