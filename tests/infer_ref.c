@@ -55,6 +55,10 @@ int main(int argc, char **argv)
             printf("%d %d\n", first + r, arg);
         }
     }
+    for (int s = 0; s < m->n_stages; s++) {
+        expert_workspace_destroy(&ws[s]);
+        expert_block_destroy(&blk[s]);
+    }
     route_data_free(&ds);
     return 0;
 }
