@@ -20,7 +20,7 @@ wait "$TR2" || { fail "trainer 2 failed"; show "$T/t2.err"; }
 wait_for "$T/a.err" 'our weight 0\.[0-9]*[1-9][0-9]*; distance [0-9.e+-]*[1-9]' 30 || \
     wait_for "$T/b.err" 'our weight 0\.[0-9]*[1-9][0-9]*; distance [0-9.e+-]*[1-9]' 10 || \
     { fail "no weighted averaging exchange"; show "$T/a.err" "$T/b.err"; }
-line=$(grep -h 'averaged with a replica' "$T/a.err" "$T/b.err" | grep -v 'our weight 0.00' | grep -v 'our weight 1.00' | head -1)
+line=$(grep -hE 'our weight 0\.[0-9]*[1-9][0-9]*; distance [0-9.e+-]*[1-9]' "$T/a.err" "$T/b.err" | head -1)
 echo "$line"
 "${PYTHON:-python3}" - "$line" <<'PYEOF' || fail "distance did not fall by the expected factor"
 import re, sys
