@@ -33,4 +33,14 @@ assert abs(d1 - w * d0) <= 0.006 * d0, (w, d0, d1)
 PYEOF
 "$S" monitor --initial-peers "$BS" --model fmnist-mlp --json >"$T/mon.json" 2>&1
 grep -q '"avg_rounds":[1-9]' "$T/mon.json" || fail "the monitor shows no averaging exchange"
+# Kill one replica (-9) while the other keeps averaging every 2 s: the
+# survivor's rounds fail or finish, never leaving it torn, and it still
+# answers sensibly on its own.
+kill -9 "$PID_b"
+sleep 5
+"$S" infer --initial-peers "$BS" --data test --samples 500 --json >"$T/after.json" 2>"$T/after.err"
+[ $? -eq 0 ] || { fail "infer through the survivor failed"; show "$T/after.err" "$T/a.err"; }
+acc=$(json_field "$T/after.json" accuracy)
+awk "BEGIN { exit !($acc > 0.3) }" || fail "survivor accuracy $acc after the kill"
+grep -q "averaging skipped: ERANGE\|non-finite" "$T/a.err" && fail "survivor produced non-finite weights"
 finish
