@@ -37,7 +37,7 @@ struct peer_daemon {
     uv_timer_t announce_timer, join_timer, ckpt_timer, stop_timer, avg_timer;
     double average_every_s;
     int avg_block;               /* block being averaged this round, or -1 */
-    uint64_t avg_rounds;         /* averaging exchanges completed (announced) */
+    uint64_t avg_rounds[PEER_SERVICE_MAX_BLOCKS]; /* averaging exchanges per block (announced) */
     int timers_open;
 
     int joined;
@@ -136,7 +136,7 @@ static int announce(peer_daemon *d, peer_state state, dht_done_cb cb)
             a.load = 1;
         snprintf(a.device, sizeof a.device, "%s", d->device);
         a.time_ms = now;
-        a.avg_rounds = d->avg_rounds;
+        a.avg_rounds = d->avg_rounds[i];
         long n = peer_announce_encode(&a, val, sizeof val);
         if (n < 0)
             continue;
@@ -314,7 +314,7 @@ static void on_avg_state(void *arg, int status, const uint8_t *buf, size_t len, 
         double w = 0, d0 = 0, d1 = 0;
         int rc = peer_service_average(d->svc, d->avg_block, buf, len, samples, &w, &d0, &d1);
         if (rc == 0) {
-            d->avg_rounds++;
+            d->avg_rounds[d->avg_block]++;
             say(d, "%s: averaged with a replica (our weight %.2f; distance %.6g -> %.6g)", info.name, w, d0,
                 d1);
         } else {

@@ -79,6 +79,7 @@ static void test_svg(void **state)
     assert_true(strncmp(buf, "<svg ", 5) == 0);
     assert_non_null(strstr(buf, "</svg>\n"));
     assert_int_equal(count(buf, "<polyline"), 2);
+    assert_int_equal(count(buf, "<circle"), 6); /* a marker per finite point of sparse series */
     assert_non_null(strstr(buf, "fmnist &amp; co"));
     assert_non_null(strstr(buf, "train loss &lt;per step&gt;"));
     assert_null(strstr(buf, "nan"));

@@ -161,6 +161,21 @@ int report_plot_svg(const char *path, const char *title, const char *xlabel,
     range_of(series, nseries, 0, 1, &xr);
     range_of(series, nseries, 0, 0, &yl);
     range_of(series, nseries, 1, 0, &yr);
+    /* Accuracies and other fractions read best on a fixed 0..1 axis. */
+    int fractions = 0, others = 0;
+    for (int k = 0; k < nseries; k++)
+        for (int i = 0; series[k].right_axis && i < series[k].n; i++) {
+            if (!isfinite(series[k].y[i]))
+                continue;
+            if (series[k].y[i] >= 0 && series[k].y[i] <= 1)
+                fractions++;
+            else
+                others++;
+        }
+    if (fractions > 0 && others == 0) {
+        yr.lo = 0;
+        yr.hi = 1;
+    }
 
     fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
                "viewBox=\"0 0 %.0f %.0f\" font-family=\"sans-serif\" font-size=\"12\">\n",
@@ -224,6 +239,17 @@ int report_plot_svg(const char *path, const char *title, const char *xlabel,
             fprintf(f, "%.1f,%.1f ", px, py);
         }
         fprintf(f, "\"/>\n");
+        /* Sparse series (one point per epoch) get a marker per point, so a
+         * single epoch still shows. */
+        for (int i = 0; s->n <= 64 && i < s->n; i++) {
+            if (!isfinite(s->x[i]) || !isfinite(s->y[i]))
+                continue;
+            double px = L + (s->x[i] - xr.lo) / (xr.hi - xr.lo) * pw;
+            double py = T + ph - (s->y[i] - yrg->lo) / (yrg->hi - yrg->lo) * ph;
+            fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"4\" fill=\"", px, py);
+            xml_text(f, s->color ? s->color : "#000");
+            fprintf(f, "\"><title>%g</title></circle>\n", s->y[i]);
+        }
         fprintf(f, "<text x=\"%.0f\" y=\"%.0f\" fill=\"", L + 10, T + 16 + 16.0 * k);
         xml_text(f, s->color ? s->color : "#000");
         fprintf(f, "\">");
