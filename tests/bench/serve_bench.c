@@ -8,9 +8,12 @@
  * backward: the same work as one local forward+backward). Served samples/s
  * is then divided by the same block's local samples/s, measured in the same
  * process with expert_block_forward_backward at the same B and the same
- * OpenBLAS threads. The last stdout line is one JSON object.
+ * OpenBLAS threads. The local loop takes no optimizer step, so by default
+ * the peer's target batch is so large that it takes none either (--target N
+ * sets the peer's, to see what its AdamW steps cost). The last stdout line
+ * is one JSON object.
  *
- * usage: serve_bench [--clients C] [--depth D] [--batch B] [--seconds S] [--threads T]
+ * usage: serve_bench [--clients C] [--depth D] [--batch B] [--seconds S] [--threads T] [--target N]
  */
 #include <errno.h>
 #include <stdatomic.h>
@@ -28,7 +31,7 @@
 #include "peer/peer.h"
 
 static dht_identity id_s, id_c;
-static int g_batch = 128, g_clients = 4, g_depth = 2, g_blas = 0;
+static int g_batch = 128, g_clients = 4, g_depth = 2, g_blas = 0, g_target = 1 << 30;
 static double g_seconds = 8;
 
 static double mono(void)
@@ -79,6 +82,7 @@ static void *srv_main(void *arg)
     c.max_batch = g_batch;
     c.max_queue_rows = g_batch * g_clients * g_depth * 2;
     expert_optim_default_adamw(&c.optim);
+    c.optim.target_batch = g_target;
     char err[256];
     t->svc = peer_service_create(&t->loop, &c, err, sizeof err);
     struct sockaddr_in a;
@@ -185,12 +189,14 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--batch")) g_batch = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--seconds")) g_seconds = atof(argv[i + 1]);
         else if (!strcmp(argv[i], "--threads")) g_blas = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--target")) g_target = atoi(argv[i + 1]);
         else {
-            fprintf(stderr, "usage: serve_bench [--clients C] [--depth D] [--batch B] [--seconds S] [--threads T]\n");
+            fprintf(stderr, "usage: serve_bench [--clients C] [--depth D] [--batch B] [--seconds S] [--threads T] [--target N]\n");
             return 2;
         }
     }
-    if (g_clients < 1 || g_clients > 64 || g_depth < 1 || g_batch < 1 || g_batch > 4096 || !(g_seconds > 0)) {
+    if (g_clients < 1 || g_clients > 64 || g_depth < 1 || g_batch < 1 || g_batch > 4096 || !(g_seconds > 0) ||
+        g_target < 1) {
         fprintf(stderr, "serve_bench: bad arguments\n");
         return 2;
     }
@@ -259,8 +265,9 @@ int main(int argc, char **argv)
     pthread_join(t.th, NULL);
     free(cs);
     printf("{\"bench\":\"serve_bench\",\"block\":\"fmnist-mlp.1\",\"batch\":%d,\"clients\":%d,\"depth\":%d,"
-           "\"blas_threads\":%d,\"openblas_core\":\"%s\",\"served_samples_per_s\":%.1f,"
+           "\"blas_threads\":%d,\"target_batch\":%d,\"openblas_core\":\"%s\",\"served_samples_per_s\":%.1f,"
            "\"local_samples_per_s\":%.1f,\"efficiency\":%.3f,\"errors\":%ld}\n",
-           g_batch, g_clients, g_depth, blas, expert_blas_corename(), served, local, served / local, errors);
+           g_batch, g_clients, g_depth, blas, g_target, expert_blas_corename(), served, local, served / local,
+           errors);
     return errors ? 1 : 0;
 }
