@@ -2,6 +2,7 @@
  * flat parameter/gradient/optimizer arrays, double-buffered weights, the
  * recomputing backward, optimizer steps and serialisation. */
 #include "expert/block.h"
+#include "expert/pool.h"
 #include "expert/ops.h"
 #include "expert/simd.h"
 
@@ -607,6 +608,30 @@ int expert_block_backward_at(expert_block *b, expert_workspace *ws, float *out, 
 
 /* ------------------------------------------------------------- steps -- */
 
+struct step_ctx {
+    expert_block *b;
+    const struct expert_optim *o;
+    float *dst;
+    const float *src;
+    float gscale;
+    uint64_t t;
+};
+
+static void step_part(void *ctx, int i, int n)
+{
+    struct step_ctx *c = ctx;
+    size_t lo, hi;
+    expert__split(c->b->n, i, n, 16, &lo, &hi);
+    if (hi <= lo)
+        return;
+    if (c->o->kind == EXPERT_OPTIM_ADAMW)
+        expert_adamw_update(c->dst + lo, c->src + lo, c->b->grads + lo, c->b->m + lo, c->b->v + lo,
+                            hi - lo, c->gscale, c->o, c->t);
+    else
+        expert_sgd_update(c->dst + lo, c->src + lo, c->b->grads + lo, c->b->m + lo, hi - lo, c->gscale,
+                          c->o);
+}
+
 int expert_block_accumulated(expert_block *b)
 {
     pthread_mutex_lock(&b->grad_mu);
@@ -663,10 +688,11 @@ static int step_locked(expert_block *b, const struct expert_optim *o,
     const float *src = current_params(b);
     float *dst = spare_begin(b);
     uint64_t t = b->steps + 1;
-    if (o->kind == EXPERT_OPTIM_ADAMW)
-        expert_adamw_update(dst, src, b->grads, b->m, b->v, b->n, gscale, o, t);
-    else
-        expert_sgd_update(dst, src, b->grads, b->m, b->n, gscale, o);
+    /* The update is elementwise and memory bound (it streams parameters,
+     * gradients and moments once), so it is split over the BLAS thread
+     * budget; every element is computed exactly as in one pass. */
+    struct step_ctx sc = {b, o, dst, src, gscale, t};
+    expert__parallel(step_part, &sc, b->n * 7);
     uint64_t version = b->version + 1; /* only writers change it; we are one */
     spare_publish(b, version);
     b->steps = t;
