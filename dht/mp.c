@@ -120,7 +120,7 @@ int dht_mp_skip(dht_mp_reader *r, int depth)
     char k;
     uint64_t v;
     const uint8_t *d;
-    if (depth >= DHT_MP_MAX_DEPTH || dht_mp_head(r, &k, &v))
+    if (depth > DHT_MP_MAX_DEPTH || dht_mp_head(r, &k, &v))
         return -1;
     switch (k) {
     case 's': case 'b': case 'e': case 'f': return dht_mp_take(r, v, &d);

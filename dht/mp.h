@@ -49,7 +49,8 @@ void dht_mp_reader_init(dht_mp_reader *r, const void *buf, size_t len);
  * s/b/e, *val is the payload length (not consumed yet: take or skip it); for
  * m/a, the element count; for u/i/t the value (i: raw bits); for f nothing. */
 int dht_mp_head(dht_mp_reader *r, char *kind, uint64_t *val);
-/* Skips one whole value (nesting <= DHT_MP_MAX_DEPTH - depth). */
+/* Skips one whole value found at nesting depth `depth` (the caller's);
+ * values nested deeper than DHT_MP_MAX_DEPTH are malformed. */
 int dht_mp_skip(dht_mp_reader *r, int depth);
 /* Takes n raw bytes. */
 int dht_mp_take(dht_mp_reader *r, uint64_t n, const uint8_t **out);

@@ -7,6 +7,7 @@
  * (the tests decode its output with msgpack-c), always in the smallest form.
  */
 #include "dht/wire.h"
+#include "dht/mp.h"
 
 #include <errno.h>
 #include <string.h>
@@ -248,163 +249,16 @@ int dht_wire_encode(const dht_msg *m, uint8_t *buf, size_t cap)
 
 /* ---- reader ---- */
 
-typedef struct rd {
-    const uint8_t *p, *end;
-} rd;
-
-#define RD_MAX_DEPTH 8
-
-static int r_byte(rd *r, uint8_t *b)
-{
-    if (r->p >= r->end)
-        return -1;
-    *b = *r->p++;
-    return 0;
-}
-
-static int r_be(rd *r, int bytes, uint64_t *v)
-{
-    if (r->end - r->p < bytes)
-        return -1;
-    *v = 0;
-    for (int i = 0; i < bytes; i++)
-        *v = *v << 8 | r->p[i];
-    r->p += bytes;
-    return 0;
-}
-
-static int r_take(rd *r, uint64_t n, const uint8_t **out)
-{
-    if ((uint64_t)(r->end - r->p) < n)
-        return -1;
-    *out = r->p;
-    r->p += n;
-    return 0;
-}
-
-/* Reads any header. kind: 'u' uint, 'i' negative int, 's' str, 'b' bin,
- * 'm' map, 'a' array, 'n' nil, 't' bool, 'f' float, 'e' ext. For s/b/e, len
- * is the payload length (not consumed yet); for m/a, the element count. */
-static int r_head(rd *r, char *kind, uint64_t *val)
-{
-    uint8_t b;
-    uint64_t x;
-    if (r_byte(r, &b))
-        return -1;
-    if (b <= 0x7f) { *kind = 'u'; *val = b; return 0; }
-    if (b >= 0xe0) { *kind = 'i'; *val = b; return 0; }
-    if ((b & 0xf0) == 0x80) { *kind = 'm'; *val = b & 0x0f; return 0; }
-    if ((b & 0xf0) == 0x90) { *kind = 'a'; *val = b & 0x0f; return 0; }
-    if ((b & 0xe0) == 0xa0) { *kind = 's'; *val = b & 0x1f; return 0; }
-    switch (b) {
-    case 0xc0: *kind = 'n'; *val = 0; return 0;
-    case 0xc2: case 0xc3: *kind = 't'; *val = b & 1; return 0;
-    case 0xc4: *kind = 'b'; return r_be(r, 1, val);
-    case 0xc5: *kind = 'b'; return r_be(r, 2, val);
-    case 0xc6: *kind = 'b'; return r_be(r, 4, val);
-    case 0xc7: *kind = 'e'; if (r_be(r, 1, val)) return -1; *val += 1; return 0;
-    case 0xc8: *kind = 'e'; if (r_be(r, 2, val)) return -1; *val += 1; return 0;
-    case 0xc9: *kind = 'e'; if (r_be(r, 4, val)) return -1; *val += 1; return 0;
-    case 0xca: *kind = 'f'; return r_be(r, 4, &x);
-    case 0xcb: *kind = 'f'; return r_be(r, 8, &x);
-    case 0xcc: *kind = 'u'; return r_be(r, 1, val);
-    case 0xcd: *kind = 'u'; return r_be(r, 2, val);
-    case 0xce: *kind = 'u'; return r_be(r, 4, val);
-    case 0xcf: *kind = 'u'; return r_be(r, 8, val);
-    case 0xd0: *kind = 'i'; return r_be(r, 1, val);
-    case 0xd1: *kind = 'i'; return r_be(r, 2, val);
-    case 0xd2: *kind = 'i'; return r_be(r, 4, val);
-    case 0xd3: *kind = 'i'; return r_be(r, 8, val);
-    case 0xd4: *kind = 'e'; *val = 2; return 0;
-    case 0xd5: *kind = 'e'; *val = 3; return 0;
-    case 0xd6: *kind = 'e'; *val = 5; return 0;
-    case 0xd7: *kind = 'e'; *val = 9; return 0;
-    case 0xd8: *kind = 'e'; *val = 17; return 0;
-    case 0xd9: *kind = 's'; return r_be(r, 1, val);
-    case 0xda: *kind = 's'; return r_be(r, 2, val);
-    case 0xdb: *kind = 's'; return r_be(r, 4, val);
-    case 0xdc: *kind = 'a'; return r_be(r, 2, val);
-    case 0xdd: *kind = 'a'; return r_be(r, 4, val);
-    case 0xde: *kind = 'm'; return r_be(r, 2, val);
-    case 0xdf: *kind = 'm'; return r_be(r, 4, val);
-    default: return -1; /* 0xc1 is never used */
-    }
-}
-
-/* Skips one value. Containers are walked element by element, so a huge
- * declared count simply runs out of bytes; nesting is bounded. */
-static int r_skip(rd *r, int depth)
-{
-    char k;
-    uint64_t v;
-    const uint8_t *d;
-    if (depth > RD_MAX_DEPTH || r_head(r, &k, &v))
-        return -1;
-    switch (k) {
-    case 's': case 'b': case 'e': return r_take(r, v, &d);
-    case 'a':
-        for (uint64_t i = 0; i < v; i++)
-            if (r_skip(r, depth + 1))
-                return -1;
-        return 0;
-    case 'm':
-        for (uint64_t i = 0; i < 2 * v; i++)
-            if (r_skip(r, depth + 1))
-                return -1;
-        return 0;
-    default: return 0;
-    }
-}
-
-static int r_uint(rd *r, uint64_t *out)
-{
-    char k;
-    if (r_head(r, &k, out) || k != 'u')
-        return -1;
-    return 0;
-}
-
-static int r_bin(rd *r, const uint8_t **d, size_t *len, size_t max)
-{
-    char k;
-    uint64_t v;
-    if (r_head(r, &k, &v) || k != 'b' || v > max || r_take(r, v, d))
-        return -1;
-    *len = (size_t)v;
-    return 0;
-}
+/* The bounded pull reader of dht/mp.h (shared with the peer layer). */
+typedef dht_mp_reader rd;
 
 static int r_bin_exact(rd *r, uint8_t *out, size_t want)
 {
     const uint8_t *d;
     size_t n;
-    if (r_bin(r, &d, &n, want) || n != want)
+    if (dht_mp_bin(r, &d, &n, want) || n != want)
         return -1;
     memcpy(out, d, n);
-    return 0;
-}
-
-static int r_key(rd *r, char *key, size_t cap)
-{
-    char k;
-    uint64_t v;
-    const uint8_t *d;
-    if (r_head(r, &k, &v) || k != 's' || r_take(r, v, &d))
-        return -1;
-    if (v >= cap) { /* an unknown long key: keep it unmatchable */
-        key[0] = '\0';
-        return 0;
-    }
-    memcpy(key, d, v);
-    key[v] = '\0';
-    return 0;
-}
-
-static int r_container(rd *r, char want, uint64_t *n)
-{
-    char k;
-    if (r_head(r, &k, n) || k != want)
-        return -1;
     return 0;
 }
 
@@ -414,19 +268,19 @@ static int r_entry(rd *r, dht_entry *e)
     char key[8];
     int have_s = 0, have_v = 0, have_ex = 0, have_pk = 0, have_sig = 0;
     memset(e, 0, sizeof *e);
-    if (r_container(r, 'm', &n))
+    if (dht_mp_container(r, 'm', &n))
         return -1;
     for (uint64_t i = 0; i < n; i++) {
-        if (r_key(r, key, sizeof key))
+        if (dht_mp_key(r, key, sizeof key))
             return -1;
         if (!strcmp(key, "s")) {
-            if (have_s++ || r_bin(r, &e->subkey, &e->subkey_len, DHT_MAX_SUBKEY))
+            if (have_s++ || dht_mp_bin(r, &e->subkey, &e->subkey_len, DHT_MAX_SUBKEY))
                 return -1;
         } else if (!strcmp(key, "v")) {
-            if (have_v++ || r_bin(r, &e->value, &e->value_len, DHT_MAX_VALUE))
+            if (have_v++ || dht_mp_bin(r, &e->value, &e->value_len, DHT_MAX_VALUE))
                 return -1;
         } else if (!strcmp(key, "ex")) {
-            if (have_ex++ || r_uint(r, &e->expires))
+            if (have_ex++ || dht_mp_uint(r, &e->expires))
                 return -1;
         } else if (!strcmp(key, "pk")) {
             if (have_pk++ || r_bin_exact(r, e->pk, 32))
@@ -434,7 +288,7 @@ static int r_entry(rd *r, dht_entry *e)
         } else if (!strcmp(key, "sig")) {
             if (have_sig++ || r_bin_exact(r, e->sig, 64))
                 return -1;
-        } else if (r_skip(r, 2))
+        } else if (dht_mp_skip(r, 2))
             return -1;
     }
     if (!have_s || !have_v || !have_ex || have_pk != have_sig)
@@ -450,20 +304,20 @@ static int decode(dht_msg *m, rd *r)
     int have_v = 0, have_t = 0, have_x = 0, have_id = 0, have_tg = 0, have_st = 0;
     int have_pk = 0, have_sig = 0, have_nd = 0, have_e = 0, have_o = 0, have_n = 0;
 
-    if (r_container(r, 'm', &n))
+    if (dht_mp_container(r, 'm', &n))
         return -1;
     for (uint64_t i = 0; i < n; i++) {
-        if (r_key(r, key, sizeof key))
+        if (dht_mp_key(r, key, sizeof key))
             return -1;
         if (!strcmp(key, "v")) {
-            if (have_v++ || r_uint(r, &u) || u != DHT_WIRE_VERSION)
+            if (have_v++ || dht_mp_uint(r, &u) || u != DHT_WIRE_VERSION)
                 return -1;
         } else if (!strcmp(key, "t")) {
-            if (have_t++ || r_uint(r, &u) || u > 0xff)
+            if (have_t++ || dht_mp_uint(r, &u) || u > 0xff)
                 return -1;
             m->type = (uint8_t)u;
         } else if (!strcmp(key, "x")) {
-            if (have_x++ || r_uint(r, &u) || u > 0xffffffffu)
+            if (have_x++ || dht_mp_uint(r, &u) || u > 0xffffffffu)
                 return -1;
             m->tid = (uint32_t)u;
         } else if (!strcmp(key, "id")) {
@@ -474,7 +328,7 @@ static int decode(dht_msg *m, rd *r)
                 return -1;
             m->has_nonce = 1;
         } else if (!strcmp(key, "ro")) {
-            if (m->read_only || r_uint(r, &u) || u > 1)
+            if (m->read_only || dht_mp_uint(r, &u) || u > 1)
                 return -1;
             m->read_only = (int)u + 2; /* 2 or 3 while decoding: seen */
         } else if (!strcmp(key, "pk")) {
@@ -490,44 +344,44 @@ static int decode(dht_msg *m, rd *r)
             if (have_tg++ || r_bin_exact(r, m->target, DHT_ID_LEN))
                 return -1;
         } else if (!strcmp(key, "o")) {
-            if (have_o++ || r_uint(r, &u) || u > 0xffffffffu)
+            if (have_o++ || dht_mp_uint(r, &u) || u > 0xffffffffu)
                 return -1;
             m->offset = (uint32_t)u;
         } else if (!strcmp(key, "nx")) {
-            if (m->has_next++ || r_uint(r, &u) || u > 0xffffffffu)
+            if (m->has_next++ || dht_mp_uint(r, &u) || u > 0xffffffffu)
                 return -1;
             m->next_offset = (uint32_t)u;
         } else if (!strcmp(key, "st")) {
-            if (have_st++ || r_uint(r, &u) || u > 0xff)
+            if (have_st++ || dht_mp_uint(r, &u) || u > 0xff)
                 return -1;
             m->status = (int)u;
         } else if (!strcmp(key, "nd")) {
             uint64_t cnt;
-            if (have_nd++ || r_container(r, 'a', &cnt) || cnt > DHT_WIRE_MAX_NODES)
+            if (have_nd++ || dht_mp_container(r, 'a', &cnt) || cnt > DHT_WIRE_MAX_NODES)
                 return -1;
             for (uint64_t j = 0; j < cnt; j++) {
                 uint64_t two;
                 const uint8_t *a;
                 size_t al;
                 dht_wire_node *nd = &m->nodes[j];
-                if (r_container(r, 'a', &two) || two != 2 || r_bin_exact(r, nd->id, DHT_ID_LEN) ||
-                    r_bin(r, &a, &al, 18) || dht_wire_addr_unpack(&nd->addr, a, al))
+                if (dht_mp_container(r, 'a', &two) || two != 2 || r_bin_exact(r, nd->id, DHT_ID_LEN) ||
+                    dht_mp_bin(r, &a, &al, 18) || dht_wire_addr_unpack(&nd->addr, a, al))
                     return -1;
             }
             m->n_nodes = (size_t)cnt;
         } else if (!strcmp(key, "e")) {
             uint64_t cnt;
-            if (have_e++ || r_container(r, 'a', &cnt) || cnt > DHT_WIRE_MAX_ENTRIES)
+            if (have_e++ || dht_mp_container(r, 'a', &cnt) || cnt > DHT_WIRE_MAX_ENTRIES)
                 return -1;
             for (uint64_t j = 0; j < cnt; j++)
                 if (r_entry(r, &m->entries[j]))
                     return -1;
             m->n_entries = (size_t)cnt;
-        } else if (r_skip(r, 1)) {
+        } else if (dht_mp_skip(r, 1)) {
             return -1;
         }
     }
-    if (r->p != r->end || !have_v || !have_t || !have_x || !have_id || have_pk != have_sig)
+    if (!dht_mp_at_end(r) || !have_v || !have_t || !have_x || !have_id || have_pk != have_sig)
         return -1;
     m->has_proof = have_pk;
     m->read_only = m->read_only == 3;
@@ -559,7 +413,8 @@ static int decode(dht_msg *m, rd *r)
 
 int dht_wire_decode(dht_msg *m, const uint8_t *buf, size_t len)
 {
-    rd r = {buf, buf + len};
+    rd r;
+    dht_mp_reader_init(&r, buf, len);
     memset(m, 0, sizeof *m);
     if (!buf || len == 0 || len > DHT_MAX_DATAGRAM)
         return -EBADMSG;
