@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include "expert/model.h"
 #include "peer/announce.h"
@@ -630,24 +631,7 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
         dc.has_swarm_key = 1;
         memcpy(dc.swarm_key, d->swarm_key, 32);
     }
-    d->dht = dht_create(loop, &d->ident, &dc);
-    if (!d->dht) {
-        snprintf(err, errlen, "cannot create the DHT node");
-        free(d);
-        return NULL;
-    }
-    int rc = dht_start(d->dht, cfg->listen);
-    if (rc != 0 || dht_local_addr(d->dht, &bound) != 0) {
-        snprintf(err, errlen, "cannot listen on %s (UDP): %s", cfg->listen, strerror(rc < 0 ? -rc : EINVAL));
-        goto fail_dht;
-    }
-    const char *ahost = cfg->announce_host ? cfg->announce_host : host;
-    if (strlen(ahost) > 48) {
-        snprintf(err, errlen, "announce host '%.60s' is too long", ahost);
-        goto fail_dht;
-    }
-    snprintf(d->announce_addr, sizeof d->announce_addr, "%.48s:%u", ahost, (unsigned)bound.port);
-
+    int rc;
     peer_service_config sc = cfg->svc;
     sc.self = &d->ident;
     sc.swarm_key = cfg->swarm_key;
@@ -677,6 +661,64 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
         *strrchr(mh, ':') = '\0';
         say(d, "metrics on http://%s:%d/metrics", mh, peer_metrics_port(d->metrics));
     }
+    /* The DHT (UDP) and the RPC (TCP) share one port. With port 0 the
+     * kernel picks the UDP port, which TCP may already use for an outgoing
+     * connection; so pick a port free for TCP first (a probe socket held
+     * until the UDP bind succeeded), and try again if UDP has it taken. */
+    dht_addr req;
+    if (dht_addr_parse_listen(&req, cfg->listen) != 0) {
+        snprintf(err, errlen, "--listen '%s' is not a numeric HOST:PORT", cfg->listen);
+        goto fail_metrics_only;
+    }
+    for (int attempt = 0;; attempt++) {
+        char lst[96];
+        int probe = -1;
+        if (req.port == 0) {
+            struct sockaddr_storage ps;
+            socklen_t plen = sizeof ps;
+            int sl = dht_addr_to_sockaddr(&req, &ps);
+            probe = sl > 0 ? socket(ps.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0) : -1;
+            if (probe < 0 || bind(probe, (struct sockaddr *)&ps, (socklen_t)sl) != 0 ||
+                getsockname(probe, (struct sockaddr *)&ps, &plen) != 0) {
+                snprintf(err, errlen, "cannot listen on %s: %s", cfg->listen, strerror(errno));
+                if (probe >= 0)
+                    close(probe);
+                goto fail_metrics_only;
+            }
+            dht_addr pa;
+            dht_addr_from_sockaddr(&pa, (struct sockaddr *)&ps);
+            dht_addr_format(lst, sizeof lst, &pa);
+        } else {
+            snprintf(lst, sizeof lst, "%s", cfg->listen);
+        }
+        d->dht = dht_create(loop, &d->ident, &dc);
+        if (!d->dht) {
+            snprintf(err, errlen, "cannot create the DHT node");
+            if (probe >= 0)
+                close(probe);
+            goto fail_metrics_only;
+        }
+        rc = dht_start(d->dht, lst);
+        if (rc == 0 && dht_local_addr(d->dht, &bound) == 0) {
+            if (probe >= 0)
+                close(probe);
+            break;
+        }
+        dht_close(d->dht, NULL, NULL);
+        d->dht = NULL;
+        if (probe >= 0)
+            close(probe);
+        if (req.port != 0 || attempt >= 15) {
+            snprintf(err, errlen, "cannot listen on %s (UDP): %s", lst, strerror(rc < 0 ? -rc : EINVAL));
+            goto fail_metrics_only;
+        }
+    }
+    const char *ahost = cfg->announce_host ? cfg->announce_host : host;
+    if (strlen(ahost) > 48) {
+        snprintf(err, errlen, "announce host '%.60s' is too long", ahost);
+        goto fail_metrics;
+    }
+    snprintf(d->announce_addr, sizeof d->announce_addr, "%.48s:%u", ahost, (unsigned)bound.port);
     if (dht_addr_to_sockaddr(&bound, &ss) < 0 ||
         (rc = peer_service_listen(d->svc, (const struct sockaddr *)&ss)) != 0) {
         snprintf(err, errlen, "cannot listen on %s (TCP port %u): %s", cfg->listen, bound.port,
@@ -714,11 +756,14 @@ fail_metrics:
     peer_service_close(d->svc, destroy_after_close, NULL);
     d->svc = NULL;
     goto fail_dht;
+fail_metrics_only:
+    peer_metrics_stop(d->metrics);
 fail_svc:
     /* The service never listened, so it can be destroyed at once. */
     peer_service_destroy(&d->svc);
 fail_dht:
-    dht_close(d->dht, NULL, NULL);
+    if (d->dht)
+        dht_close(d->dht, NULL, NULL);
     free(d);
     return NULL;
 }

@@ -14,7 +14,6 @@
 #include "routing/swarm.h"
 
 #define PUMP_MS 20
-#define WAIT_NOTE_S 5.0
 
 /* One (batch, path): goes forward through every stage. */
 typedef struct unit {
@@ -49,7 +48,7 @@ typedef struct infer {
     double *lat;                /* per unit */
     long n_lat, units_done;
     double t0;
-    double no_holder_since[64], last_note[64];
+    route_waits waits;
 } infer;
 
 static double now_s(const infer *in)
@@ -82,23 +81,9 @@ static void on_conn_ready(void *arg)
 static void on_conn_failed(void *arg, const uint8_t id[DHT_ID_LEN], int status)
 {
     infer *in = arg;
-    for (int s = 0; s < in->S; s++) {
-        route_stage *st = route_swarm_stage(in->swarm, s);
-        for (int i = 0; i < st->n_holders; i++)
-            if (!memcmp(st->holders[i].rep.id, id, DHT_ID_LEN))
-                route_replica_failure(&st->holders[i].rep, now_s(in), &in->rng);
-    }
     (void)status;
+    route_swarm_ban(in->swarm, id, now_s(in), &in->rng);
     pump(in);
-}
-
-static route_holder *find_holder(infer *in, int stage, const uint8_t *id)
-{
-    route_stage *st = route_swarm_stage(in->swarm, stage);
-    for (int i = 0; st && i < st->n_holders; i++)
-        if (!memcmp(st->holders[i].rep.id, id, DHT_ID_LEN))
-            return &st->holders[i];
-    return NULL;
 }
 
 static uint8_t *used_id(infer *in, int b, int s, int path)
@@ -157,7 +142,7 @@ static void decide(infer *in, int b)
 
 static void unit_failed(infer *in, unit *u, int drop)
 {
-    route_holder *h = find_holder(in, u->stage, u->holder);
+    route_holder *h = route_swarm_find_holder(in->swarm, u->stage, u->holder);
     if (h) {
         if (h->rep.inflight > 0)
             h->rep.inflight--;
@@ -195,7 +180,7 @@ static void on_reply(void *arg, int status, const peer_msg *m)
         in->res->ver_min[u->stage] = v;
     if (v > in->res->ver_max[u->stage])
         in->res->ver_max[u->stage] = v;
-    route_holder *h = find_holder(in, u->stage, u->holder);
+    route_holder *h = route_swarm_find_holder(in->swarm, u->stage, u->holder);
     if (h) {
         if (h->rep.inflight > 0)
             h->rep.inflight--;
@@ -235,12 +220,9 @@ static int dispatch(infer *in, unit *u)
             reps[n] = st->holders[i].rep;
             map[n++] = i;
         }
-    if (n == 0) {
-        if (in->no_holder_since[u->stage] == 0)
-            in->no_holder_since[u->stage] = now;
+    route_waits_mark(&in->waits, u->stage, n > 0, now);
+    if (n == 0)
         return 0;
-    }
-    in->no_holder_since[u->stage] = 0;
     /* Prefer holders no other path of this batch used at this stage. */
     uint8_t skip[ROUTE_MAX_HOLDERS] = {0};
     int avoided = 0;
@@ -308,25 +290,13 @@ static int dispatch(infer *in, unit *u)
 
 static void check_waits(infer *in)
 {
-    double now = now_s(in);
-    for (int s = 0; s < in->S; s++) {
-        double since = in->no_holder_since[s];
-        if (since == 0)
-            continue;
-        route_stage *st = route_swarm_stage(in->swarm, s);
-        if (now - since > in->cfg.max_wait_s) {
-            snprintf(in->res->error, sizeof in->res->error,
-                     "stage %s has no online holder (waited %.0f s); start a peer with --blocks %d",
-                     st->name, now - since, s);
-            finish(in, -ETIMEDOUT);
-            return;
-        }
-        if (now - in->last_note[s] >= WAIT_NOTE_S && now - since >= 1.0) {
-            in->last_note[s] = now;
-            note(in, "waiting for a holder of %s (%.0f s so far, giving up after %.0f s)", st->name,
-                 now - since, in->cfg.max_wait_s);
-        }
-    }
+    char msg[320];
+    int rc = route_waits_check(&in->waits, in->swarm, now_s(in), in->cfg.max_wait_s, in->res->error,
+                               sizeof in->res->error, msg, sizeof msg);
+    if (rc < 0)
+        finish(in, rc);
+    else if (rc > 0)
+        note(in, "%s", msg);
 }
 
 static void pump(infer *in)

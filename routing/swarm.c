@@ -1,6 +1,7 @@
 #include "routing/swarm.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -175,4 +176,59 @@ void route_swarm_destroy(route_swarm **ps)
     (*ps)->dead = 1;
     unref(*ps);
     *ps = NULL;
+}
+
+route_holder *route_swarm_find_holder(route_swarm *s, int stage, const uint8_t id[DHT_ID_LEN])
+{
+    route_stage *st = route_swarm_stage(s, stage);
+    for (int i = 0; st && i < st->n_holders; i++)
+        if (!memcmp(st->holders[i].rep.id, id, DHT_ID_LEN))
+            return &st->holders[i];
+    return NULL;
+}
+
+void route_swarm_ban(route_swarm *s, const uint8_t id[DHT_ID_LEN], double now, uint64_t *rng)
+{
+    for (int i = 0; i < route_swarm_n_stages(s); i++) {
+        route_holder *h = route_swarm_find_holder(s, i, id);
+        if (h)
+            route_replica_failure(&h->rep, now, rng);
+    }
+}
+
+void route_waits_mark(route_waits *w, int stage, int has_holder, double now)
+{
+    if (stage < 0 || stage >= ROUTE_SWARM_MAX_STAGES)
+        return;
+    if (has_holder)
+        w->since[stage] = 0;
+    else if (w->since[stage] == 0)
+        w->since[stage] = now;
+}
+
+int route_waits_check(route_waits *w, route_swarm *s, double now, double max_wait, char *err,
+                      size_t errlen, char *note, size_t notelen)
+{
+    int n = route_swarm_n_stages(s) < ROUTE_SWARM_MAX_STAGES ? route_swarm_n_stages(s) : ROUTE_SWARM_MAX_STAGES;
+    for (int i = 0; i < n; i++) {
+        double since = w->since[i];
+        if (since == 0)
+            continue;
+        route_stage *st = route_swarm_stage(s, i);
+        if (now - since > max_wait) {
+            snprintf(err, errlen,
+                     "stage %s has no online holder (waited %.0f s%s); start a peer with --blocks %d",
+                     st->name, now - since,
+                     st->wrong_hash ? ", and some holders run another version of the model" : "", i);
+            return -ETIMEDOUT;
+        }
+        if (now - w->last_note[i] >= 5.0 && now - since >= 1.0) {
+            w->last_note[i] = now;
+            snprintf(note, notelen, "waiting for a holder of %s (%s; %.0f s so far, giving up after %.0f s)",
+                     st->name, st->wrong_hash ? "holders found run another model version" : "none online",
+                     now - since, max_wait);
+            return 1;
+        }
+    }
+    return 0;
 }

@@ -65,6 +65,30 @@ route_stage *route_swarm_stage(route_swarm *s, int i);
 /* Online holders of stage i with the right hash. */
 int route_stage_usable(const route_stage *st);
 
+/* The holder of stage `stage` with node ID id, or NULL. */
+route_holder *route_swarm_find_holder(route_swarm *s, int stage, const uint8_t id[DHT_ID_LEN]);
+
+/* Records a failure of holder id (at time now) in every stage it holds:
+ * for a connection that could not be made, not one call that failed. */
+void route_swarm_ban(route_swarm *s, const uint8_t id[DHT_ID_LEN], double now, uint64_t *rng);
+
+/* Waiting for holders: a client notes, per stage, since when a call has had
+ * no online holder to go to, and gives up after max_wait seconds. */
+#define ROUTE_SWARM_MAX_STAGES 64
+typedef struct route_waits {
+    double since[ROUTE_SWARM_MAX_STAGES];     /* 0: not waiting */
+    double last_note[ROUTE_SWARM_MAX_STAGES];
+} route_waits;
+
+/* A call for `stage` found (has_holder) or did not find a holder at now. */
+void route_waits_mark(route_waits *w, int stage, int has_holder, double now);
+
+/* Returns -ETIMEDOUT with a sentence in err (naming the stage and the fix)
+ * when some stage has waited longer than max_wait; 1 with a progress
+ * sentence in note every 5 s of waiting; else 0. */
+int route_waits_check(route_waits *w, route_swarm *s, double now, double max_wait, char *err,
+                      size_t errlen, char *note, size_t notelen);
+
 /* Frees s (pending lookups complete into nothing). NULL-safe. */
 void route_swarm_destroy(route_swarm **s);
 

@@ -17,7 +17,6 @@
 #include "routing/swarm.h"
 
 #define PUMP_MS 20
-#define WAIT_NOTE_S 5.0
 
 /* A call taken from the pipeline: parked until sent, then outstanding. */
 typedef struct pend {
@@ -55,7 +54,7 @@ typedef struct trainer {
     long eval_correct;
     double eval_loss;
     long eval_done;
-    double no_holder_since[ROUTE_PIPELINE_MAX_STAGES];
+    route_waits waits;
     /* The holder that served each in-flight batch's forward at each stage:
      * its backward goes there too when it can, because replicas step on
      * their own and a backward recomputed on another replica's weights
@@ -65,7 +64,6 @@ typedef struct trainer {
      * recompute on the same version (weight stashing) when it still has it. */
     uint64_t fwd_version[ROUTE_PIPELINE_MAX_INFLIGHT][ROUTE_PIPELINE_MAX_STAGES];
     int fwd_version_known[ROUTE_PIPELINE_MAX_INFLIGHT][ROUTE_PIPELINE_MAX_STAGES];
-    double last_note[ROUTE_PIPELINE_MAX_STAGES];
     int finishing;
     int rc;
     /* loss scratch */
@@ -137,12 +135,7 @@ static void on_conn_ready(void *arg)
 static void on_conn_failed(void *arg, const uint8_t id[DHT_ID_LEN], int status)
 {
     trainer *t = arg;
-    for (int s = 0; s < route_swarm_n_stages(t->swarm); s++) {
-        route_stage *st = route_swarm_stage(t->swarm, s);
-        for (int i = 0; i < st->n_holders; i++)
-            if (!memcmp(st->holders[i].rep.id, id, DHT_ID_LEN))
-                route_replica_failure(&st->holders[i].rep, now_s(t), &t->rng);
-    }
+    route_swarm_ban(t->swarm, id, now_s(t), &t->rng);
     char hex[DHT_ID_HEX_LEN + 1];
     dht_id_to_hex(hex, id);
     note(t, "cannot connect to holder %.12s: %s; trying other replicas", hex, strerror(-status));
@@ -151,18 +144,9 @@ static void on_conn_failed(void *arg, const uint8_t id[DHT_ID_LEN], int status)
 
 /* ---- calls ---- */
 
-static route_holder *find_holder(trainer *t, int stage, const uint8_t *id)
-{
-    route_stage *st = route_swarm_stage(t->swarm, stage);
-    for (int i = 0; st && i < st->n_holders; i++)
-        if (!memcmp(st->holders[i].rep.id, id, DHT_ID_LEN))
-            return &st->holders[i];
-    return NULL;
-}
-
 static void call_failed(trainer *t, pend *p, const char *why, int drop_conn)
 {
-    route_holder *h = find_holder(t, p->call.stage, p->holder);
+    route_holder *h = route_swarm_find_holder(t->swarm, p->call.stage, p->holder);
     if (h) {
         if (h->rep.inflight > 0)
             h->rep.inflight--;
@@ -209,7 +193,7 @@ static void on_reply(void *arg, int status, const peer_msg *m)
             t->fwd_version[slot][c->stage] = peer_get_le64(m->meta);
         }
     }
-    route_holder *h = find_holder(t, c->stage, p->holder);
+    route_holder *h = route_swarm_find_holder(t->swarm, c->stage, p->holder);
     if (h) {
         if (h->rep.inflight > 0)
             h->rep.inflight--;
@@ -235,12 +219,9 @@ static int dispatch(trainer *t, pend *p)
             reps[n] = st->holders[i].rep;
             map[n++] = i;
         }
-    if (n == 0) {
-        if (t->no_holder_since[p->call.stage] == 0)
-            t->no_holder_since[p->call.stage] = now;
+    route_waits_mark(&t->waits, p->call.stage, n > 0, now);
+    if (n == 0)
         return 0;
-    }
-    t->no_holder_since[p->call.stage] = 0;
     uint8_t skip[ROUTE_MAX_HOLDERS] = {0};
     int affine = -1;
     if (p->call.kind == ROUTE_CALL_BACKWARD && p->call.attempt == 0) {
@@ -404,27 +385,13 @@ static void advance_phase(trainer *t)
 
 static void check_waits(trainer *t)
 {
-    double now = now_s(t);
-    for (int s = 0; s < route_swarm_n_stages(t->swarm); s++) {
-        double since = t->no_holder_since[s];
-        if (since == 0)
-            continue;
-        route_stage *st = route_swarm_stage(t->swarm, s);
-        if (now - since > t->cfg.max_wait_s) {
-            snprintf(t->res->error, sizeof t->res->error,
-                     "stage %s has no online holder (waited %.0f s%s); start a peer with "
-                     "--blocks %d", st->name, now - since,
-                     st->wrong_hash ? ", and some holders run another version of the model" : "", s);
-            finish(t, -ETIMEDOUT);
-            return;
-        }
-        if (now - t->last_note[s] >= WAIT_NOTE_S && now - since >= 1.0) {
-            t->last_note[s] = now;
-            note(t, "waiting for a holder of %s (%s; %.0f s so far, giving up after %.0f s)", st->name,
-                 st->wrong_hash ? "holders found run another model version" : "none online", now - since,
-                 t->cfg.max_wait_s);
-        }
-    }
+    char msg[320];
+    int rc = route_waits_check(&t->waits, t->swarm, now_s(t), t->cfg.max_wait_s, t->res->error,
+                               sizeof t->res->error, msg, sizeof msg);
+    if (rc < 0)
+        finish(t, rc);
+    else if (rc > 0)
+        note(t, "%s", msg);
 }
 
 static void pump(trainer *t)
