@@ -41,6 +41,33 @@ contains "needs a value" "missing value message"
 expect 2 "bad device" -- "$S" peer --device gpu7
 contains "invalid device" "bad device message"
 
+# Garbage flag values are usage errors (exit 2) with a sentence, before any
+# network or compute starts.
+for b in "1,,2" "1-" "x" "3-1" "1,2," "-1" "99"; do
+    expect 2 "peer --blocks $b" -- "$S" peer --blocks "$b"
+done
+contains "stages 0..5, not 99" "out-of-range stage message"
+expect 2 "peer --num-blocks 0" -- "$S" peer --num-blocks 0
+expect 2 "peer --num-blocks 7" -- "$S" peer --num-blocks 7
+contains "only 6 stages" "num-blocks message"
+expect 2 "peer blocks and num-blocks" -- "$S" peer --blocks 1 --num-blocks 2
+expect 2 "peer --listen garbage" -- "$S" peer --blocks 1 --listen nohost
+expect 2 "peer --optimizer" -- "$S" peer --blocks 1 --optimizer adagrad
+expect 2 "peer --announce-ttl" -- "$S" peer --blocks 1 --announce-every 30 --announce-ttl 10
+expect 2 "peer --model" -- "$S" peer --blocks 1 --model nope
+contains "unknown model 'nope'" "unknown model message"
+expect 2 "peer --max-batch 0" -- "$S" peer --blocks 1 --max-batch 0
+expect 2 "train --lr" -- "$S" train --initial-peers 127.0.0.1:9 --lr 0.1
+contains "starling peer --lr" "train --lr message"
+expect 2 "train --batch x" -- "$S" train --initial-peers 127.0.0.1:9 --batch x
+expect 2 "train no peers" -- "$S" train
+expect 2 "train bad peers" -- "$S" train --initial-peers "127.0.0.1:9/zz"
+expect 2 "infer --data foo" -- "$S" infer --initial-peers 127.0.0.1:9 --data foo
+expect 2 "infer data and input" -- "$S" infer --initial-peers 127.0.0.1:9 --data test --input x
+expect 2 "infer --replicas 10" -- "$S" infer --initial-peers 127.0.0.1:9 --data test --replicas 10
+expect 2 "monitor --watch x" -- "$S" monitor --initial-peers 127.0.0.1:9 --watch x
+expect 2 "monitor no peers" -- "$S" monitor
+
 # keygen: writes mode 0600, prints 40 hex digits, and --show agrees.
 expect 0 "keygen" -- "$S" keygen --out "$tmp/a.key"
 id=$(cat "$tmp/out")
