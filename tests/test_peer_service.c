@@ -93,6 +93,21 @@ static void call(peer_rpc_client *cl, peer_method method, const char *block, con
     assert_int_equal(r->status, 0);
 }
 
+/* A state request with raw meta bytes. */
+static void call_state(peer_rpc_client *cl, const char *block, const void *meta, size_t meta_len,
+                       result *r)
+{
+    peer_msg m;
+    peer_msg_init(&m, PEER_KIND_REQUEST, PEER_METHOD_STATE, 0);
+    snprintf(m.block, sizeof m.block, "%s", block);
+    m.meta = meta;
+    m.meta_len = meta_len;
+    memset(r, 0, sizeof *r);
+    assert_int_equal(peer_rpc_call(cl, &m, 20000, on_reply, r, NULL), 0);
+    run_until(&r->done);
+    assert_int_equal(r->status, 0);
+}
+
 static void fill(float *x, size_t n, unsigned seed)
 {
     for (size_t i = 0; i < n; i++)
@@ -224,6 +239,26 @@ static void test_rpc_equals_local_and_restart(void **state)
     assert_int_equal(r.kind, PEER_KIND_REPLY);
     assert_non_null(strstr(r.meta, "\"fmnist-mlp.1\""));
     assert_non_null(strstr(r.meta, "\"fmnist-mlp.5\""));
+
+    /* The state method: a first chunk, then hostile requests. */
+    uint8_t sm[16] = {0};
+    call_state(cl, "fmnist-mlp.5", sm, sizeof sm, &r);
+    assert_int_equal(r.kind, PEER_KIND_REPLY);
+    uint64_t sid = peer_get_le64(r.meta), total = peer_get_le64(r.meta + 8);
+    assert_true(sid > 0 && total > 0);
+    call_state(cl, "fmnist-mlp.5", sm, 3, &r); /* meta of the wrong size */
+    assert_int_equal(r.kind, PEER_KIND_ERROR);
+    assert_int_equal(r.err_code, EINVAL);
+    peer_put_le64(sm, sid);
+    peer_put_le64(sm + 8, total + 1); /* past the end */
+    call_state(cl, "fmnist-mlp.5", sm, sizeof sm, &r);
+    assert_int_equal(r.err_code, EINVAL);
+    peer_put_le64(sm, sid + 100); /* not the current snapshot */
+    peer_put_le64(sm + 8, 0);
+    call_state(cl, "fmnist-mlp.5", sm, sizeof sm, &r);
+    assert_int_equal(r.err_code, ESTALE);
+    call_state(cl, "fmnist-mlp.4", sm, sizeof sm, &r); /* not hosted */
+    assert_int_equal(r.err_code, ENOENT);
 
     peer_block_info info;
     assert_int_equal(peer_service_block_info(s, 0, &info), 0);
