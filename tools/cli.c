@@ -77,22 +77,3 @@ int cli_parse_double(const char *cmd, const char *flag, const char *val, double 
     *out = v;
     return 0;
 }
-
-int cli_planned(const char *cmd, const char *help, const struct option *opts, int argc,
-                char **argv)
-{
-    int c;
-    optind = 1;
-    opterr = 0;
-    while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
-        if (c == 'h') {
-            fputs(help, stdout);
-            return CLI_EXIT_OK;
-        }
-        if (c == '?' || c == ':')
-            return cli_bad_option(cmd, c, argv);
-    }
-    if (cli_no_positional(cmd, argc, argv))
-        return CLI_EXIT_USAGE;
-    return cli_fail(cmd, "not available in this build yet (see 'starling %s --help')", cmd);
-}

@@ -49,11 +49,4 @@ int cmd_infer(int argc, char **argv);
 int cmd_keygen(int argc, char **argv);
 int cmd_dht(int argc, char **argv);
 
-/* For subcommands whose implementation has not landed yet: parses argv
- * against opts (so --help and bad flags behave like the real command), then
- * says the command is not available in this build. Returns 0 for --help,
- * 2 for usage errors, 1 otherwise. */
-int cli_planned(const char *cmd, const char *help, const struct option *opts, int argc,
-                char **argv);
-
 #endif
