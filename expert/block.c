@@ -799,6 +799,67 @@ int expert_block_average_with(expert_block *b, const void *buf, size_t len, doub
     return rc;
 }
 
+size_t expert_block_flat_len(const expert_block *b)
+{
+    return b ? 3 * b->n : 0;
+}
+
+int expert_block_flat_export(expert_block *b, float *out)
+{
+    if (!b || !out)
+        return -EINVAL;
+    pthread_mutex_lock(&b->grad_mu);
+    memcpy(out, current_params(b), b->n * sizeof(float));
+    memcpy(out + b->n, b->m, b->n * sizeof(float));
+    memcpy(out + 2 * b->n, b->v, b->n * sizeof(float));
+    pthread_mutex_unlock(&b->grad_mu);
+    return 0;
+}
+
+int expert_block_flat_apply(expert_block *b, const float *avg, const float *base, int with_optim,
+                            double *dist_before, double *dist_after)
+{
+    if (!b || !avg || !base)
+        return -EINVAL;
+    const size_t n = b->n;
+    double d0 = 0, d1 = 0;
+    int rc = 0;
+    pthread_mutex_lock(&b->grad_mu);
+    const float *ps = current_params(b);
+    /* Check everything first: nothing changes unless all of it is finite. */
+    for (size_t i = 0; i < (with_optim ? 3 : 1) * n && rc == 0; i++) {
+        float cur = i < n ? ps[i] : i < 2 * n ? b->m[i - n] : b->v[i - 2 * n];
+        if (!isfinite(cur + (avg[i] - base[i])))
+            rc = -ERANGE;
+    }
+    if (rc == 0) {
+        float *dst = spare_begin(b);
+        for (size_t i = 0; i < n; i++) {
+            float v = ps[i] + (avg[i] - base[i]);
+            double e0 = (double)base[i] - avg[i], e1 = (double)v - avg[i];
+            d0 += e0 * e0;
+            d1 += e1 * e1;
+            dst[i] = v;
+        }
+        if (with_optim) {
+            for (size_t i = 0; i < n; i++) {
+                b->m[i] += avg[n + i] - base[n + i];
+                float v = b->v[i] + (avg[2 * n + i] - base[2 * n + i]);
+                b->v[i] = v > 0.0f ? v : 0.0f;
+            }
+        }
+        spare_publish(b, b->version + 1);
+    }
+    pthread_mutex_unlock(&b->grad_mu);
+    if (rc == 0) {
+        if (dist_before)
+            *dist_before = sqrt(d0);
+        if (dist_after)
+            *dist_after = sqrt(d1);
+    }
+    return rc;
+}
+
 /* ----------------------------------------------------- serialisation -- */
 
 #define HDR_LEN 64

@@ -220,6 +220,25 @@ int expert_block_set_params(expert_block *b, const float *params);
 int expert_block_average_with(expert_block *b, const void *buf, size_t len, double w_self,
                               double w_other, double *dist_before, double *dist_after);
 
+/* Group averaging (an all-reduce among replicas, peer/allreduce.h) works on
+ * a flat view of the block's state: parameters, then the first moment m,
+ * then the second moment v (3 * nparams floats; m and v are zero before
+ * the first optimizer step). */
+size_t expert_block_flat_len(const expert_block *b);
+/* Copies the current state into out (flat_len floats) in one consistent
+ * piece (no optimizer step in between). Returns 0 or -EINVAL. */
+int expert_block_flat_export(expert_block *b, float *out);
+/* Applies the result of a round that started from `base` (this block's own
+ * flat_export at the round's start): every element moves by (avg - base),
+ * so the updates this block made while the round ran are kept. The second
+ * moment is clamped at 0. with_optim == 0 moves the parameters only.
+ * The parameters are published as a new weight version in one piece.
+ * Returns 0, -EINVAL, or -ERANGE when any result is not finite (nothing
+ * changes). *dist_before / *dist_after (may be NULL): the L2 distance of
+ * the parameters to the group's average before (base) and after. */
+int expert_block_flat_apply(expert_block *b, const float *avg, const float *base, int with_optim,
+                            double *dist_before, double *dist_after);
+
 /* ---- Serialisation (the checkpoint file format; docs/expert.md) ---- */
 
 /* Bytes expert_block_serialize writes: with_optim != 0 adds the optimizer

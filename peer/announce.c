@@ -1,9 +1,12 @@
 #include "peer/announce.h"
 
 #include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
 #include <math.h>
 #include <string.h>
 
+#include "dht/id.h"
 #include "dht/mp.h"
 
 const char *peer_state_name(int state)
@@ -36,7 +39,7 @@ long peer_announce_encode(const peer_announce *a, uint8_t *buf, size_t cap)
     dht_mp_writer w;
     dht_mp_writer_init(&w, buf, cap < PEER_ANNOUNCE_MAX_BYTES ? cap : PEER_ANNOUNCE_MAX_BYTES);
     msgpack_packer *pk = &w.pk;
-    msgpack_pack_map(pk, 11);
+    msgpack_pack_map(pk, 12);
     dht_mp_pack_cstr(pk, "v");
     msgpack_pack_uint64(pk, PEER_ANNOUNCE_VERSION);
     dht_mp_pack_cstr(pk, "b");
@@ -59,6 +62,8 @@ long peer_announce_encode(const peer_announce *a, uint8_t *buf, size_t cap)
     msgpack_pack_uint64(pk, a->time_ms);
     dht_mp_pack_cstr(pk, "ar");
     msgpack_pack_uint64(pk, a->avg_rounds);
+    dht_mp_pack_cstr(pk, "ag");
+    msgpack_pack_uint64(pk, a->avg_group);
     return dht_mp_writer_finish(&w);
 }
 
@@ -122,6 +127,11 @@ int peer_announce_decode(peer_announce *out, const uint8_t *buf, size_t len)
         } else if (!strcmp(key, "ar")) {
             if (dht_mp_uint(&r, &out->avg_rounds))
                 goto bad;
+        } else if (!strcmp(key, "ag")) {
+            uint64_t g;
+            if (dht_mp_uint(&r, &g) || g > 4096)
+                goto bad;
+            out->avg_group = (int)g;
         } else if (dht_mp_skip(&r, 1)) {
             goto bad;
         }
@@ -187,6 +197,78 @@ int peer_model_record_decode(peer_model_record *out, const uint8_t *buf, size_t 
         }
     }
     if (!dht_mp_at_end(&r) || have != 7)
+        goto bad;
+    return 0;
+bad:
+    memset(out, 0, sizeof *out);
+    return -EBADMSG;
+}
+
+void peer_avg_key(uint8_t key[DHT_ID_LEN], const char *block, uint64_t stage_hash)
+{
+    char name[128];
+    int n = snprintf(name, sizeof name, "starling.avg:%.64s:%016" PRIx64, block, stage_hash);
+    dht_id_of_bytes(key, name, (size_t)n);
+}
+
+long peer_avg_record_encode(const peer_avg_record *m, uint8_t *buf, size_t cap)
+{
+    if (!m || !buf || !m->addr[0] || !printable(m->addr, 64) || m->optim < 0 || m->optim > 255)
+        return -EINVAL;
+    dht_mp_writer w;
+    dht_mp_writer_init(&w, buf, cap);
+    msgpack_pack_map(&w.pk, 4);
+    dht_mp_pack_cstr(&w.pk, "v");
+    msgpack_pack_uint64(&w.pk, PEER_ANNOUNCE_VERSION);
+    dht_mp_pack_cstr(&w.pk, "r");
+    msgpack_pack_uint64(&w.pk, m->round);
+    dht_mp_pack_cstr(&w.pk, "a");
+    dht_mp_pack_cstr(&w.pk, m->addr);
+    dht_mp_pack_cstr(&w.pk, "o");
+    msgpack_pack_uint64(&w.pk, (uint64_t)m->optim);
+    return dht_mp_writer_finish(&w);
+}
+
+int peer_avg_record_decode(peer_avg_record *out, const uint8_t *buf, size_t len)
+{
+    dht_mp_reader r;
+    uint64_t n, u;
+    char key[4];
+    int have = 0;
+
+    if (!out)
+        return -EINVAL;
+    memset(out, 0, sizeof *out);
+    if (!buf || len > PEER_ANNOUNCE_MAX_BYTES)
+        goto bad;
+    dht_mp_reader_init(&r, buf, len);
+    if (dht_mp_container(&r, 'm', &n) || n > 64)
+        goto bad;
+    for (uint64_t i = 0; i < n; i++) {
+        if (dht_mp_key(&r, key, sizeof key))
+            goto bad;
+        if (!strcmp(key, "v")) {
+            if (dht_mp_uint(&r, &u) || u != PEER_ANNOUNCE_VERSION)
+                goto bad;
+            have |= 1;
+        } else if (!strcmp(key, "r")) {
+            if (dht_mp_uint(&r, &out->round))
+                goto bad;
+            have |= 2;
+        } else if (!strcmp(key, "a")) {
+            if (dht_mp_cstr(&r, out->addr, sizeof out->addr, 64) || !out->addr[0])
+                goto bad;
+            have |= 4;
+        } else if (!strcmp(key, "o")) {
+            if (dht_mp_uint(&r, &u) || u > 255)
+                goto bad;
+            out->optim = (int)u;
+            have |= 8;
+        } else if (dht_mp_skip(&r, 1)) {
+            goto bad;
+        }
+    }
+    if (!dht_mp_at_end(&r) || have != 15)
         goto bad;
     return 0;
 bad:

@@ -13,7 +13,8 @@
  *     "ld" f64 load: queued rows / queue bound, in [0, 1]
  *     "dv" str device, e.g. "cpu" or "cuda:0" (<= 32 bytes)
  *     "t"  u   when this value was made, ms since the epoch
- *     "ar" u   replica averaging exchanges completed (optional)
+ *     "ar" u   group averaging rounds completed (optional)
+ *     "ag" u   size of the group of the last completed round (optional)
  * It expires about a minute after it is written and is renewed every ~20 s,
  * so a peer that dies disappears within a minute. Unknown keys are skipped
  * (newer peers may add fields); missing required keys ("v", "b", "a", "st",
@@ -23,6 +24,13 @@
  * entry naming the model it serves, so a monitor can list the models of a
  * swarm without knowing their names:
  *     "v" u 1, "m" str model name (<= 48 bytes), "n" u number of stages.
+ *
+ * Group averaging finds its members under the matchmaking key
+ * BLAKE2b-160("starling.avg:<block>:<stage hash, 16 hex digits>"): at the
+ * start of each round every holder stores a signed entry (subkey = its node
+ * ID) that expires a few seconds after the round's gathering window:
+ *     "v" u 1, "r" u round number (ms since the epoch / period),
+ *     "a" str tensor RPC address, "o" u optimizer kind (expert_optim_kind).
  */
 #ifndef PEER_ANNOUNCE_H
 #define PEER_ANNOUNCE_H
@@ -51,6 +59,7 @@ typedef struct peer_announce {
     char device[33];
     uint64_t time_ms;
     uint64_t avg_rounds;
+    int avg_group;
 } peer_announce;
 
 typedef struct peer_model_record {
@@ -69,6 +78,18 @@ int peer_announce_decode(peer_announce *out, const uint8_t *buf, size_t len);
 
 long peer_model_record_encode(const peer_model_record *m, uint8_t *buf, size_t cap);
 int peer_model_record_decode(peer_model_record *out, const uint8_t *buf, size_t len);
+
+typedef struct peer_avg_record {
+    uint64_t round;
+    char addr[65];
+    int optim;                    /* 0..255 */
+} peer_avg_record;
+
+/* The matchmaking key of a block (see above). */
+void peer_avg_key(uint8_t key[20], const char *block, uint64_t stage_hash);
+long peer_avg_record_encode(const peer_avg_record *m, uint8_t *buf, size_t cap);
+/* Decodes an untrusted value: 0 or -EBADMSG (out zeroed). */
+int peer_avg_record_decode(peer_avg_record *out, const uint8_t *buf, size_t len);
 
 /* "joining" / "online" / "offline" / "unknown". */
 const char *peer_state_name(int state);

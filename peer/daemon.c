@@ -9,13 +9,25 @@
 #include <unistd.h>
 
 #include "expert/model.h"
+#include <sodium.h>
+
+#include "peer/allreduce.h"
 #include "peer/announce.h"
 #include "peer/metrics.h"
 #include "peer/statesync.h"
+#include "peer/wire.h"
 
 #define JOIN_RETRY_MS 5000
 #define MAX_INITIAL 64
 #define STOP_ANNOUNCE_WAIT_MS 3000
+
+typedef struct avg_ctx {
+    struct peer_daemon *d;
+    int block;
+    uint64_t round;
+    int putting, getting;        /* matchmaking entry stored / group lookup in flight */
+    peer_allreduce *ar;          /* the round running, or NULL */
+} avg_ctx;
 
 struct peer_daemon {
     uv_loop_t *loop;
@@ -35,10 +47,13 @@ struct peer_daemon {
     dht *dht;
     peer_service *svc;
     peer_metrics *metrics;
-    uv_timer_t announce_timer, join_timer, ckpt_timer, stop_timer, avg_timer;
+    uv_timer_t announce_timer, join_timer, ckpt_timer, stop_timer, avg_timer, avg_gather_timer;
     double average_every_s;
-    int avg_block;               /* block being averaged this round, or -1 */
-    uint64_t avg_rounds[PEER_SERVICE_MAX_BLOCKS]; /* averaging exchanges per block (announced) */
+    int optim_kind;
+    avg_ctx avg[PEER_SERVICE_MAX_BLOCKS];
+    int avg_inflight;            /* all-reduce rounds whose callback is still to come */
+    uint64_t avg_rounds[PEER_SERVICE_MAX_BLOCKS]; /* averaging rounds completed per block (announced) */
+    int avg_group[PEER_SERVICE_MAX_BLOCKS];       /* size of the last completed round's group */
     int timers_open;
 
     int joined;
@@ -61,6 +76,8 @@ struct peer_daemon {
 };
 
 static void say(peer_daemon *d, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void maybe_free(peer_daemon *d);
+static void on_avg_timer(uv_timer_t *t);
 static void say(peer_daemon *d, const char *fmt, ...)
 {
     va_list ap;
@@ -138,6 +155,7 @@ static int announce(peer_daemon *d, peer_state state, dht_done_cb cb)
         snprintf(a.device, sizeof a.device, "%s", d->device);
         a.time_ms = now;
         a.avg_rounds = d->avg_rounds[i];
+        a.avg_group = d->avg_group[i];
         long n = peer_announce_encode(&a, val, sizeof val);
         if (n < 0)
             continue;
@@ -295,97 +313,233 @@ static void sync_next(peer_daemon *d)
     }
 }
 
-/* ---- replica averaging ---- */
+/* ---- replica averaging (group rounds; peer/allreduce.h) ---- */
 
-static void avg_next(peer_daemon *d);
-
-static void on_avg_state(void *arg, int status, const uint8_t *buf, size_t len, uint64_t version,
-                         uint64_t samples)
+/* Rounds start on wall-clock multiples of the period, so replicas agree on
+ * the round number without talking; each holder then stores a matchmaking
+ * entry for each of its blocks, waits a gathering window, reads who else
+ * did, and runs the all-reduce with that group. */
+static uint64_t avg_period_ms(const peer_daemon *d)
 {
-    peer_daemon *d = arg;
-    d->sync_inflight = 0;
+    uint64_t ms = (uint64_t)(d->average_every_s * 1000);
+    return ms ? ms : 1;
+}
+
+static uint64_t avg_gather_ms(const peer_daemon *d)
+{
+    uint64_t g = avg_period_ms(d) / 4;
+    return g < 300 ? 300 : g > 2000 ? 2000 : g;
+}
+
+static void avg_schedule(peer_daemon *d)
+{
+    uint64_t p = avg_period_ms(d), now = dht_now_ms();
+    uv_timer_start(&d->avg_timer, on_avg_timer, p - now % p, 0);
+}
+
+static void on_avg_done(void *arg, int status, const peer_allreduce_result *res)
+{
+    avg_ctx *c = arg;
+    peer_daemon *d = c->d;
+    c->ar = NULL;
+    d->avg_inflight--;
     if (d->stopping) {
         maybe_free(d);
         return;
     }
-    (void)version;
     peer_block_info info;
-    peer_service_block_info(d->svc, d->avg_block, &info);
+    peer_service_block_info(d->svc, c->block, &info);
     if (status == 0) {
-        double w = 0, d0 = 0, d1 = 0;
-        int rc = peer_service_average(d->svc, d->avg_block, buf, len, samples, &w, &d0, &d1);
-        if (rc == 0) {
-            d->avg_rounds[d->avg_block]++;
-            say(d, "%s: averaged with a replica (our weight %.2f; distance %.6g -> %.6g)", info.name, w, d0,
-                d1);
-        } else {
-            say(d, "%s: averaging skipped: %s", info.name, strerror(-rc));
-        }
+        d->avg_rounds[c->block]++;
+        d->avg_group[c->block] = res->n;
+        say(d,
+            "%s: averaged in a group of %d (round %llu, our weight %.3f, %.1f MB in %.2f s; distance to the "
+            "group average %.6g -> %.6g)",
+            info.name, res->n, (unsigned long long)c->round, res->weight_self, (double)res->bytes_in / 1e6,
+            res->seconds, res->dist_before, res->dist_after);
     } else {
-        /* A replica that vanished mid-round changes nothing here. */
-        say(d, "%s: averaging skipped: the replica's state download failed (%s)", info.name,
-            strerror(-status));
+        say(d, "%s: averaging round %llu in a group of %d abandoned (%s); weights unchanged", info.name,
+            (unsigned long long)c->round, res->n, strerror(-status));
     }
-    avg_next(d);
 }
 
-/* Picks one other online replica of the block at random and pulls its
- * state; pairwise (gossip) averaging: every replica does the same on its own
- * timer, so the group converges without a coordinator. */
-static void on_avg_holders(dht *dh, int status, const dht_entry *e, size_t n, void *ud)
+static int cmp_member(const void *a, const void *b)
+{
+    return memcmp(((const peer_allreduce_member *)a)->id, ((const peer_allreduce_member *)b)->id, DHT_ID_LEN);
+}
+
+typedef struct avg_cand {
+    peer_allreduce_member m;
+    uint8_t optim;
+    uint8_t order[8];    /* BLAKE2b(id, round): splits large groups the same way everywhere */
+} avg_cand;
+
+static int cmp_order(const void *a, const void *b)
+{
+    return memcmp(((const avg_cand *)a)->order, ((const avg_cand *)b)->order, 8);
+}
+
+static void on_avg_group(dht *dh, int status, const dht_entry *e, size_t n, void *ud)
 {
     (void)dh;
-    peer_daemon *d = ud;
-    if (d->stopping)
+    avg_ctx *c = ud;
+    peer_daemon *d = c->d;
+    c->getting = 0;
+    if (d->stopping) {
+        maybe_free(d);
         return;
+    }
     peer_block_info info;
-    peer_service_block_info(d->svc, d->avg_block, &info);
-    int pick = -1, seen = 0;
-    peer_announce cand, a;
-    uint8_t id[DHT_ID_LEN];
-    for (size_t i = 0; status == 0 && i < n; i++) {
-        if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN || !memcmp(e[i].subkey, d->ident.id, DHT_ID_LEN) ||
-            peer_announce_decode(&a, e[i].value, e[i].value_len) != 0 || a.state != PEER_STATE_ONLINE ||
-            a.stage_hash != info.stage_hash || strcmp(a.block, info.name) != 0)
+    peer_service_block_info(d->svc, c->block, &info);
+    static avg_cand cand[256];
+    int nc = 0, self_seen = 0;
+    for (size_t i = 0; status == 0 && i < n && nc < 255; i++) {
+        peer_avg_record r;
+        if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN ||
+            peer_avg_record_decode(&r, e[i].value, e[i].value_len) != 0 || r.round != c->round)
             continue;
-        d->sync_rng = d->sync_rng * 6364136223846793005ULL + 1442695040888963407ULL;
-        if ((int)((d->sync_rng >> 33) % (uint64_t)(++seen)) == 0) {
-            pick = (int)i;
-            cand = a;
-            memcpy(id, e[i].subkey, DHT_ID_LEN);
+        if (!memcmp(e[i].subkey, d->ident.id, DHT_ID_LEN)) {
+            self_seen = 1;
+            continue;
+        }
+        memcpy(cand[nc].m.id, e[i].subkey, DHT_ID_LEN);
+        snprintf(cand[nc].m.addr, sizeof cand[nc].m.addr, "%s", r.addr);
+        cand[nc].optim = (uint8_t)r.optim;
+        nc++;
+    }
+    (void)self_seen; /* we are a member whether or not our own entry came back */
+    memcpy(cand[nc].m.id, d->ident.id, DHT_ID_LEN);
+    snprintf(cand[nc].m.addr, sizeof cand[nc].m.addr, "%s", d->announce_addr);
+    cand[nc].optim = (uint8_t)d->optim_kind;
+    nc++;
+    if (nc < 2)
+        return; /* no other replica this round */
+    /* More than PEER_ALLREDUCE_MAX_MEMBERS: split into near-equal groups by
+     * a per-round hash of the IDs, which every member computes alike. */
+    int lo = 0, hi = nc;
+    if (nc > PEER_ALLREDUCE_MAX_MEMBERS) {
+        uint8_t rb[8];
+        peer_put_le64(rb, c->round);
+        for (int i = 0; i < nc; i++) {
+            crypto_generichash_state st;
+            crypto_generichash_init(&st, NULL, 0, 8);
+            crypto_generichash_update(&st, cand[i].m.id, DHT_ID_LEN);
+            crypto_generichash_update(&st, rb, sizeof rb);
+            crypto_generichash_final(&st, cand[i].order, 8);
+        }
+        qsort(cand, (size_t)nc, sizeof cand[0], cmp_order);
+        int groups = (nc + PEER_ALLREDUCE_MAX_MEMBERS - 1) / PEER_ALLREDUCE_MAX_MEMBERS;
+        for (int g = 0; g < groups; g++) {
+            int a = nc * g / groups, b = nc * (g + 1) / groups;
+            for (int i = a; i < b; i++)
+                if (!memcmp(cand[i].m.id, d->ident.id, DHT_ID_LEN)) {
+                    lo = a;
+                    hi = b;
+                }
         }
     }
-    if (pick < 0) {
-        avg_next(d);
+    int gn = hi - lo;
+    if (gn < 2)
         return;
+    peer_allreduce_member mem[PEER_ALLREDUCE_MAX_MEMBERS];
+    avg_cand grp[PEER_ALLREDUCE_MAX_MEMBERS];
+    memcpy(grp, cand + lo, (size_t)gn * sizeof grp[0]);
+    qsort(grp, (size_t)gn, sizeof grp[0], cmp_member); /* the member is the first field */
+    uint8_t ids[PEER_ALLREDUCE_MAX_MEMBERS][DHT_ID_LEN], tags[PEER_ALLREDUCE_MAX_MEMBERS];
+    int me = 0, same_optim = 1;
+    for (int i = 0; i < gn; i++) {
+        mem[i] = grp[i].m;
+        memcpy(ids[i], grp[i].m.id, DHT_ID_LEN);
+        tags[i] = grp[i].optim;
+        same_optim &= grp[i].optim == grp[0].optim;
+        if (!memcmp(grp[i].m.id, d->ident.id, DHT_ID_LEN))
+            me = i;
     }
-    if (peer_statesync_start(d->loop, &d->ident, d->has_swarm_key ? d->swarm_key : NULL, id, cand.addr,
-                             info.name, 30.0, on_avg_state, d) == 0)
-        d->sync_inflight = 1;
+    uint8_t digest[PEER_AVG_DIGEST_LEN];
+    peer_allreduce_digest(digest, c->round, (const uint8_t(*)[DHT_ID_LEN])ids, tags, gn);
+    peer_allreduce_config ac = {0};
+    ac.loop = d->loop;
+    ac.self = &d->ident;
+    ac.swarm_key = d->has_swarm_key ? d->swarm_key : NULL;
+    ac.svc = d->svc;
+    ac.block = c->block;
+    ac.block_name = info.name;
+    ac.round = c->round;
+    ac.digest = digest;
+    ac.members = mem;
+    ac.n = gn;
+    ac.me = me;
+    ac.with_optim = same_optim;
+    ac.timeout_s = 30.0;
+    ac.cb = on_avg_done;
+    ac.arg = c;
+    int rc = peer_allreduce_start(&ac, &c->ar);
+    if (rc == 0)
+        d->avg_inflight++;
     else
-        avg_next(d);
+        say(d, "%s: cannot begin averaging round %llu: %s", info.name, (unsigned long long)c->round,
+            strerror(-rc));
 }
 
-static void avg_next(peer_daemon *d)
+static void on_avg_gather(uv_timer_t *t)
 {
-    while (!d->stopping && ++d->avg_block < peer_service_n_blocks(d->svc)) {
+    peer_daemon *d = t->data;
+    if (d->stopping)
+        return;
+    for (int i = 0; i < peer_service_n_blocks(d->svc); i++) {
+        avg_ctx *c = &d->avg[i];
+        if (!c->putting || c->ar || c->getting)
+            continue;
+        c->putting = 0;
         peer_block_info info;
         uint8_t key[DHT_ID_LEN];
-        peer_service_block_info(d->svc, d->avg_block, &info);
-        dht_id_of_bytes(key, info.name, strlen(info.name));
-        if (dht_get(d->dht, key, on_avg_holders, d) == 0)
-            return;
+        peer_service_block_info(d->svc, i, &info);
+        peer_avg_key(key, info.name, info.stage_hash);
+        if (dht_get(d->dht, key, on_avg_group, c) == 0)
+            c->getting = 1;
     }
-    d->avg_block = -1;
 }
 
 static void on_avg_timer(uv_timer_t *t)
 {
     peer_daemon *d = t->data;
-    /* One round at a time, and only once online (not while fetching state). */
-    if (d->stopping || !d->joined || d->syncing >= 0 || d->avg_block >= 0 || d->sync_inflight)
+    if (d->stopping)
         return;
-    avg_next(d);
+    avg_schedule(d);
+    /* Only once online (not while fetching state). */
+    if (!d->joined || d->syncing >= 0 || d->sync_inflight)
+        return;
+    uint64_t now = dht_now_ms(), round = now / avg_period_ms(d);
+    uint8_t val[PEER_ANNOUNCE_MAX_BYTES], key[DHT_ID_LEN];
+    int started = 0;
+    for (int i = 0; i < peer_service_n_blocks(d->svc); i++) {
+        avg_ctx *c = &d->avg[i];
+        c->d = d;
+        c->block = i;
+        if (c->ar || c->getting)
+            continue; /* the last round of this block is still running */
+        /* The last round's buffers were kept a period for slower members. */
+        peer_service_avg_release(d->svc, i);
+        peer_block_info info;
+        peer_service_block_info(d->svc, i, &info);
+        peer_avg_record r = {0};
+        r.round = round;
+        snprintf(r.addr, sizeof r.addr, "%s", d->announce_addr);
+        r.optim = d->optim_kind;
+        long n = peer_avg_record_encode(&r, val, sizeof val);
+        if (n < 0)
+            continue;
+        peer_avg_key(key, info.name, info.stage_hash);
+        /* Expires strictly later each round (a constant TTL after now). */
+        if (dht_put(d->dht, key, NULL, 0, val, (size_t)n, now + 2 * avg_gather_ms(d) + 5000, 1, NULL, NULL) ==
+            0) {
+            c->round = round;
+            c->putting = 1;
+            started++;
+        }
+    }
+    if (started)
+        uv_timer_start(&d->avg_gather_timer, on_avg_gather, avg_gather_ms(d), 0);
 }
 
 /* ---- joining ---- */
@@ -617,7 +771,7 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
     d->checkpoint_every_s = cfg->checkpoint_every_s;
     d->max_queue_rows = cfg->svc.max_queue_rows > 0 ? cfg->svc.max_queue_rows : 1;
     d->syncing = -1;
-    d->avg_block = -1;
+    d->optim_kind = cfg->svc.optim.kind;
     d->average_every_s = cfg->average_every_s;
     d->no_state_download = cfg->no_state_download;
     d->sync_rng = (uint64_t)d->ident.id[0] << 8 | d->ident.id[1];
@@ -726,8 +880,8 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
         goto fail_metrics;
     }
     uv_timer_t *timers[] = {&d->announce_timer, &d->join_timer, &d->ckpt_timer, &d->stop_timer,
-                            &d->avg_timer};
-    for (size_t i = 0; i < 5; i++) {
+                            &d->avg_timer, &d->avg_gather_timer};
+    for (size_t i = 0; i < 6; i++) {
         uv_timer_init(loop, timers[i]);
         timers[i]->data = d;
         d->timers_open++;
@@ -736,10 +890,8 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
         uint64_t ms = (uint64_t)(d->checkpoint_every_s * 1000);
         uv_timer_start(&d->ckpt_timer, on_ckpt_timer, ms, ms);
     }
-    if (d->average_every_s > 0) {
-        uint64_t ms = (uint64_t)(d->average_every_s * 1000);
-        uv_timer_start(&d->avg_timer, on_avg_timer, ms, ms);
-    }
+    if (d->average_every_s > 0)
+        avg_schedule(d);
     if (d->n_initial > 0) {
         start_join(d);
     } else {
@@ -788,7 +940,7 @@ int peer_daemon_peer_string(const peer_daemon *d, char *buf, size_t cap)
  * can still call back into it. */
 static void maybe_free(peer_daemon *d)
 {
-    if (d->timers_open > 0 || d->sync_inflight || d->stop_phase < 4)
+    if (d->timers_open > 0 || d->sync_inflight || d->avg_inflight > 0 || d->stop_phase < 4)
         return;
     void (*cb)(int, void *) = d->stop_cb;
     void *arg = d->stop_arg;
@@ -815,6 +967,7 @@ static void on_dht_closed(dht *dh, void *ud)
     uv_close((uv_handle_t *)&d->ckpt_timer, on_timer_closed);
     uv_close((uv_handle_t *)&d->stop_timer, on_timer_closed);
     uv_close((uv_handle_t *)&d->avg_timer, on_timer_closed);
+    uv_close((uv_handle_t *)&d->avg_gather_timer, on_timer_closed);
 }
 
 static void on_svc_closed(peer_service *s, int ckpt_status, void *arg)
@@ -864,6 +1017,11 @@ void peer_daemon_stop(peer_daemon *d, void (*cb)(int status, void *arg), void *a
     uv_timer_stop(&d->join_timer);
     uv_timer_stop(&d->ckpt_timer);
     uv_timer_stop(&d->avg_timer);
+    uv_timer_stop(&d->avg_gather_timer);
+    /* Rounds in flight are abandoned while the service still stands. */
+    for (int i = 0; i < PEER_SERVICE_MAX_BLOCKS; i++)
+        if (d->avg[i].ar)
+            peer_allreduce_cancel(d->avg[i].ar);
     d->stop_phase = 1;
     d->offline_puts = d->joined ? announce(d, PEER_STATE_OFFLINE, on_offline_put) : 0;
     if (d->offline_puts == 0) {

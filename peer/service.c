@@ -44,6 +44,19 @@ struct svc_block {
     uint8_t *state;            /* the latest serialized snapshot for downloads */
     size_t state_len;
     uint64_t state_id, state_version;
+    /* The group-averaging round (service.h), loop thread only. */
+    struct {
+        int active;            /* base frozen */
+        uint64_t round;
+        uint8_t digest[PEER_AVG_DIGEST_LEN];
+        double weight;
+        uint64_t mark;         /* backward rows when the base was frozen */
+        float *base;           /* flat state at the round's start */
+        size_t nflat;
+        size_t part_off, part_len;
+        float *reduced;        /* our part, averaged */
+        int reduced_state;     /* 0 pending, 1 ready, < 0 failed (negative errno) */
+    } avg;
 };
 
 struct peer_service {
@@ -204,6 +217,60 @@ static void handle_state(peer_service *s, svc_block *b, peer_rpc_request *req, c
     peer_rpc_respond(req, &reply);
 }
 
+static void handle_avg(peer_service *s, svc_block *b, peer_rpc_request *req, const peer_msg *msg)
+{
+    (void)s;
+    if (!msg->meta || msg->meta_len != 48) {
+        peer_rpc_respond_error(req, EINVAL, "avg takes meta = round, digest, kind, offset, count (48 bytes)");
+        return;
+    }
+    const uint8_t *m = msg->meta;
+    uint64_t round = peer_get_le64(m), kind = peer_get_le64(m + 24), off = peer_get_le64(m + 32),
+             count = peer_get_le64(m + 40);
+    if (!b->avg.active || b->avg.round < round) {
+        peer_rpc_respond_error(req, EAGAIN, "that averaging round has not begun here yet");
+        return;
+    }
+    if (b->avg.round != round || memcmp(b->avg.digest, m + 8, PEER_AVG_DIGEST_LEN) != 0) {
+        peer_rpc_respond_error(req, ESTALE, "another averaging round or group");
+        return;
+    }
+    if (kind > 1 || count < 1 || count > PEER_AVG_MAX_COUNT || off > b->avg.nflat || count > b->avg.nflat - off) {
+        peer_rpc_respond_error(req, EINVAL, "avg range outside the state");
+        return;
+    }
+    const float *src = b->avg.base + off;
+    if (kind == 1) {
+        if (b->avg.reduced_state < 0) {
+            peer_rpc_respond_error(req, ECANCELED, "the averaging round failed here");
+            return;
+        }
+        if (off < b->avg.part_off || off + count > b->avg.part_off + b->avg.part_len) {
+            peer_rpc_respond_error(req, EINVAL, "avg range outside this member's part");
+            return;
+        }
+        if (b->avg.reduced_state == 0) {
+            peer_rpc_respond_error(req, EAGAIN, "this member's part is not reduced yet");
+            return;
+        }
+        src = b->avg.reduced + (off - b->avg.part_off);
+    }
+    uint8_t meta[24];
+    uint64_t wbits;
+    memcpy(&wbits, &b->avg.weight, sizeof wbits);
+    peer_put_le64(meta, round);
+    peer_put_le64(meta + 8, wbits);
+    peer_put_le64(meta + 16, b->avg.nflat);
+    peer_msg reply;
+    peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_AVG, 0);
+    reply.meta = meta;
+    reply.meta_len = sizeof meta;
+    uint64_t shape[2] = {1, count};
+    reply.n_tensors = 1;
+    peer_tensor_f32(&reply.t[0], (float *)(uintptr_t)src, 2, shape);
+    peer_rpc_respond(req, &reply);
+}
+
 static int is_f32_2d(const peer_tensor *t, int cols, int max_rows, uint64_t *rows_out)
 {
     if (t->dtype != PEER_DTYPE_F32 || t->ndim != 2 || t->shape[1] != (uint64_t)cols ||
@@ -231,7 +298,8 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
         return;
     }
     if (msg->method != PEER_METHOD_FORWARD && msg->method != PEER_METHOD_BACKWARD &&
-        msg->method != PEER_METHOD_INFER && msg->method != PEER_METHOD_STATE) {
+        msg->method != PEER_METHOD_INFER && msg->method != PEER_METHOD_STATE &&
+        msg->method != PEER_METHOD_AVG) {
         peer_rpc_respond_error(req, ENOSYS, "unknown method");
         return;
     }
@@ -246,6 +314,10 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
     }
     if (msg->method == PEER_METHOD_STATE) {
         handle_state(s, b, req, msg);
+        return;
+    }
+    if (msg->method == PEER_METHOD_AVG) {
+        handle_avg(s, b, req, msg);
         return;
     }
     const int fwd = msg->method != PEER_METHOD_BACKWARD;
@@ -351,6 +423,9 @@ static void free_blocks(peer_service *s)
         pthread_mutex_destroy(&b->pool_mu);
         free(b->state);
         b->state = NULL;
+        free(b->avg.base);
+        free(b->avg.reduced);
+        memset(&b->avg, 0, sizeof b->avg);
         expert_block_destroy(&b->block);
     }
     s->n_blocks = 0;
@@ -525,29 +600,92 @@ int peer_service_install_state(peer_service *s, int i, const void *buf, size_t l
     return expert_block_deserialize(s->blocks[i].block, buf, len);
 }
 
-int peer_service_average(peer_service *s, int i, const void *buf, size_t len, uint64_t their_samples,
-                         double *w_self_out, double *dist_before, double *dist_after)
+int peer_service_avg_begin(peer_service *s, int i, uint64_t round, const uint8_t digest[PEER_AVG_DIGEST_LEN],
+                           int n, int me, double *weight_out, size_t *nflat_out)
 {
-    if (!s || i < 0 || i >= s->n_blocks || !buf)
+    if (!s || i < 0 || i >= s->n_blocks || !digest || n < 1 || me < 0 || me >= n)
         return -EINVAL;
     svc_block *b = &s->blocks[i];
+    size_t nflat = expert_block_flat_len(b->block);
+    if (!b->avg.base || b->avg.nflat != nflat) {
+        free(b->avg.base);
+        b->avg.nflat = 0;
+        b->avg.active = 0;
+        if (!(b->avg.base = malloc(nflat * sizeof(float))))
+            return -ENOMEM;
+    }
+    size_t off, len;
+    peer_avg_part(nflat, n, me, &off, &len);
+    free(b->avg.reduced);
+    if (!(b->avg.reduced = malloc((len ? len : 1) * sizeof(float)))) {
+        b->avg.active = 0;
+        return -ENOMEM;
+    }
+    /* The row count first: samples trained after it count for the next
+     * round, and their updates survive this one (flat_apply). */
     peer_batcher_stats st;
     peer_batcher_get_stats(b->batcher, &st);
-    uint64_t ours = samples_since_avg(b);
-    /* Weighted by the samples each side trained on since its last round;
-     * equal weights when neither trained (or the other did not say). */
-    double ws = (double)ours, wo = (double)their_samples;
-    if (ws + wo <= 0) {
-        ws = 1;
-        wo = 1;
-    }
-    int rc = expert_block_average_with(b->block, buf, len, ws, wo, dist_before, dist_after);
-    if (rc == 0) {
-        b->avg_mark = st.rows[PEER_TASK_BACKWARD];
-        if (w_self_out)
-            *w_self_out = ws / (ws + wo);
-    }
+    b->avg.mark = st.rows[PEER_TASK_BACKWARD];
+    b->avg.weight = (double)samples_since_avg(b) + 1.0;
+    expert_block_flat_export(b->block, b->avg.base);
+    b->avg.nflat = nflat;
+    b->avg.round = round;
+    memcpy(b->avg.digest, digest, PEER_AVG_DIGEST_LEN);
+    b->avg.part_off = off;
+    b->avg.part_len = len;
+    b->avg.reduced_state = 0;
+    b->avg.active = 1;
+    if (weight_out)
+        *weight_out = b->avg.weight;
+    if (nflat_out)
+        *nflat_out = nflat;
+    return 0;
+}
+
+const float *peer_service_avg_base(peer_service *s, int i)
+{
+    if (!s || i < 0 || i >= s->n_blocks || !s->blocks[i].avg.active)
+        return NULL;
+    return s->blocks[i].avg.base;
+}
+
+int peer_service_avg_reduced(peer_service *s, int i, const float *part)
+{
+    if (!s || i < 0 || i >= s->n_blocks || !part || !s->blocks[i].avg.active)
+        return -EINVAL;
+    svc_block *b = &s->blocks[i];
+    memcpy(b->avg.reduced, part, b->avg.part_len * sizeof(float));
+    b->avg.reduced_state = 1;
+    return 0;
+}
+
+void peer_service_avg_fail(peer_service *s, int i, int err)
+{
+    if (!s || i < 0 || i >= s->n_blocks || !s->blocks[i].avg.active)
+        return;
+    s->blocks[i].avg.reduced_state = err < 0 ? err : -ECANCELED;
+}
+
+int peer_service_avg_apply(peer_service *s, int i, const float *avg, int with_optim, double *dist_before,
+                           double *dist_after)
+{
+    if (!s || i < 0 || i >= s->n_blocks || !avg || !s->blocks[i].avg.active)
+        return -EINVAL;
+    svc_block *b = &s->blocks[i];
+    int rc = expert_block_flat_apply(b->block, avg, b->avg.base, with_optim, dist_before, dist_after);
+    if (rc == 0)
+        b->avg_mark = b->avg.mark;
     return rc;
+}
+
+void peer_service_avg_release(peer_service *s, int i)
+{
+    if (!s || i < 0 || i >= s->n_blocks)
+        return;
+    svc_block *b = &s->blocks[i];
+    free(b->avg.base);
+    free(b->avg.reduced);
+    memset(&b->avg, 0, sizeof b->avg);
 }
 
 int peer_service_checkpoint(peer_service *s)

@@ -17,7 +17,7 @@ cleanup() {
         sleep 0.1
     done
     for p in $PIDS; do kill -KILL "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
-    rm -rf "$T"
+    [ -n "${KEEP_T:-}" ] || rm -rf "$T"
 }
 trap cleanup EXIT
 trap 'exit 1' INT TERM

@@ -169,6 +169,58 @@ static void test_hostile_bytes(void **state)
     assert_int_equal(peer_announce_decode(&b, NULL, 3), -EBADMSG);
 }
 
+/* The averaging matchmaking record: round trip, bad fields refused, every
+ * truncation and random mutation handled, a different key per block and
+ * stage hash. */
+static void test_avg_record(void **state)
+{
+    (void)state;
+    peer_avg_record a = {0}, b;
+    a.round = 884736123;
+    snprintf(a.addr, sizeof a.addr, "[2001:db8::7]:7001");
+    a.optim = 1;
+    uint8_t good[PEER_ANNOUNCE_MAX_BYTES], bad[PEER_ANNOUNCE_MAX_BYTES];
+    long n = peer_avg_record_encode(&a, good, sizeof good);
+    assert_true(n > 0);
+    assert_int_equal(peer_avg_record_decode(&b, good, (size_t)n), 0);
+    assert_true(b.round == a.round && b.optim == 1);
+    assert_string_equal(b.addr, a.addr);
+    peer_avg_record e = a;
+    e.optim = 256;
+    assert_int_equal(peer_avg_record_encode(&e, good + 200, 100), -EINVAL);
+    e = a;
+    e.addr[0] = '\0';
+    assert_int_equal(peer_avg_record_encode(&e, bad, sizeof bad), -EINVAL);
+    e = a;
+    e.addr[3] = '\n';
+    assert_int_equal(peer_avg_record_encode(&e, bad, sizeof bad), -EINVAL);
+    assert_true(peer_avg_record_encode(&a, bad, 8) < 0);
+    for (long cut = 0; cut < n; cut++)
+        assert_int_equal(peer_avg_record_decode(&b, good, (size_t)cut), -EBADMSG);
+    /* An announcement is not a matchmaking record. */
+    peer_announce an = sample();
+    long an_n = peer_announce_encode(&an, bad, sizeof bad);
+    assert_int_equal(peer_avg_record_decode(&b, bad, (size_t)an_n), -EBADMSG);
+    unsigned seed = 77;
+    for (int k = 0; k < 20000; k++) {
+        memcpy(bad, good, (size_t)n);
+        for (int f = 0; f < 1 + k % 3; f++)
+            bad[rand_r(&seed) % n] = (uint8_t)rand_r(&seed);
+        if (peer_avg_record_decode(&b, bad, (size_t)n) == 0)
+            assert_true(b.addr[0] && b.optim >= 0 && b.optim <= 255);
+        size_t len = (size_t)(rand_r(&seed) % (int)sizeof bad);
+        for (size_t i = 0; i < len; i++)
+            bad[i] = (uint8_t)rand_r(&seed);
+        (void)peer_avg_record_decode(&b, bad, len);
+    }
+    uint8_t k1[20], k2[20], k3[20];
+    peer_avg_key(k1, "fmnist-mlp.1", 0x1234);
+    peer_avg_key(k2, "fmnist-mlp.2", 0x1234);
+    peer_avg_key(k3, "fmnist-mlp.1", 0x1235);
+    assert_memory_not_equal(k1, k2, 20);
+    assert_memory_not_equal(k1, k3, 20);
+}
+
 static void test_mp_reader(void **state)
 {
     (void)state;
@@ -220,6 +272,7 @@ int main(void)
         cmocka_unit_test(test_encode_rejects_bad_fields),
         cmocka_unit_test(test_unknown_and_missing_keys),
         cmocka_unit_test(test_hostile_bytes),
+        cmocka_unit_test(test_avg_record),
         cmocka_unit_test(test_mp_reader),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -175,9 +175,10 @@ static int render_json(FILE *f, view *v, double min_tput)
                 fprintf(f, "%s{\"id\":\"%s\",\"addr\":", h ? "," : "", hex);
                 json_str(f, ho->ann.addr);
                 fprintf(f, ",\"state\":\"%s\",\"throughput\":%.1f,\"load\":%.3f,\"age_s\":%.1f,"
-                           "\"weight_version\":%llu,\"avg_rounds\":%llu,\"device\":",
+                           "\"weight_version\":%llu,\"avg_rounds\":%llu,\"avg_group\":%d,\"device\":",
                         peer_state_name(ho->ann.state), ho->ann.throughput, ho->ann.load, age,
-                        (unsigned long long)ho->ann.weight_version, (unsigned long long)ho->ann.avg_rounds);
+                        (unsigned long long)ho->ann.weight_version, (unsigned long long)ho->ann.avg_rounds,
+                        ho->ann.avg_group);
                 json_str(f, ho->ann.device);
                 fputc('}', f);
             }
@@ -211,8 +212,8 @@ static int render_text(FILE *f, view *v, double min_tput, int color)
         int covered = 1, bottleneck = -1;
         double bt = 0;
         fprintf(f, "%smodel %s%s (%d stages)\n", bold, v->specs[k]->name, off, v->specs[k]->n_stages);
-        fprintf(f, "  %-14s %-9s %-22s %-8s %10s %5s %7s %8s %6s\n", "stage", "peer", "address", "state",
-                "samples/s", "load", "age", "version", "avg");
+        fprintf(f, "  %-14s %-9s %-22s %-8s %10s %5s %7s %8s %6s %5s\n", "stage", "peer", "address", "state",
+                "samples/s", "load", "age", "version", "avg", "group");
         for (int i = 0; i < route_swarm_n_stages(v->sw[k]); i++) {
             route_stage *st = route_swarm_stage(v->sw[k], i);
             double t = stage_tput(st);
@@ -230,13 +231,13 @@ static int render_text(FILE *f, view *v, double min_tput, int color)
                 char hex[DHT_ID_HEX_LEN + 1];
                 dht_id_to_hex(hex, ho->rep.id);
                 double age = ho->ann.time_ms && now > ho->ann.time_ms ? (double)(now - ho->ann.time_ms) / 1000 : 0;
-                fprintf(f, "  %-14s %-9.8s %-22s %-8s %10.0f %5.2f %6.0fs %8llu %6llu\n", h ? "" : st->name,
+                fprintf(f, "  %-14s %-9.8s %-22s %-8s %10.0f %5.2f %6.0fs %8llu %6llu %5d\n", h ? "" : st->name,
                         hex, ho->ann.addr, peer_state_name(ho->ann.state), ho->ann.throughput, ho->ann.load,
                         age, (unsigned long long)ho->ann.weight_version,
-                        (unsigned long long)ho->ann.avg_rounds);
+                        (unsigned long long)ho->ann.avg_rounds, ho->ann.avg_group);
             }
             if (online > 1)
-                fprintf(f, "  %-14s replica group of %d (the avg column counts averaging exchanges)\n", "",
+                fprintf(f, "  %-14s replica group of %d (avg: averaging rounds done; group: size of the last one)\n", "",
                         online);
             if (online && t < min_tput)
                 fprintf(f, "%s* %-14s SLOW: %.0f samples/s < %.0f%s\n", yel, st->name, t, min_tput, off);

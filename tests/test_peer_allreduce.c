@@ -1,0 +1,502 @@
+/* Group averaging over real loopback RPC: three replicas of a block run the
+ * butterfly all-reduce and each ends with the sample-weighted average of
+ * the three (parameters and optimizer state), the same on all of them; a
+ * member that fails or vanishes mid-round leaves the others' weights
+ * bit-for-bit unchanged; bad averaging requests get clear errors. */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <math.h>
+#include <netinet/in.h>
+
+#include <uv.h>
+
+#include "expert/block.h"
+#include "peer/allreduce.h"
+#include "peer/peer.h"
+#include "peer/service.h"
+#include "test_util.h"
+
+#define N 3
+#define STAGE 0 /* Linear 784 -> 512: 401,920 parameters, several chunks per part */
+#define BLOCK "fmnist-mlp.0"
+
+static uv_loop_t loop;
+static dht_identity ids[N], id_cli;
+static peer_service *svc[N];
+static int ports[N];
+static peer_allreduce_member members[N];
+
+static void run_until(volatile int *flag)
+{
+    for (int i = 0; i < 30000 && !*flag; i++) {
+        uv_run(&loop, UV_RUN_NOWAIT);
+        if (!*flag)
+            usleep(1000);
+    }
+    assert_true(*flag);
+}
+
+static peer_service *start(int k, unsigned seed)
+{
+    char err[256] = "";
+    static const int blocks[1] = {STAGE};
+    peer_service_config c;
+    memset(&c, 0, sizeof c);
+    c.self = &ids[k];
+    c.model = "fmnist-mlp";
+    c.blocks = blocks;
+    c.n_blocks = 1;
+    c.threads = 1;
+    c.max_batch = 16;
+    c.max_queue_rows = 64;
+    expert_optim_default_adamw(&c.optim);
+    c.optim.target_batch = 16;
+    c.seed = seed;
+    peer_service *s = peer_service_create(&loop, &c, err, sizeof err);
+    if (!s)
+        fail_msg("peer_service_create: %s", err);
+    struct sockaddr_in sa;
+    uv_ip4_addr("127.0.0.1", 0, &sa);
+    assert_int_equal(peer_service_listen(s, (const struct sockaddr *)&sa), 0);
+    ports[k] = peer_service_port(s);
+    memcpy(members[k].id, ids[k].id, DHT_ID_LEN);
+    snprintf(members[k].addr, sizeof members[k].addr, "127.0.0.1:%d", ports[k]);
+    return s;
+}
+
+static void closed_svc(peer_service *s, int ck, void *arg)
+{
+    (void)s;
+    (void)ck;
+    *(int *)arg = 1;
+}
+
+static void stop_svc(int k)
+{
+    int done = 0;
+    peer_service_close(svc[k], closed_svc, &done);
+    run_until(&done);
+    peer_service_destroy(&svc[k]);
+}
+
+/* ---- a synchronous RPC helper ---- */
+
+typedef struct reply {
+    int done, status, err_code, kind;
+    size_t nbytes;
+    uint8_t meta[64];
+    size_t meta_len;
+} reply;
+
+static void on_connect(peer_rpc_client *cl, int status, void *arg)
+{
+    (void)cl;
+    *(int *)arg = status == 0 ? 1 : status;
+}
+
+static void on_reply(void *arg, int status, const peer_msg *m)
+{
+    reply *r = arg;
+    r->done = 1;
+    r->status = status;
+    if (status)
+        return;
+    r->kind = m->kind;
+    r->err_code = m->err_code;
+    r->nbytes = m->n_tensors ? m->t[0].nbytes : 0;
+    r->meta_len = m->meta && m->meta_len <= sizeof r->meta ? m->meta_len : 0;
+    if (r->meta_len)
+        memcpy(r->meta, m->meta, r->meta_len);
+}
+
+static peer_rpc_client *connect_to(int k)
+{
+    peer_rpc_client_config cc;
+    memset(&cc, 0, sizeof cc);
+    cc.self = &id_cli;
+    cc.expect_id = ids[k].id;
+    peer_rpc_client *cl = peer_rpc_client_create(&loop, &cc);
+    assert_non_null(cl);
+    struct sockaddr_in sa;
+    uv_ip4_addr("127.0.0.1", ports[k], &sa);
+    int ok = 0;
+    assert_int_equal(peer_rpc_client_connect(cl, (const struct sockaddr *)&sa, on_connect, &ok), 0);
+    run_until(&ok);
+    assert_int_equal(ok, 1);
+    return cl;
+}
+
+static void closed_cl(peer_rpc_client *cl, void *arg)
+{
+    (void)cl;
+    *(int *)arg = 1;
+}
+
+static void close_client(peer_rpc_client **cl)
+{
+    int done = 0;
+    peer_rpc_client_close(*cl, closed_cl, &done);
+    run_until(&done);
+    peer_rpc_client_destroy(cl);
+}
+
+static void call(peer_rpc_client *cl, peer_method method, const void *meta, size_t meta_len, const float *a,
+                 uint64_t rows, uint64_t wa, const float *b, uint64_t wb, reply *r)
+{
+    peer_msg m;
+    peer_msg_init(&m, PEER_KIND_REQUEST, method, 0);
+    snprintf(m.block, sizeof m.block, "%s", BLOCK);
+    m.meta = meta;
+    m.meta_len = meta_len;
+    uint64_t sa[2] = {rows, wa}, sb[2] = {rows, wb};
+    if (a)
+        assert_int_equal(peer_tensor_f32(&m.t[m.n_tensors++], a, 2, sa), 0);
+    if (b)
+        assert_int_equal(peer_tensor_f32(&m.t[m.n_tensors++], b, 2, sb), 0);
+    memset(r, 0, sizeof *r);
+    assert_int_equal(peer_rpc_call(cl, &m, 20000, on_reply, r, NULL), 0);
+    run_until(&r->done);
+    assert_int_equal(r->status, 0);
+}
+
+/* Trains block k on `batches` backward requests of 16 random rows (the
+ * optimizer steps every 16 rows), so its weight is 16 * batches + 1. */
+static void train(int k, int batches, unsigned seed)
+{
+    peer_rpc_client *cl = connect_to(k);
+    static float x[16 * 784], g[16 * 512];
+    for (int b = 0; b < batches; b++) {
+        for (size_t i = 0; i < sizeof x / sizeof x[0]; i++)
+            x[i] = (float)rand_r(&seed) / (float)RAND_MAX - 0.5f;
+        for (size_t i = 0; i < sizeof g / sizeof g[0]; i++)
+            g[i] = (float)rand_r(&seed) / (float)RAND_MAX - 0.5f;
+        reply r;
+        call(cl, PEER_METHOD_BACKWARD, NULL, 0, x, 16, 784, g, 512, &r);
+        assert_int_equal(r.kind, PEER_KIND_REPLY);
+    }
+    close_client(&cl);
+}
+
+/* The block's flat state (params, m, v) via a round's base: begin, copy,
+ * release. */
+static float *flat_of(int k, size_t *n_out)
+{
+    uint8_t dg[PEER_AVG_DIGEST_LEN] = {0};
+    size_t n = 0;
+    assert_int_equal(peer_service_avg_begin(svc[k], 0, 1, dg, 1, 0, NULL, &n), 0);
+    float *f = malloc(n * sizeof(float));
+    assert_non_null(f);
+    memcpy(f, peer_service_avg_base(svc[k], 0), n * sizeof(float));
+    peer_service_avg_release(svc[k], 0);
+    *n_out = n;
+    return f;
+}
+
+typedef struct outcome {
+    int done, status;
+    peer_allreduce_result res;
+} outcome;
+
+static void on_done(void *arg, int status, const peer_allreduce_result *res)
+{
+    outcome *o = arg;
+    o->done = 1;
+    o->status = status;
+    o->res = *res;
+}
+
+static int start_round(int k, uint64_t round, const uint8_t *digest, double timeout_s, outcome *o)
+{
+    peer_allreduce_config c;
+    memset(&c, 0, sizeof c);
+    c.loop = &loop;
+    c.self = &ids[k];
+    c.svc = svc[k];
+    c.block = 0;
+    c.block_name = BLOCK;
+    c.round = round;
+    c.digest = digest;
+    c.members = members;
+    c.n = N;
+    c.me = k;
+    c.with_optim = 1;
+    c.timeout_s = timeout_s;
+    c.cb = on_done;
+    c.arg = o;
+    memset(o, 0, sizeof *o);
+    peer_allreduce *ar = NULL;
+    return peer_allreduce_start(&c, &ar);
+}
+
+static void digest_for(uint8_t *dg, uint64_t round)
+{
+    uint8_t idv[N][DHT_ID_LEN], tags[N] = {1, 1, 1};
+    for (int k = 0; k < N; k++)
+        memcpy(idv[k], ids[k].id, DHT_ID_LEN);
+    peer_allreduce_digest(dg, round, (const uint8_t(*)[DHT_ID_LEN])idv, tags, N);
+}
+
+static void start_all(void)
+{
+    /* Members sorted by node ID, as the daemon sorts them. */
+    for (int i = 0; i < N; i++)
+        for (int j = i + 1; j < N; j++)
+            if (memcmp(ids[j].id, ids[i].id, DHT_ID_LEN) < 0) {
+                dht_identity t = ids[i];
+                ids[i] = ids[j];
+                ids[j] = t;
+            }
+    for (int k = 0; k < N; k++)
+        svc[k] = start(k, 100u + (unsigned)k);
+}
+
+static void stop_all(void)
+{
+    for (int k = 0; k < N; k++)
+        if (svc[k])
+            stop_svc(k);
+}
+
+static void test_weighted_average(void **state)
+{
+    (void)state;
+    start_all();
+    /* Different initial weights (seeds) and different amounts of training:
+     * member 0 trains 4 batches (weight 65), member 1 one (17), member 2
+     * none (1). */
+    train(0, 4, 7);
+    train(1, 1, 8);
+    size_t n = 0;
+    float *base[N];
+    for (int k = 0; k < N; k++)
+        base[k] = flat_of(k, &n);
+    const double w[N] = {65, 17, 1}, wsum = 83;
+    uint8_t dg[PEER_AVG_DIGEST_LEN];
+    digest_for(dg, 42);
+    outcome o[N];
+    for (int k = 0; k < N; k++)
+        assert_int_equal(start_round(k, 42, dg, 20.0, &o[k]), 0);
+    for (int k = 0; k < N; k++)
+        run_until(&o[k].done);
+    for (int k = 0; k < N; k++) {
+        assert_int_equal(o[k].status, 0);
+        assert_int_equal(o[k].res.n, N);
+        assert_true(fabs(o[k].res.weight_self - w[k] / wsum) < 1e-9);
+        /* Our part from each of the others, then their parts: about
+         * 2 (n-1)/n of the flat state came in. */
+        size_t off, len, want = 0;
+        peer_avg_part(n, N, k, &off, &len);
+        want += (N - 1) * len;
+        for (int j = 0; j < N; j++)
+            if (j != k) {
+                peer_avg_part(n, N, j, &off, &len);
+                want += len;
+            }
+        assert_int_equal(o[k].res.bytes_in, want * sizeof(float));
+        assert_true(o[k].res.dist_after <= 1e-4 * o[k].res.dist_before);
+    }
+    float *after[N];
+    for (int k = 0; k < N; k++)
+        after[k] = flat_of(k, &n);
+    size_t nparam = n / 3;
+    double max_err = 0, max_spread = 0, dist01 = 0;
+    for (size_t i = 0; i < n; i++) {
+        double want = 0;
+        for (int k = 0; k < N; k++)
+            want += w[k] * base[k][i];
+        want /= wsum;
+        for (int k = 0; k < N; k++) {
+            double e = fabs(after[k][i] - want) / (1.0 + fabs(want));
+            if (e > max_err)
+                max_err = e;
+            double s = fabs((double)after[k][i] - after[0][i]);
+            if (s > max_spread)
+                max_spread = s;
+        }
+        if (i < nparam)
+            dist01 += ((double)base[0][i] - base[1][i]) * ((double)base[0][i] - base[1][i]);
+        if (i >= 2 * nparam)
+            assert_true(after[0][i] >= 0.0f); /* v stays non-negative */
+    }
+    print_message("weighted average: max rel error %.3g, spread between members %.3g, distance before %.3g\n",
+                  max_err, max_spread, sqrt(dist01));
+    assert_true(sqrt(dist01) > 1.0);  /* they really differed */
+    assert_true(max_err < 1e-5);      /* everyone got sum(w x) / sum(w) */
+    assert_true(max_spread < 1e-5);   /* and the same values */
+    /* The optimizer state was averaged too: member 2 never stepped, yet
+     * its moments now hold a share of the others'. */
+    double m2 = 0;
+    for (size_t i = nparam; i < 2 * nparam; i++)
+        m2 += fabs(after[2][i]);
+    assert_true(m2 > 0);
+    for (int k = 0; k < N; k++) {
+        free(base[k]);
+        free(after[k]);
+    }
+    stop_all();
+}
+
+/* A member that fails before reducing its part: the others abandon the
+ * round and keep their weights bit for bit. */
+static void test_member_fails(void **state)
+{
+    (void)state;
+    start_all();
+    train(0, 2, 9);
+    size_t n = 0;
+    float *before[2];
+    for (int k = 0; k < 2; k++)
+        before[k] = flat_of(k, &n);
+    uint8_t dg[PEER_AVG_DIGEST_LEN];
+    digest_for(dg, 43);
+    outcome o[2];
+    for (int k = 0; k < 2; k++)
+        assert_int_equal(start_round(k, 43, dg, 20.0, &o[k]), 0);
+    /* Member 2 begins the round, then fails. */
+    assert_int_equal(peer_service_avg_begin(svc[2], 0, 43, dg, N, 2, NULL, NULL), 0);
+    peer_service_avg_fail(svc[2], 0, -EIO);
+    for (int k = 0; k < 2; k++) {
+        run_until(&o[k].done);
+        assert_int_equal(o[k].status, -ECANCELED);
+        size_t n2;
+        float *now = flat_of(k, &n2);
+        assert_int_equal(n2, n);
+        assert_memory_equal(now, before[k], n * sizeof(float));
+        free(now);
+        free(before[k]);
+    }
+    stop_all();
+}
+
+/* A member that vanishes (its service closes) mid-round, and one that never
+ * begins (the round times out): unchanged weights, clean errors. */
+static void test_member_vanishes(void **state)
+{
+    (void)state;
+    start_all();
+    size_t n = 0;
+    float *before[2];
+    for (int k = 0; k < 2; k++)
+        before[k] = flat_of(k, &n);
+    uint8_t dg[PEER_AVG_DIGEST_LEN];
+    digest_for(dg, 44);
+    outcome o[2];
+    for (int k = 0; k < 2; k++)
+        assert_int_equal(start_round(k, 44, dg, 3.0, &o[k]), 0);
+    /* Member 2 never begins: the others are told EAGAIN and ask again until
+     * their deadline. */
+    for (int k = 0; k < 2; k++) {
+        run_until(&o[k].done);
+        assert_int_equal(o[k].status, -ETIMEDOUT);
+    }
+    digest_for(dg, 45);
+    for (int k = 0; k < 2; k++)
+        assert_int_equal(start_round(k, 45, dg, 20.0, &o[k]), 0);
+    stop_svc(2); /* gone: connections refused or reset */
+    for (int k = 0; k < 2; k++) {
+        run_until(&o[k].done);
+        assert_true(o[k].status < 0);
+        size_t n2;
+        float *now = flat_of(k, &n2);
+        assert_memory_equal(now, before[k], n * sizeof(float));
+        free(now);
+        free(before[k]);
+    }
+    stop_all();
+}
+
+static void avg_meta(uint8_t *m, uint64_t round, const uint8_t *dg, uint64_t kind, uint64_t off, uint64_t count)
+{
+    peer_put_le64(m, round);
+    memcpy(m + 8, dg, PEER_AVG_DIGEST_LEN);
+    peer_put_le64(m + 24, kind);
+    peer_put_le64(m + 32, off);
+    peer_put_le64(m + 40, count);
+}
+
+static void expect_err(peer_rpc_client *cl, const void *meta, size_t len, int code)
+{
+    reply r;
+    call(cl, PEER_METHOD_AVG, meta, len, NULL, 0, 0, NULL, 0, &r);
+    assert_int_equal(r.kind, PEER_KIND_ERROR);
+    assert_int_equal(r.err_code, code);
+}
+
+static void test_bad_requests(void **state)
+{
+    (void)state;
+    start_all();
+    peer_rpc_client *cl = connect_to(0);
+    uint8_t dg[PEER_AVG_DIGEST_LEN], other[PEER_AVG_DIGEST_LEN], m[48];
+    digest_for(dg, 50);
+    memset(other, 0xab, sizeof other);
+    avg_meta(m, 50, dg, 0, 0, 16);
+    expect_err(cl, m, 48, EAGAIN);      /* no round begun yet */
+    expect_err(cl, m, 47, EINVAL);      /* short meta */
+    expect_err(cl, NULL, 0, EINVAL);
+    size_t n = 0;
+    assert_int_equal(peer_service_avg_begin(svc[0], 0, 50, dg, N, 0, NULL, &n), 0);
+    reply r;
+    call(cl, PEER_METHOD_AVG, m, 48, NULL, 0, 0, NULL, 0, &r);
+    assert_int_equal(r.kind, PEER_KIND_REPLY);
+    assert_int_equal(r.nbytes, 16 * 4);
+    assert_int_equal(peer_get_le64(r.meta + 16), n);
+    avg_meta(m, 49, dg, 0, 0, 16);
+    expect_err(cl, m, 48, ESTALE);      /* an older round */
+    avg_meta(m, 51, dg, 0, 0, 16);
+    expect_err(cl, m, 48, EAGAIN);      /* a later one: not begun here */
+    avg_meta(m, 50, other, 0, 0, 16);
+    expect_err(cl, m, 48, ESTALE);      /* another group */
+    avg_meta(m, 50, dg, 2, 0, 16);
+    expect_err(cl, m, 48, EINVAL);      /* unknown kind */
+    avg_meta(m, 50, dg, 0, n - 8, 16);
+    expect_err(cl, m, 48, EINVAL);      /* past the end */
+    avg_meta(m, 50, dg, 0, UINT64_MAX - 4, 16);
+    expect_err(cl, m, 48, EINVAL);      /* overflowing offset */
+    avg_meta(m, 50, dg, 0, 0, 0);
+    expect_err(cl, m, 48, EINVAL);      /* empty */
+    avg_meta(m, 50, dg, 0, 0, PEER_AVG_MAX_COUNT + 1);
+    expect_err(cl, m, 48, EINVAL);      /* too large */
+    avg_meta(m, 50, dg, 1, 0, 16);
+    expect_err(cl, m, 48, EAGAIN);      /* our part is not reduced yet */
+    avg_meta(m, 50, dg, 1, n - 16, 16);
+    expect_err(cl, m, 48, EINVAL);      /* not member 0's part */
+    peer_service_avg_fail(svc[0], 0, -EIO);
+    avg_meta(m, 50, dg, 1, 0, 16);
+    expect_err(cl, m, 48, ECANCELED);
+    close_client(&cl);
+    stop_all();
+}
+
+static int setup(void **state)
+{
+    (void)state;
+    assert_int_equal(uv_loop_init(&loop), 0);
+    for (int k = 0; k < N; k++) {
+        uint8_t s[32] = {(uint8_t)(10 + k)};
+        dht_identity_from_seed(&ids[k], s);
+    }
+    uint8_t s[32] = {99};
+    dht_identity_from_seed(&id_cli, s);
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    for (int i = 0; i < 100; i++)
+        uv_run(&loop, UV_RUN_NOWAIT);
+    assert_int_equal(uv_loop_close(&loop), 0);
+    return 0;
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_weighted_average, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_member_fails, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_member_vanishes, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_bad_requests, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
