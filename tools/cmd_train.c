@@ -40,6 +40,7 @@ static const char train_help[] =
     "  --seed N               data order seed (default 0)\n"
     "  --timeout S            seconds before a call is retried elsewhere (default 30)\n"
     "  --max-wait S           give up when a stage has no holder this long (default 120)\n"
+    "  --refresh S            look the holders up again every S seconds (default 10)\n"
     "  --metrics-log FILE     JSON lines log (default starling-train.jsonl)\n"
     "  --plot FILE            loss/accuracy plot, SVG (default starling-train.svg)\n"
     "  --json                 print one final JSON line (samples_per_s, test_acc, ...)\n"
@@ -130,7 +131,7 @@ static void on_message(void *arg, const char *msg)
 int cmd_train(int argc, char **argv)
 {
     enum { O_INITIAL = 256, O_MODEL, O_EPOCHS, O_BATCH, O_INFLIGHT, O_DATA, O_NTRAIN, O_NTEST,
-           O_SEED, O_TIMEOUT, O_MAXWAIT, O_LOG, O_PLOT, O_JSON, O_LISTEN, O_IDENTITY, O_SWARM,
+           O_SEED, O_TIMEOUT, O_MAXWAIT, O_REFRESH, O_LOG, O_PLOT, O_JSON, O_LISTEN, O_IDENTITY, O_SWARM,
            O_LR };
     static const struct option opts[] = {
         {"initial-peers", required_argument, NULL, O_INITIAL},
@@ -144,6 +145,7 @@ int cmd_train(int argc, char **argv)
         {"seed", required_argument, NULL, O_SEED},
         {"timeout", required_argument, NULL, O_TIMEOUT},
         {"max-wait", required_argument, NULL, O_MAXWAIT},
+        {"refresh", required_argument, NULL, O_REFRESH},
         {"metrics-log", required_argument, NULL, O_LOG},
         {"plot", required_argument, NULL, O_PLOT},
         {"json", no_argument, NULL, O_JSON},
@@ -157,7 +159,7 @@ int cmd_train(int argc, char **argv)
     const char *initial = NULL, *model = "fmnist-mlp", *data = NULL, *log_path = "starling-train.jsonl";
     const char *plot_path = "starling-train.svg", *listen = NULL, *identity = NULL, *swarm = NULL;
     long epochs = 1, batch = 64, inflight = 2, ntrain = 0, ntest = 0, seed = 0;
-    double timeout = 30, max_wait = 120;
+    double timeout = 30, max_wait = 120, refresh = 10;
     int json = 0, c;
 
     optind = 1;
@@ -207,6 +209,10 @@ int cmd_train(int argc, char **argv)
             break;
         case O_MAXWAIT:
             if (cli_parse_double("train", "--max-wait", optarg, 0.1, 1e7, &max_wait))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_REFRESH:
+            if (cli_parse_double("train", "--refresh", optarg, 0.1, 3600, &refresh))
                 return CLI_EXIT_USAGE;
             break;
         default: return cli_bad_option("train", c, argv);
@@ -270,6 +276,7 @@ int cmd_train(int argc, char **argv)
     tc.batch = (int)batch;
     tc.inflight = (int)inflight;
     tc.seed = (uint64_t)seed;
+    tc.refresh_s = refresh;
     tc.call_timeout_s = timeout;
     tc.max_wait_s = max_wait;
     tc.on_progress = on_progress;
