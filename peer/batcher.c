@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -32,7 +33,8 @@ struct peer_batcher {
     peer_batcher_config cfg;
     int in, out;
     pthread_mutex_t mu;
-    pthread_cond_t cv;
+    pthread_cond_t cv;        /* training threads (and lanes' work, without lanes) */
+    pthread_cond_t cv_infer;  /* inference lanes */
     queue infer;      /* inference first */
     queue train;      /* training forwards and backwards, FIFO */
     int queued_rows, queued_tasks;
@@ -106,7 +108,13 @@ static void q_take_matching(queue *q, int fwd, int max, int *rows, peer_task **h
 static peer_task *take_batch(peer_batcher *b, int infer_only, int *fwd_out, int *rows_out)
 {
     for (;;) {
-        queue *q = b->infer.head ? &b->infer : (!infer_only && b->train.head) ? &b->train : NULL;
+        /* With an inference lane, the lane alone serves inference: a
+         * training thread runs at idle priority and would keep a request
+         * it took waiting behind every other runnable thread. */
+        int lanes = b->cfg.infer_threads > 0;
+        queue *q = b->infer.head && (infer_only || !lanes) ? &b->infer
+                   : !infer_only && b->train.head          ? &b->train
+                                                           : NULL;
         if (q) {
             int fwd = is_forward(q->head->kind);
             int rows = 0;
@@ -127,7 +135,7 @@ static peer_task *take_batch(peer_batcher *b, int infer_only, int *fwd_out, int 
         }
         if (b->stopping)
             return NULL;
-        pthread_cond_wait(&b->cv, &b->mu);
+        pthread_cond_wait(infer_only ? &b->cv_infer : &b->cv, &b->mu);
     }
 }
 
@@ -205,9 +213,15 @@ static void *worker_main(void *arg)
     peer_batcher *b = w->b;
     /* Training threads yield the CPU to the inference lane: on a loaded
      * machine the lane's requests would otherwise wait for a time slice.
-     * Best effort (a nice value per thread is Linux behaviour). */
-    if (!w->infer_only && b->cfg.infer_threads > 0)
-        (void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 10);
+     * A nice value of 10 by default; with train_idle, SCHED_IDLE (Linux):
+     * any waking normal thread (the loop, the lane) preempts them at once,
+     * but so does every other process's, so training only gets the CPU
+     * the machine leaves over. Best effort either way. */
+    if (!w->infer_only && b->cfg.infer_threads > 0) {
+        struct sched_param sp = {0};
+        if (!b->cfg.train_idle || pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp) != 0)
+            (void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 10);
+    }
     pthread_mutex_lock(&b->mu);
     for (;;) {
         int fwd = 0, rows = 0;
@@ -300,6 +314,7 @@ peer_batcher *peer_batcher_create(expert_block *blk, const peer_batcher_config *
     }
     pthread_mutex_init(&b->mu, NULL);
     pthread_cond_init(&b->cv, NULL);
+    pthread_cond_init(&b->cv_infer, NULL);
     for (int i = 0; i < b->nworkers; i++) {
         if (pthread_create(&b->workers[i].thread, NULL, worker_main, &b->workers[i]) != 0) {
             peer_batcher_destroy(&b);
@@ -318,11 +333,13 @@ void peer_batcher_destroy(peer_batcher **pp)
     pthread_mutex_lock(&b->mu);
     b->stopping = 1;
     pthread_cond_broadcast(&b->cv);
+    pthread_cond_broadcast(&b->cv_infer);
     pthread_mutex_unlock(&b->mu);
     for (int i = 0; i < b->nworkers; i++)
         if (b->workers[i].started)
             pthread_join(b->workers[i].thread, NULL);
     pthread_cond_destroy(&b->cv);
+    pthread_cond_destroy(&b->cv_infer);
     pthread_mutex_destroy(&b->mu);
     free_workers(b);
     free(b);
@@ -356,8 +373,12 @@ int peer_batcher_submit(peer_batcher *b, peer_task *t)
     q_push(t->kind == PEER_TASK_INFER ? &b->infer : &b->train, t);
     b->queued_rows += t->rows;
     b->queued_tasks++;
-    /* Wake everyone: an inference lane may be the only thread free. */
-    pthread_cond_broadcast(&b->cv);
+    /* Inference wakes the lanes (and, without lanes, the workers, which
+     * then serve it first); training work wakes the training threads. */
+    if (t->kind == PEER_TASK_INFER && b->cfg.infer_threads > 0)
+        pthread_cond_signal(&b->cv_infer);
+    else
+        pthread_cond_broadcast(&b->cv);
     pthread_mutex_unlock(&b->mu);
     return 0;
 }

@@ -63,6 +63,9 @@ typedef struct peer_batcher_config {
     int infer_threads;    /* extra threads that serve only inference (>= 0), so an
                              inference request never waits behind a training
                              batch already being computed */
+    int train_idle;       /* with lanes: training threads run at SCHED_IDLE
+                             (preempted at once by any other thread) instead
+                             of nice 10 */
 } peer_batcher_config;
 
 typedef struct peer_batcher_stats {

@@ -55,6 +55,7 @@ typedef struct peer_service_config {
     int threads;                  /* compute threads per block (>= 1) */
     int max_batch;                /* rows per request and per joined batch */
     int max_queue_rows;           /* per block, before EBUSY */
+    int train_idle;               /* training threads at SCHED_IDLE (peer_batcher_config) */
     struct expert_optim optim;    /* optimizer, incl. target_batch */
     uint64_t seed;                /* init seed when no checkpoint exists */
     const char *checkpoint_dir;   /* NULL: no checkpoints */

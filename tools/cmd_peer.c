@@ -55,6 +55,9 @@ static const char peer_help[] =
     "  --device DEV           cpu (default); cuda:N is refused until GPU blocks land\n"
     "  --threads N            compute threads per block (default 1)\n"
     "  --blas-threads N       OpenBLAS threads (default: one per core)\n"
+    "  --training-priority P  low (default: training threads at nice 10) or idle\n"
+    "                         (SCHED_IDLE: inference and everything else preempt\n"
+    "                         training at once; for machines that mainly serve)\n"
     "  --max-batch N          largest request and joined batch, rows (default 256)\n"
     "  --target-batch N       samples accumulated per optimizer step (default 128)\n"
     "  --optimizer NAME       adamw (default) or sgd\n"
@@ -358,7 +361,7 @@ static int choose_first_span(run_ctx *r, const char *initial, const char *swarm_
 int cmd_peer(int argc, char **argv)
 {
     enum { O_INITIAL = 256, O_MODEL, O_BLOCKS, O_DEVICE, O_LISTEN, O_ANNOUNCE, O_IDENTITY,
-           O_CKPT_DIR, O_CKPT_EVERY, O_SWARM_KEY, O_THREADS, O_BLAS, O_MAX_BATCH, O_TARGET,
+           O_CKPT_DIR, O_CKPT_EVERY, O_SWARM_KEY, O_THREADS, O_BLAS, O_TPRIO, O_MAX_BATCH, O_TARGET,
            O_OPT, O_LR, O_SEED, O_METRICS, O_ANN_EVERY, O_ANN_TTL, O_NO_SYNC, O_NUM_BLOCKS, O_REBALANCE, O_AVERAGE };
     static const struct option opts[] = {
         {"initial-peers", required_argument, NULL, O_INITIAL},
@@ -373,6 +376,7 @@ int cmd_peer(int argc, char **argv)
         {"swarm-key", required_argument, NULL, O_SWARM_KEY},
         {"threads", required_argument, NULL, O_THREADS},
         {"blas-threads", required_argument, NULL, O_BLAS},
+        {"training-priority", required_argument, NULL, O_TPRIO},
         {"max-batch", required_argument, NULL, O_MAX_BATCH},
         {"target-batch", required_argument, NULL, O_TARGET},
         {"optimizer", required_argument, NULL, O_OPT},
@@ -392,6 +396,7 @@ int cmd_peer(int argc, char **argv)
     const char *listen = "127.0.0.1:0", *announce_host = NULL, *identity = NULL;
     const char *ckpt_dir = NULL, *swarm_key_file = NULL, *metrics = NULL, *optimizer = "adamw";
     long threads = 1, blas = 0, max_batch = 256, target = 128, seed = 0;
+    int train_idle = 0;
     double ckpt_every = 300, lr = -1, ann_every = 20, ann_ttl = 60, rebalance = 60, average = 30;
     long num_blocks = 0;
     int c, no_sync = 0;
@@ -444,6 +449,14 @@ int cmd_peer(int argc, char **argv)
         case O_BLAS:
             if (cli_parse_long("peer", "--blas-threads", optarg, 1, 256, &blas))
                 return CLI_EXIT_USAGE;
+            break;
+        case O_TPRIO:
+            if (!strcmp(optarg, "low"))
+                train_idle = 0;
+            else if (!strcmp(optarg, "idle"))
+                train_idle = 1;
+            else
+                return cli_usage_error("peer", "--training-priority takes low or idle, not '%s'", optarg);
             break;
         case O_MAX_BATCH:
             if (cli_parse_long("peer", "--max-batch", optarg, 1, 65536, &max_batch))
@@ -566,6 +579,7 @@ int cmd_peer(int argc, char **argv)
     dc->svc.threads = (int)threads;
     dc->svc.max_batch = (int)max_batch;
     dc->svc.max_queue_rows = (int)max_batch * 8;
+    dc->svc.train_idle = train_idle;
     dc->svc.optim = optim;
     dc->svc.seed = (uint64_t)seed;
     dc->svc.checkpoint_dir = ckpt_dir;

@@ -19,7 +19,7 @@ export OPENBLAS_NUM_THREADS=1
 for _ in $(seq 1 50); do [ -s "$work/bs.out" ] && break; sleep 0.1; done
 BS=$(head -1 "$work/bs.out")
 for span in 0-2 3-5; do
-    "$S" peer --initial-peers "$BS" --blocks $span --blas-threads 1 >/dev/null 2>"$work/peer-$span.err" &
+    "$S" peer --initial-peers "$BS" --blocks $span --blas-threads 1 --training-priority ${PRIORITY:-idle} >/dev/null 2>"$work/peer-$span.err" &
     pids="$pids $!"
 done
 for span in 0-2 3-5; do
@@ -33,7 +33,7 @@ run() { # NAME INFLIGHT
 }
 run idle 1
 run idle_rps 8
-"$S" train --initial-peers "$BS" --epochs 100 --metrics-log "" --plot "" >/dev/null 2>&1 &
+${TRAIN_PREFIX:-} "$S" train --initial-peers "$BS" --epochs 100 --metrics-log "" --plot "" >/dev/null 2>&1 &
 tr=$!; pids="$pids $tr"
 sleep 3
 run load 1
