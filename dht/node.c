@@ -33,13 +33,16 @@
 #define MAX_PAGES 16         /* get pages followed per node */
 #define MAX_RESULTS 1024     /* entries one get collects */
 #define HANDOVER_BUDGET 32   /* stores sent to one newcomer */
+#define JOIN_ROUNDS 3        /* a join asks silent initial peers this many times */
 #define REPUBLISH_BATCH 16   /* keys republished per housekeeping tick */
 #define RL_SLOTS 256
-#define VCACHE_SLOTS 256     /* (ID, address) pairs proven recently, beyond the table */
+#define VCACHE_SETS 256      /* (ID, address) pairs proven recently, beyond the table: */
+#define VCACHE_WAYS 4        /* 1,024 keyed 64-bit fingerprints, 8 KiB */
 #define PROOF_CTX "starling-dht-id-v1"
 
 enum rpc_kind { RPC_LOOKUP, RPC_PAGE, RPC_STORE, RPC_VERIFY, RPC_EVICT, RPC_HANDOVER };
 enum cand_state { C_NEW, C_INFLIGHT, C_DONE, C_FAILED };
+enum store_state { S_NONE, S_SENT, S_OK, S_FAILED };
 enum op { OP_JOIN, OP_FIND, OP_GET, OP_PUT, OP_REFRESH, OP_REPUBLISH };
 
 typedef struct rpc {
@@ -57,6 +60,8 @@ typedef struct cand {
     uint8_t id[DHT_ID_LEN];
     dht_addr addr;
     uint8_t state, anon, has_token, pages, tries;
+    uint8_t lost;           /* failed by timeout (not by a wrong answer) */
+    uint8_t st;             /* put: store not sent, sent, stored, refused/lost */
     uint8_t token[DHT_TOKEN_LEN];
     uint16_t depth;
     uint64_t sent_at;       /* when the request in flight went out */
@@ -77,6 +82,7 @@ typedef struct lookup {
     struct lookup *next;
     uint32_t id;
     uint8_t op, phase, deferred;
+    uint8_t rounds;         /* join: rounds of retries of silent peers so far */
     uint8_t target[DHT_ID_LEN];
     cand c[LOOKUP_MAX];
     size_t n;
@@ -120,7 +126,7 @@ struct dht_node {
     uint8_t rl_key[crypto_shorthash_KEYBYTES];
     struct { uint64_t last, milli; } rl[RL_SLOTS];
     uint64_t verify_at[RL_SLOTS]; /* last verify ping per hashed address */
-    struct { uint8_t id[DHT_ID_LEN]; dht_addr addr; } vcache[VCACHE_SLOTS];
+    uint64_t vcache[VCACHE_SETS][VCACHE_WAYS]; /* most recent first, 0 = empty */
     uint64_t next_maint, next_republish;
     uint64_t next_selfcheck;  /* next lookup of our own ID (0: not joined) */
     size_t republish_cursor;
@@ -245,30 +251,44 @@ static int send_msg(dht_node *n, const dht_msg *m, const dht_addr *to)
     return 0;
 }
 
-static size_t vslot(const dht_node *n, const uint8_t id[DHT_ID_LEN])
+/* Fingerprint of (id, addr): SipHash keyed with a secret, so nobody can
+ * aim a pair at another's entry; never 0. */
+static uint64_t vprint(const dht_node *n, const uint8_t id[DHT_ID_LEN], const dht_addr *addr)
 {
-    uint8_t h[crypto_shorthash_BYTES];
-    crypto_shorthash(h, id, DHT_ID_LEN, n->rl_key);
-    return (size_t)(h[4] | h[5] << 8) % VCACHE_SLOTS;
+    uint8_t buf[DHT_ID_LEN + 18], h[crypto_shorthash_BYTES];
+    uint64_t v;
+    int len = dht_wire_addr_pack(buf + DHT_ID_LEN, addr);
+    memcpy(buf, id, DHT_ID_LEN);
+    crypto_shorthash(h, buf, DHT_ID_LEN + (len > 0 ? (size_t)len : 0), n->rl_key);
+    memcpy(&v, h, sizeof v);
+    return v | 1;
 }
 
 /* 1 if id proved itself at addr: it is in the table there, or it answered
- * a challenge recently (a small direct-mapped cache, so that lookups do not
- * ask the same non-table nodes for a signature again and again). */
+ * a challenge recently (a small set-associative cache, so that lookups do
+ * not ask the same non-table nodes for a signature again and again). */
 static int known_at(dht_node *n, const uint8_t id[DHT_ID_LEN], const dht_addr *addr)
 {
     dht_table_entry *e = dht_table_find(n->table, id);
     if (e)
         return dht_addr_equal(&e->addr, addr);
-    size_t v = vslot(n, id);
-    return memcmp(n->vcache[v].id, id, DHT_ID_LEN) == 0 && dht_addr_equal(&n->vcache[v].addr, addr);
+    uint64_t v = vprint(n, id, addr);
+    const uint64_t *set = n->vcache[(v >> 32) % VCACHE_SETS];
+    for (size_t w = 0; w < VCACHE_WAYS; w++)
+        if (set[w] == v)
+            return 1;
+    return 0;
 }
 
 static void proven(dht_node *n, const uint8_t id[DHT_ID_LEN], const dht_addr *addr)
 {
-    size_t v = vslot(n, id);
-    memcpy(n->vcache[v].id, id, DHT_ID_LEN);
-    n->vcache[v].addr = *addr;
+    uint64_t v = vprint(n, id, addr);
+    uint64_t *set = n->vcache[(v >> 32) % VCACHE_SETS];
+    size_t w = 0;
+    while (w < VCACHE_WAYS - 1 && set[w] != v)
+        w++;
+    memmove(&set[1], &set[0], w * sizeof *set); /* to the front; the oldest goes */
+    set[0] = v;
 }
 
 /* Proof is needed unless id is known to be at addr. */
@@ -359,6 +379,19 @@ static void own_view(dht_entry *e, const own_entry *o)
     e->is_signed = o->is_signed;
     memcpy(e->pk, o->pk, 32);
     memcpy(e->sig, o->sig, 64);
+}
+
+/* 1 if l->res holds e's (signed, subkey) with the same or a later
+ * expiration: merging e would change nothing. */
+static int have_entry(const lookup *l, const dht_entry *e)
+{
+    for (size_t i = 0; i < l->n_res; i++) {
+        const own_entry *o = &l->res[i];
+        if (o->is_signed == e->is_signed && o->sub_len == e->subkey_len &&
+            (!e->subkey_len || memcmp(o->sub, e->subkey, e->subkey_len) == 0))
+            return o->expires >= e->expires;
+    }
+    return 0;
 }
 
 /* Adds e to l->res, one per (signed, subkey), newest expiration winning. */
@@ -564,14 +597,19 @@ static void lookup_unlink(dht_node *n, lookup *l)
 
 static void start_refresh(dht_node *n, int bucket, uint64_t now);
 
-static void lookup_finish(dht_node *n, lookup *l, int status)
+/* Runs l's callback (once: a put reports before its last stores are
+ * acknowledged, and l lives on without a callback). */
+static void lookup_report(dht_node *n, lookup *l, int status)
 {
     dht_wire_node nodes[DHT_WIRE_MAX_NODES];
     dht_entry *ents = NULL;
     dht_result r;
     size_t nn = 0;
+    dht_node_cb cb = l->cb;
+    if (!cb)
+        return;
+    l->cb = NULL;
     memset(&r, 0, sizeof r);
-    lookup_unlink(n, l);
     for (size_t i = 0; i < l->n && nn < n->cfg.k && nn < DHT_WIRE_MAX_NODES; i++) {
         if (l->c[i].state != C_DONE)
             continue;
@@ -595,9 +633,14 @@ static void lookup_finish(dht_node *n, lookup *l, int status)
     r.nodes = nodes;
     r.n_nodes = nn;
     r.msgs = l->msgs;
-    if (l->cb)
-        l->cb(l->ud, &r);
+    cb(l->ud, &r);
     free(ents);
+}
+
+static void lookup_finish(dht_node *n, lookup *l, int status)
+{
+    lookup_unlink(n, l);
+    lookup_report(n, l, status);
     lookup_free(l);
 }
 
@@ -618,6 +661,17 @@ static void lookup_send(dht_node *n, lookup *l, cand *c, uint64_t now)
 }
 
 static void store_phase(dht_node *n, lookup *l, uint64_t now);
+static void put_progress(dht_node *n, lookup *l, uint64_t now, int may_finish);
+
+/* How many of the nearest candidates must answer before the lookup is
+ * over: k (they are the nodes to store on, or the answer to find_node),
+ * but only the read quorum for a get. */
+static size_t lookup_want(const dht_node *n, const lookup *l)
+{
+    if (l->op == OP_GET && n->cfg.quorum < n->cfg.k)
+        return n->cfg.quorum;
+    return n->cfg.k;
+}
 
 /* Advances l: sends up to alpha requests toward the k closest candidates and
  * notices when the lookup (and its pages and stores) are over. With
@@ -625,6 +679,7 @@ static void store_phase(dht_node *n, lookup *l, uint64_t now);
  * to the next tick, so the callback never runs inside the starting call. */
 static void lookup_step(dht_node *n, lookup *l, uint64_t now, int may_finish)
 {
+again:
     if (l->phase == 0) {
         /* A request unanswered for a quarter of the timeout is "stale": it
          * no longer holds one of the alpha slots, and the lookup may finish
@@ -632,7 +687,7 @@ static void lookup_step(dht_node *n, lookup *l, uint64_t now, int may_finish)
          * then cost a lookup rpc_timeout/4, not the full timeout (the full
          * timeout still decides whether the table drops them). */
         uint64_t soft = n->cfg.rpc_timeout_ms / 4;
-        size_t counted = 0, active = 0;
+        size_t counted = 0, active = 0, want = lookup_want(n, l);
         int busy = 0;
         l->wake_at = UINT64_MAX;
         size_t limit = n->cfg.alpha, seen = 0;
@@ -651,8 +706,16 @@ static void lookup_step(dht_node *n, lookup *l, uint64_t now, int may_finish)
          * converged: ask the rest of the k nearest all at once instead of
          * alpha per round trip (the final step of Kademlia's lookup). */
         if (near_done && seen >= n->cfg.alpha)
-            limit = n->cfg.k;
-        for (size_t i = 0; i < l->n && counted < n->cfg.k; i++) {
+            limit = want;
+        /* A get asks all of its (few) nearest candidates at once from the
+         * start: it needs the quorum's answers anyway, and a round trip
+         * costs more than the few requests to nodes that turn out not to
+         * be among the nearest. */
+        if (l->op == OP_GET)
+            limit = want;
+        else if (l->op == OP_PUT && limit < n->cfg.quorum)
+            limit = n->cfg.quorum; /* its quorum first, as a get does */
+        for (size_t i = 0; i < l->n && counted < want; i++) {
             cand *c = &l->c[i];
             if (c->state == C_FAILED)
                 continue;
@@ -664,10 +727,14 @@ static void lookup_step(dht_node *n, lookup *l, uint64_t now, int may_finish)
             if (c->state == C_FAILED)
                 continue;
             if (c->state == C_INFLIGHT && now >= c->sent_at + soft) {
-                if (c->tries == 0) {
-                    /* First time stale: ask again at once (a lost datagram
-                     * should not cost a lookup its best candidate). */
-                    c->tries = 1;
+                /* First time stale: ask again at once (a lost datagram
+                 * should not cost a lookup its best candidate). A find
+                 * asks its alpha nearest a third time: they are the
+                 * answer itself (the node looked for, usually), and two
+                 * lost exchanges in a row are not that rare at scale. */
+                if (c->tries == 0 ||
+                    (c->tries == 1 && l->op == OP_FIND && counted < n->cfg.alpha)) {
+                    c->tries++;
                     lookup_send(n, l, c, now);
                     if (c->state == C_FAILED)
                         continue;
@@ -681,7 +748,10 @@ static void lookup_step(dht_node *n, lookup *l, uint64_t now, int may_finish)
             if (c->state != C_DONE)
                 busy = 1;
         }
-        if (busy || l->other_inflight)
+        if (l->op == OP_PUT)
+            put_progress(n, l, now, may_finish);
+        /* (A put's early stores need not be acknowledged to go on.) */
+        if (busy || (l->other_inflight && l->op != OP_PUT))
             return;
         dht_table_bucket_touch(n->table, dht_id_common_prefix(n->ident.id, l->target), now);
         if (l->op == OP_PUT || l->op == OP_REPUBLISH) {
@@ -690,8 +760,11 @@ static void lookup_step(dht_node *n, lookup *l, uint64_t now, int may_finish)
             if (l->other_inflight)
                 return;
         }
-    } else if (l->other_inflight) {
-        return;
+    } else {
+        if (l->op == OP_PUT)
+            put_progress(n, l, now, may_finish);
+        if (l->other_inflight)
+            return;
     }
     if (!may_finish) {
         l->deferred = 1;
@@ -701,6 +774,25 @@ static void lookup_step(dht_node *n, lookup *l, uint64_t now, int may_finish)
     int any_done = 0;
     for (size_t i = 0; i < l->n; i++)
         any_done |= l->c[i].state == C_DONE;
+    if (l->op == OP_JOIN && !any_done && l->rounds + 1 < JOIN_ROUNDS) {
+        /* Nobody answered: with datagram loss a single silent initial peer
+         * is not yet a dead one, and a node whose join fails stays alone
+         * (and whoever joins through it forms an island). Ask the silent
+         * ones again (not those that answered wrongly). */
+        int retry = 0;
+        for (size_t i = 0; i < l->n; i++) {
+            cand *c = &l->c[i];
+            if (c->state == C_INFLIGHT || (c->state == C_FAILED && c->lost)) {
+                c->state = C_NEW;
+                c->tries = 0;
+                c->lost = 0;
+                retry = 1;
+            }
+        }
+        l->rounds++;
+        if (retry)
+            goto again;
+    }
     int status = 0;
     switch (l->op) {
     case OP_JOIN:
@@ -749,6 +841,64 @@ static void lookup_step(dht_node *n, lookup *l, uint64_t now, int may_finish)
     lookup_finish(n, l, status);
 }
 
+/* Sends the entries of l to c (which answered and gave us its token). */
+static void store_send(dht_node *n, lookup *l, cand *c, uint64_t now)
+{
+    c->st = S_FAILED;
+    for (size_t j = 0; j < l->n_res; j++) {
+        dht_msg m;
+        memset(&m, 0, sizeof m);
+        m.type = DHT_MSG_STORE;
+        memcpy(m.target, l->target, DHT_ID_LEN);
+        m.has_token = 1;
+        memcpy(m.token, c->token, DHT_TOKEN_LEN);
+        m.n_entries = 1;
+        own_view(&m.entries[0], &l->res[j]);
+        if (send_request(n, &m, &c->addr, c->id, RPC_STORE, l->id, now) == 0) {
+            l->other_inflight++;
+            l->msgs++;
+            c->st = S_SENT;
+        }
+    }
+}
+
+/* A put does not wait for its whole lookup before storing: each of the k
+ * nearest candidates gets the entry as soon as every candidate nearer than
+ * it has answered (or is presumed dead), so the nearest, which settle
+ * first, store while the lookup still completes the farther ones. The put
+ * reports (status: stores acknowledged so far) once the quorum nearest have
+ * stored it, which is when a get (asking the quorum nearest) finds it; the
+ * lookup and the stores to the rest of the k go on without a callback. */
+static void put_progress(dht_node *n, lookup *l, uint64_t now, int may_finish)
+{
+    uint64_t soft = n->cfg.rpc_timeout_ms / 4;
+    size_t pos = 0, ok = 0, quorum = n->cfg.quorum < n->cfg.k ? n->cfg.quorum : n->cfg.k;
+    int ready = 1;
+    for (size_t i = 0; i < l->n && pos < n->cfg.k; i++) {
+        cand *c = &l->c[i];
+        if (c->state == C_FAILED ||
+            (c->state == C_INFLIGHT && c->tries && now >= c->sent_at + soft))
+            continue; /* presumed dead, as the lookup presumes */
+        if (c->state != C_DONE) {
+            ready = 0; /* a nearer node may still answer */
+            break;
+        }
+        if (!c->has_token)
+            continue;
+        pos++;
+        if (c->st == S_NONE)
+            store_send(n, l, c, now);
+        if (ok < quorum) {
+            if (c->st == S_OK)
+                ok++;
+            else if (c->st != S_FAILED)
+                ready = 0;
+        }
+    }
+    if (ready && ok >= quorum && may_finish)
+        lookup_report(n, l, l->stored);
+}
+
 /* Sends the entries of a put (or republish) to the k closest nodes that
  * answered and gave us a write token; stores here too when we are one of
  * them (a put's originator is a holder when it is among the k closest). */
@@ -773,20 +923,8 @@ static void store_phase(dht_node *n, lookup *l, uint64_t now)
             continue;
         done++;
         kth = c->id;
-        for (size_t j = 0; j < l->n_res; j++) {
-            dht_msg m;
-            memset(&m, 0, sizeof m);
-            m.type = DHT_MSG_STORE;
-            memcpy(m.target, l->target, DHT_ID_LEN);
-            m.has_token = 1;
-            memcpy(m.token, c->token, DHT_TOKEN_LEN);
-            m.n_entries = 1;
-            own_view(&m.entries[0], &l->res[j]);
-            if (send_request(n, &m, &c->addr, c->id, RPC_STORE, l->id, now) == 0) {
-                l->other_inflight++;
-                l->msgs++;
-            }
-        }
+        if (c->st == S_NONE)
+            store_send(n, l, c, now);
     }
     if (l->op == OP_PUT && (done < n->cfg.k || !kth ||
                             dht_id_distance_cmp(l->target, n->ident.id, kth) < 0)) {
@@ -944,14 +1082,18 @@ static void rpc_done(dht_node *n, rpc *r, const dht_msg *m, int timeout, uint64_
         if (!m)
             dht_table_failed(n->table, r->id, 1);
         return;
-    case RPC_STORE:
+    case RPC_STORE: {
         if (!l)
             return;
+        int ok = m && (m->status == DHT_ST_OK || m->status == DHT_ST_OLDER);
+        cand *c = cand_find(l, r->id, &r->addr);
         l->other_inflight--;
-        if (m && (m->status == DHT_ST_OK || m->status == DHT_ST_OLDER))
-            l->stored++;
+        l->stored += ok;
+        if (c && c->st != S_OK)
+            c->st = ok ? S_OK : S_FAILED;
         lookup_step(n, l, now, 1);
         return;
+    }
     case RPC_PAGE:
     case RPC_LOOKUP: {
         if (!l)
@@ -965,8 +1107,10 @@ static void rpc_done(dht_node *n, rpc *r, const dht_msg *m, int timeout, uint64_
             if (!m) {
                 /* A timeout of the first attempt while the retry is still
                  * out changes nothing; a wrong answer fails at once. */
-                if (!timeout || now >= c->sent_at + n->cfg.rpc_timeout_ms)
+                if (!timeout || now >= c->sent_at + n->cfg.rpc_timeout_ms) {
                     c->state = C_FAILED;
+                    c->lost = timeout != 0;
+                }
             } else {
                 c->state = C_DONE;
                 if (c->anon) {
@@ -985,11 +1129,17 @@ static void rpc_done(dht_node *n, rpc *r, const dht_msg *m, int timeout, uint64_
             }
         }
         if (m && l->op == OP_GET) {
-            for (size_t i = 0; i < m->n_entries; i++)
+            for (size_t i = 0; i < m->n_entries; i++) {
+                /* Holders mostly send the same copy: one we already have
+                 * (or a newer one) would change nothing, so its signature
+                 * is not checked again. */
+                if (have_entry(l, &m->entries[i]))
+                    continue;
                 if (dht_entry_check(&m->entries[i], l->target, now) == 0)
                     merge_entry(l, &m->entries[i]);
                 else
                     n->st.drop_bad_proof++;
+            }
             if (m->has_next && c && c->pages < MAX_PAGES && m->next_offset > 0 &&
                 m->n_entries) {
                 dht_msg q;
@@ -1071,6 +1221,7 @@ void dht_config_default(dht_config *c)
     c->rate_per_s = 200;
     c->rate_burst = 400;
     c->verify_ids = 1;
+    c->quorum = DHT_QUORUM;
 }
 
 dht_node *dht_node_create(const dht_identity *ident, const dht_config *cfg, uint64_t now)
@@ -1092,6 +1243,8 @@ dht_node *dht_node_create(const dht_identity *ident, const dht_config *cfg, uint
         n->cfg.k = DHT_K;
     if (!n->cfg.alpha)
         n->cfg.alpha = DHT_ALPHA;
+    if (!n->cfg.quorum)
+        n->cfg.quorum = DHT_QUORUM;
     if (!n->cfg.rpc_timeout_ms)
         n->cfg.rpc_timeout_ms = 1000;
     if (!n->cfg.maint_ms)

@@ -31,11 +31,20 @@
 #define DHT_ALPHA 3
 #endif
 
+#ifndef DHT_QUORUM
+#define DHT_QUORUM 8
+#endif
+
 typedef struct dht_node dht_node;
 
 typedef struct dht_config {
     size_t k;                   /* bucket size and replication (DHT_K) */
     size_t alpha;               /* parallel requests per lookup (DHT_ALPHA) */
+    size_t quorum;              /* a get is over once this many of the nearest
+                                   nodes have answered; a put reports once
+                                   this many of the nearest have stored (the
+                                   stores to the rest of the k go on)
+                                   (DHT_QUORUM, <= k) */
     uint32_t rpc_timeout_ms;    /* a request unanswered this long failed (1000) */
     uint32_t maint_ms;          /* housekeeping period (1000) */
     uint32_t refresh_ms;        /* refresh a bucket idle this long (15 min) */

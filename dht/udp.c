@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -105,6 +106,9 @@ static void flush(dht *d)
     uint8_t buf[DHT_MAX_DATAGRAM];
     dht_addr to;
     int len;
+    uv_os_fd_t fd = -1;
+    if (d->started && uv_fileno((const uv_handle_t *)&d->udp, &fd) != 0)
+        fd = -1;
     while ((len = dht_node_pop_output(d->node, buf, sizeof buf, &to)) != 0) {
         struct sockaddr_storage ss;
         if (len < 0 || !d->started)
@@ -120,8 +124,20 @@ static void flush(dht *d)
         } else if (to.family == 6 && !d->v6_socket) {
             continue;
         }
-        if (dht_addr_to_sockaddr(&to, &ss) < 0)
+        int sl = dht_addr_to_sockaddr(&to, &ss);
+        if (sl < 0)
             continue;
+        /* Straight to the socket when nothing is queued: uv_udp_send sends
+         * at once only the first datagram of a loop iteration and queues
+         * the others for the next one (a lookup sends several at once). */
+        if (fd >= 0 && uv_udp_get_send_queue_count(&d->udp) == 0) {
+            ssize_t w;
+            do
+                w = sendto(fd, buf, (size_t)len, 0, (const struct sockaddr *)&ss, (socklen_t)sl);
+            while (w < 0 && errno == EINTR);
+            if (w >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != ENOBUFS))
+                continue; /* sent, or dropped as UDP may drop anything */
+        }
         sendreq *s = malloc(sizeof *s + (size_t)len);
         if (!s)
             continue;

@@ -35,6 +35,7 @@ static uv_pipe_t in;
 static uv_timer_t life;
 static dht *nodes[MAX_NODES];
 static int n_nodes, sign_puts = 1, quitting;
+static long quorum; /* 0: the default (DHT_QUORUM) */
 static char line[1 << 20];
 static size_t line_len;
 static uint64_t last_sent[5];
@@ -142,6 +143,7 @@ static void cmd_start(const char *s)
     dht_config_default(&cfg);
     cfg.rate_per_s = 1000000;
     cfg.rate_burst = 1000000;
+    cfg.quorum = (size_t)quorum;
     printf("{\"ev\":\"started\",\"nodes\":[");
     for (int i = 0; i < k; i++) {
         dht_identity id;
@@ -378,8 +380,10 @@ int main(int argc, char **argv)
             max_life = strtod(argv[++i], NULL);
         else if (!strcmp(argv[i], "--unsigned"))
             sign_puts = 0;
+        else if (!strcmp(argv[i], "--quorum") && i + 1 < argc)
+            quorum = strtol(argv[++i], NULL, 10);
         else {
-            fprintf(stderr, "usage: dht_worker [--max-life S] [--unsigned]\n");
+            fprintf(stderr, "usage: dht_worker [--max-life S] [--unsigned] [--quorum N]\n");
             return 2;
         }
     }
