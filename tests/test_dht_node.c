@@ -2,6 +2,7 @@
  * datagrams, rate limits, paging, hand-over, expiry, callback rules. */
 #include <errno.h>
 
+#include "dht/store.h"
 #include "dht/table.h"
 #include "test_dht_simnet.h"
 #include "test_util.h"
@@ -442,6 +443,269 @@ static void test_isolated_put_defers_callback(void **state)
     assert_int_equal(p.called, 1);
 }
 
+
+/* ---- quorum gets and puts ---- */
+
+typedef struct quorum_got {
+    int called, status;
+    size_t n, n_nodes;
+    unsigned msgs;
+    uint8_t subs[32][DHT_MAX_SUBKEY];
+    size_t sub_len[32];
+    int all_signed;
+} quorum_got;
+
+static void on_quorum_get(void *ud, const dht_result *r)
+{
+    quorum_got *g = ud;
+    g->called++;
+    g->status = r->status;
+    g->n = r->n_entries;
+    g->n_nodes = r->n_nodes;
+    g->msgs = r->msgs;
+    g->all_signed = 1;
+    for (size_t i = 0; i < r->n_entries && i < 32; i++) {
+        memcpy(g->subs[i], r->entries[i].subkey, r->entries[i].subkey_len);
+        g->sub_len[i] = r->entries[i].subkey_len;
+        g->all_signed &= r->entries[i].is_signed;
+    }
+}
+
+static int got_sub(const quorum_got *g, const uint8_t *sub, size_t len)
+{
+    for (size_t i = 0; i < g->n && i < 32; i++)
+        if (g->sub_len[i] == len && memcmp(g->subs[i], sub, len) == 0)
+            return 1;
+    return 0;
+}
+
+static const uint8_t *rank_key;
+static const simnet *rank_net;
+static int by_distance(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return dht_id_distance_cmp(rank_key, rank_net->n[x].id, rank_net->n[y].id);
+}
+
+/* order[0..count): the simnet's nodes, nearest to key first. */
+static void rank_nodes(const simnet *s, const uint8_t key[20], uint32_t *order)
+{
+    for (uint32_t i = 0; i < s->count; i++)
+        order[i] = i;
+    rank_key = key;
+    rank_net = s;
+    qsort(order, s->count, sizeof *order, by_distance);
+}
+
+/* Stores e under key on node i only, as a client at an address outside the
+ * simnet would (ping for a token, then store). */
+static void store_on_one(simnet *s, uint32_t i, const uint8_t key[20], const dht_entry *e)
+{
+    dht_addr from;
+    dht_msg m, r;
+    uint8_t rbuf[DHT_MAX_DATAGRAM], tok[DHT_TOKEN_LEN];
+    peer_addr(&from, 200, 9000);
+    memset(&m, 0, sizeof m);
+    m.type = DHT_MSG_PING;
+    m.tid = 700 + i;
+    m.id[0] = 0xee;
+    m.read_only = 1;
+    assert_true(exchange(s->n[i].node, &m, &from, s->now, &r, rbuf));
+    assert_true(r.has_token);
+    memcpy(tok, r.token, sizeof tok);
+    memset(&m, 0, sizeof m);
+    m.type = DHT_MSG_STORE;
+    m.tid = 800 + i;
+    m.id[0] = 0xee;
+    m.read_only = 1;
+    memcpy(m.target, key, 20);
+    m.has_token = 1;
+    memcpy(m.token, tok, sizeof tok);
+    m.n_entries = 1;
+    m.entries[0] = *e;
+    assert_true(exchange(s->n[i].node, &m, &from, s->now, &r, rbuf));
+    assert_int_equal(r.status, DHT_ST_OK);
+}
+
+static void run_get(simnet *s, uint32_t from, const uint8_t key[20], quorum_got *g)
+{
+    memset(g, 0, sizeof *g);
+    assert_int_equal(dht_node_get(s->n[from].node, key, on_quorum_get, g, s->now), 0);
+    sim_after(s, from);
+    sim_run(s, s->now + 5000, NULL);
+    assert_int_equal(g->called, 1);
+    assert_int_equal(g->status, 0);
+}
+
+/* A get is over once the quorum (8) nearest nodes have answered, but it
+ * still returns every live subkey: entries signed by different owners, and
+ * entries that only some of the nearest holders have (each merged in). */
+static void test_quorum_get_merges_holders(void **state)
+{
+    (void)state;
+    simnet *s = sim_create(120, 21, 0.0, NULL);
+    join_all(s);
+    uint8_t key[20];
+    dht_id_of_bytes(key, "fmnist-mlp.1", 12);
+
+    /* Ten peers announce under one key (subkey = their node ID, signed). */
+    got_t puts[10];
+    memset(puts, 0, sizeof puts);
+    for (uint32_t i = 0; i < 10; i++) {
+        uint32_t src = 11 * i + 3;
+        char val[300];
+        memset(val, 0, sizeof val);
+        snprintf(val, sizeof val, "peer %u", src);
+        assert_int_equal(dht_node_put(s->n[src].node, key, NULL, 0, (const uint8_t *)val,
+                                      sizeof val, s->now + 600000, 1, on_put, &puts[i], s->now), 0);
+        sim_after(s, src);
+        sim_run(s, s->now + 30, NULL);
+    }
+    sim_run(s, s->now + 5000, NULL);
+    for (int i = 0; i < 10; i++) {
+        assert_int_equal(puts[i].called, 1);
+        /* Reported once the quorum nearest stored it (or later). */
+        assert_true(puts[i].status >= DHT_QUORUM && puts[i].status <= DHT_K + 1);
+    }
+    quorum_got g;
+    run_get(s, 100, key, &g);
+    assert_int_equal(g.n, 10);
+    assert_true(g.all_signed);
+    for (uint32_t i = 0; i < 10; i++)
+        assert_true(got_sub(&g, s->n[11 * i + 3].id, 20));
+    assert_true(g.n_nodes >= DHT_QUORUM);
+
+    /* The stores to the rest of the k nearest went on after the report:
+     * each of the k nearest holds all ten entries. */
+    uint32_t order[120];
+    rank_nodes(s, key, order);
+    for (int r = 0; r < DHT_K; r++) {
+        dht_node_stats st;
+        dht_node_get_stats(s->n[order[r]].node, &st);
+        assert_int_equal(st.store_entries, 10);
+    }
+
+    /* Three owners whose entries reached only one of the nearest nodes each
+     * (the nearest, the fourth and the eighth): one get returns all three. */
+    uint8_t k2[20];
+    dht_id_of_bytes(k2, "partial", 7);
+    rank_nodes(s, k2, order);
+    const int ranks[3] = {0, 3, DHT_QUORUM - 1};
+    dht_identity owners[3];
+    for (int j = 0; j < 3; j++) {
+        uint8_t seed[32] = {0x51, (uint8_t)j};
+        dht_entry e;
+        uint8_t val[40];
+        assert_int_equal(dht_identity_from_seed(&owners[j], seed), 0);
+        memset(val, 'a' + j, sizeof val);
+        memset(&e, 0, sizeof e);
+        e.subkey = owners[j].id;
+        e.subkey_len = 20;
+        e.value = val;
+        e.value_len = sizeof val;
+        e.expires = s->now + 600000;
+        assert_int_equal(dht_entry_sign(&e, k2, &owners[j]), 0);
+        store_on_one(s, order[ranks[j]], k2, &e);
+    }
+    uint32_t getter = order[60];
+    run_get(s, getter, k2, &g);
+    assert_int_equal(g.n, 3);
+    for (int j = 0; j < 3; j++)
+        assert_true(got_sub(&g, owners[j].id, 20));
+    unsigned quorum_msgs = g.msgs;
+
+    /* A node configured with quorum = k waits for all k nearest: it asks
+     * more nodes for the same answer. */
+    dht_config full;
+    dht_config_default(&full);
+    full.quorum = DHT_K;
+    dht_identity gid;
+    uint8_t gseed[32] = {0x77};
+    dht_identity_from_seed(&gid, gseed);
+    dht_node *old = s->n[getter].node;
+    s->n[getter].node = dht_node_create(&gid, &full, s->now);
+    assert_non_null(s->n[getter].node);
+    memcpy(s->n[getter].id, gid.id, 20);
+    dht_node_destroy(&old);
+    dht_peer_addr pa;
+    memset(&pa, 0, sizeof pa);
+    sim_addr(&pa.addr, 0);
+    pa.has_id = 1;
+    memcpy(pa.id, s->n[0].id, 20);
+    dht_node_join(s->n[getter].node, &pa, 1, NULL, NULL, s->now);
+    sim_after(s, getter);
+    sim_run(s, s->now + 10000, NULL);
+    run_get(s, getter, k2, &g);
+    assert_int_equal(g.n, 3);
+    assert_true(g.n_nodes >= DHT_K);
+    assert_true(g.msgs > quorum_msgs);
+    sim_destroy(&s);
+}
+
+/* A join whose only initial peer is silent for a while (lost datagrams, a
+ * peer still starting) asks it again instead of giving up alone. */
+static void test_join_retries_silent_peer(void **state)
+{
+    (void)state;
+    simnet *s = sim_create(6, 23, 0.0, NULL);
+    simnet tmp = *s;
+    tmp.count = 5;
+    join_all(&tmp);
+    s->now = tmp.now;
+    s->heap = tmp.heap;
+    s->hn = tmp.hn;
+    s->hcap = tmp.hcap;
+    s->seq = tmp.seq;
+    s->rng = tmp.rng;
+    dht_peer_addr pa;
+    memset(&pa, 0, sizeof pa);
+    sim_addr(&pa.addr, 1);
+    pa.has_id = 1;
+    memcpy(pa.id, s->n[1].id, 20);
+    sim_kill(s, 1); /* silent: both tries of the first round are lost */
+    join_called = 0;
+    assert_int_equal(dht_node_join(s->n[5].node, &pa, 1, on_join, NULL, s->now), 0);
+    sim_after(s, 5);
+    sim_run(s, s->now + 700, NULL);
+    assert_int_equal(join_called, 0);
+    s->n[1].alive = 1;
+    s->n[1].sched = UINT64_MAX;
+    sim_after(s, 1);
+    sim_run(s, s->now + 5000, NULL);
+    assert_int_equal(join_called, 1);
+    assert_int_equal(join_status, 0);
+    dht_node_stats st;
+    dht_node_get_stats(s->n[5].node, &st);
+    assert_true(st.table_size >= 4);
+
+    /* A peer that stays silent still fails the join, in bounded time. */
+    uint8_t seed[32] = {0x42};
+    dht_identity id;
+    dht_identity_from_seed(&id, seed);
+    dht_node *lone = dht_node_create(&id, NULL, s->now);
+    const uint8_t ip[4] = {10, 9, 9, 9}; /* nobody there */
+    memset(&pa, 0, sizeof pa);
+    dht_addr_v4(&pa.addr, ip, 4000);
+    join_called = 0;
+    assert_int_equal(dht_node_join(lone, &pa, 1, on_join, NULL, s->now), 0);
+    uint8_t buf[DHT_MAX_DATAGRAM];
+    dht_addr to;
+    uint64_t t = s->now;
+    while (!join_called && t < s->now + 10000) {
+        while (dht_node_pop_output(lone, buf, sizeof buf, &to) > 0)
+            ;
+        t += 50;
+        dht_node_tick(lone, t);
+    }
+    assert_int_equal(join_called, 1);
+    assert_int_equal(join_status, -EHOSTUNREACH);
+    assert_true(t - s->now <= 3000);
+    dht_node_get_stats(lone, &st);
+    assert_true(st.req_sent[DHT_MSG_FIND_NODE] >= 5); /* 3 rounds of 2 tries */
+    dht_node_destroy(&lone);
+    sim_destroy(&s);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -453,6 +717,8 @@ int main(void)
         cmocka_unit_test(test_paged_get_collects_every_subkey),
         cmocka_unit_test(test_handover_to_closer_newcomer),
         cmocka_unit_test(test_isolated_put_defers_callback),
+        cmocka_unit_test(test_quorum_get_merges_holders),
+        cmocka_unit_test(test_join_retries_silent_peer),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
