@@ -36,13 +36,16 @@
 
 typedef struct dht dht;
 
-/* status: 0 (join), a count of nodes that stored the entry (put, >= 1), or
- * -errno: -EHOSTUNREACH (nobody answered), -ECANCELED (closed). */
+/* status: 0 (join), a count of nodes that stored the entry (put, >= 1: the
+ * acknowledgements when the put reports, once the quorum nearest nodes have
+ * stored it; the stores to the rest of the k nearest go on), or -errno:
+ * -EHOSTUNREACH (nobody answered), -ECANCELED (closed). */
 typedef void (*dht_done_cb)(dht *d, int status, void *ud);
 
 /* status 0 or -errno; entries[0..n) are every live entry of the key found on
- * the k closest nodes, one per (subkey, signed) with the latest expiration.
- * They are borrowed for the duration of the callback only. */
+ * the quorum (DHT_QUORUM, 8) nearest nodes, merged, one per (subkey, signed)
+ * with the latest expiration. They are borrowed for the duration of the
+ * callback only. */
 typedef void (*dht_get_cb)(dht *d, int status, const dht_entry *entries, size_t n, void *ud);
 
 typedef void (*dht_close_cb)(dht *d, void *ud);

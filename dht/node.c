@@ -695,9 +695,10 @@ again:
         for (size_t i = 0; i < l->n; i++) {
             const cand *c = &l->c[i];
             int stale = c->state == C_INFLIGHT && now >= c->sent_at + soft;
-            if (c->state == C_INFLIGHT && !stale)
+            int resent = c->state == C_INFLIGHT && c->tries && l->op == OP_GET;
+            if (c->state == C_INFLIGHT && !stale && !resent)
                 active++;
-            if (c->state == C_FAILED || (stale && c->tries))
+            if (c->state == C_FAILED || (stale && c->tries) || resent)
                 continue; /* presumed dead: does not hold the lookup back */
             if (seen++ < n->cfg.alpha && c->state != C_DONE)
                 near_done = 0;
@@ -742,6 +743,13 @@ again:
                     continue; /* stale twice: neither counted nor waited for */
                 }
             }
+            /* A get does not wait for a node that was silent once: its
+             * request went out again, but the next candidate takes its place
+             * in the quorum now (an answer that still comes is merged). A
+             * dead node among the nearest then costs a get rpc_timeout/4,
+             * not twice that. */
+            if (l->op == OP_GET && c->state == C_INFLIGHT && c->tries)
+                continue;
             counted++;
             if (c->state == C_INFLIGHT && c->sent_at + soft < l->wake_at)
                 l->wake_at = c->sent_at + soft;

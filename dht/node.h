@@ -139,14 +139,17 @@ int dht_node_join(dht_node *n, const dht_peer_addr *peers, size_t n_peers, dht_n
 int dht_node_find(dht_node *n, const uint8_t target[DHT_ID_LEN], dht_node_cb cb, void *ud,
                   uint64_t now);
 
-/* Collects every live entry of key from the k closest nodes (and our own
- * store), following paged replies. */
+/* Collects every live entry of key from the quorum nearest nodes (and our
+ * own store), following paged replies: the lookup asks the quorum nearest
+ * candidates at once and is over when the quorum nearest have answered. */
 int dht_node_get(dht_node *n, const uint8_t key[DHT_ID_LEN], dht_node_cb cb, void *ud,
                  uint64_t now);
 
 /* Stores one entry under key on the k closest nodes (and here, if we are
- * among them). With sign != 0 the subkey is ignored and replaced by our
- * node ID, and the entry is signed with our identity. expires is absolute
+ * among them). The callback runs once the quorum nearest have acknowledged
+ * (status: acknowledgements so far); the stores to the rest go on. With
+ * sign != 0 the subkey is ignored and replaced by our node ID, and the
+ * entry is signed with our identity. expires is absolute
  * (ms, same clock as now). Returns 0, or -EINVAL (sizes, expiration not in
  * (now, now + DHT_MAX_TTL_MS]), -ENOMEM, -EAGAIN (too many operations). */
 int dht_node_put(dht_node *n, const uint8_t key[DHT_ID_LEN], const uint8_t *subkey,

@@ -642,6 +642,51 @@ static void test_quorum_get_merges_holders(void **state)
     sim_destroy(&s);
 }
 
+static uint64_t get_done_at;
+static simnet *get_net;
+static void on_timed_get(void *ud, const dht_result *r)
+{
+    on_quorum_get(ud, r);
+    get_done_at = get_net->now;
+}
+
+/* A dead node among the nearest costs a get one stale period (250 ms): the
+ * next candidate takes its place in the quorum once it was silent once. */
+static void test_get_replaces_silent_holder(void **state)
+{
+    (void)state;
+    simnet *s = sim_create(60, 25, 0.0, NULL);
+    join_all(s);
+    uint8_t key[20];
+    dht_id_of_bytes(key, "churned", 7);
+    got_t p = {0};
+    assert_int_equal(dht_node_put(s->n[7].node, key, NULL, 0, (const uint8_t *)"v", 1,
+                                  s->now + 600000, 1, on_put, &p, s->now), 0);
+    sim_after(s, 7);
+    sim_run(s, s->now + 3000, NULL);
+    assert_true(p.status >= 1);
+    uint32_t order[60];
+    rank_nodes(s, key, order);
+    sim_kill(s, order[0]);
+    sim_kill(s, order[2]);
+    uint32_t getter = order[40] == 7 ? order[41] : order[40];
+    quorum_got g;
+    memset(&g, 0, sizeof g);
+    get_net = s;
+    uint64_t t0 = s->now;
+    assert_int_equal(dht_node_get(s->n[getter].node, key, on_timed_get, &g, s->now), 0);
+    sim_after(s, getter);
+    sim_run(s, s->now + 5000, NULL);
+    assert_int_equal(g.called, 1);
+    assert_int_equal(g.status, 0);
+    assert_int_equal(g.n, 1);
+    assert_true(got_sub(&g, s->n[7].id, 20));
+    /* 250 ms stale period + at most a few 10-80 ms exchanges. */
+    assert_true(get_done_at - t0 >= 250);
+    assert_true(get_done_at - t0 < 500);
+    sim_destroy(&s);
+}
+
 /* A join whose only initial peer is silent for a while (lost datagrams, a
  * peer still starting) asks it again instead of giving up alone. */
 static void test_join_retries_silent_peer(void **state)
@@ -719,6 +764,7 @@ int main(void)
         cmocka_unit_test(test_isolated_put_defers_callback),
         cmocka_unit_test(test_quorum_get_merges_holders),
         cmocka_unit_test(test_join_retries_silent_peer),
+        cmocka_unit_test(test_get_replaces_silent_holder),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -13,7 +13,11 @@
  *     OpenDHT worker does for its own;
  *   - rt "good" and "total" are both the routing-table size: every entry
  *     answered an identity challenge; replacements are not counted;
- *   - a get completes when the k closest nodes have answered, so first = lat.
+ *   - a get completes when the quorum (8) nearest nodes have answered, and
+ *     reports nothing before, so first = lat;
+ *   - a put completes when the quorum nearest have stored the value (the
+ *     stores to the rest of the k = 20 nearest go on).
+ * --quorum N sets the quorum (default 8, at most k).
  * Only 127.0.0.1 is accepted for bind and bootstrap addresses.
  */
 #include <errno.h>
