@@ -888,7 +888,8 @@ static void put_progress(dht_node *n, lookup *l, uint64_t now, int may_finish)
             (c->state == C_INFLIGHT && c->tries && now >= c->sent_at + soft))
             continue; /* presumed dead, as the lookup presumes */
         if (c->state != C_DONE) {
-            ready = 0; /* a nearer node may still answer */
+            if (ok < quorum)
+                ready = 0; /* a nearer node may still answer */
             break;
         }
         if (!c->has_token)
