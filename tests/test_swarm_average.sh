@@ -24,24 +24,44 @@ wait "$TR2" || { fail "trainer 2 failed"; show "$T/t2.err"; }
 # Rounds ran in groups of 3 while training (weights strictly between 0 and 1).
 grep -qE 'averaged in a group of 3 .*our weight 0\.[0-9]*[1-9]' "$T/a.err" "$T/b.err" "$T/c.err" || \
     { fail "no weighted group round while training"; show "$T/a.err"; }
-# Two round periods after training stopped every replica holds the same
-# weights: the first round after training moved each block from where it
-# had drifted (distance to the group average d0 > 0) onto the average
-# (d1 ~ 0: nothing trained during the round, so nothing is kept aside).
-sleep 7
-grep -hE 'fmnist-mlp.1: averaged in a group of 3' "$T/a.err" "$T/b.err" "$T/c.err" >"$T/rounds.txt"
-cat "$T/rounds.txt"
+# After training stops, a round leaves every replica of every block on the
+# same weights: it moves each block from where it had drifted (distance to
+# the group average d0 > 0) onto the average (d1 ~ 0: nothing trained during
+# the round, so nothing is kept aside). Blocks average independently and a
+# round can take several seconds on a loaded machine, so wait (bounded) until
+# each peer has logged such a round for each of the six blocks.
+for p in a b c; do eval "L_$p=\$(wc -l <\"\$T/\$p.err\")"; done
+converged() {
+    "${PYTHON:-python3}" - "$T" "$L_a" "$L_b" "$L_c" <<'PYEOF'
+import re, sys
+t, skip = sys.argv[1], dict(zip("abc", map(int, sys.argv[2:5])))
+pat = re.compile(r"fmnist-mlp\.(\d): averaged in a group of 3 .*group average ([0-9.e+-]+) -> ([0-9.e+-]+)\)")
+missing = []
+for p in "abc":
+    done = set()
+    for line in open(f"{t}/{p}.err").readlines()[skip[p]:]:
+        m = pat.search(line)
+        if m and float(m.group(3)) <= 1e-6:
+            done.add(int(m.group(1)))
+    missing += [f"{p}:{b}" for b in range(6) if b not in done]
+if missing:
+    print("not yet on the average:", " ".join(missing))
+    sys.exit(1)
+PYEOF
+}
+ok=0
+for i in $(seq 1 90); do
+    converged >"$T/conv.txt" && { ok=1; break; }
+    sleep 0.5
+done
+[ "$ok" = 1 ] || { fail "replicas did not all reach the group average after training"; show "$T/conv.txt" "$T/a.err"; }
+grep -hE 'averaged in a group of 3' "$T/a.err" "$T/b.err" "$T/c.err" >"$T/rounds.txt"
 "${PYTHON:-python3}" - "$T/rounds.txt" <<'PYEOF' || fail "no round took the replicas onto the group average"
 import re, sys
 rounds = [tuple(float(x) for x in re.search(r"group average ([0-9.e+-]+) -> ([0-9.e+-]+)", l).groups())
           for l in open(sys.argv[1])]
 assert any(d0 > 1e-3 and d1 <= 1e-3 * d0 for d0, d1 in rounds), rounds
 PYEOF
-for p in a b c; do
-    line=$(grep -E 'fmnist-mlp.1: averaged in a group of 3' "$T/$p.err" | tail -1)
-    echo "$line" | grep -qE 'group average [0-9.e+-]+ -> (0|[0-9.]+e-(0[7-9]|[1-9][0-9]))\)' || \
-        fail "peer $p: its last round did not end on the group average: $line"
-done
 "$S" infer --initial-peers "$BS" --data test --samples 300 --replicas 3 --json >"$T/inf3.json" 2>"$T/inf3.err"
 [ $? -eq 0 ] || { fail "3-path infer failed"; show "$T/inf3.err"; }
 u=$(json_field "$T/inf3.json" unanimous)
