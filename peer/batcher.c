@@ -383,6 +383,31 @@ int peer_batcher_submit(peer_batcher *b, peer_task *t)
     return 0;
 }
 
+int peer_batcher_infer_now(peer_batcher *b, expert_workspace *ws, peer_task *t)
+{
+    if (!b || !ws || !t || t->kind != PEER_TASK_INFER || !t->inputs || !t->outputs || t->rows < 1 ||
+        t->rows > b->cfg.max_batch)
+        return -EINVAL;
+    pthread_mutex_lock(&b->mu);
+    int stopping = b->stopping;
+    pthread_mutex_unlock(&b->mu);
+    if (stopping)
+        return -ESHUTDOWN;
+    uint64_t version = 0;
+    int rc = expert_block_forward(b->blk, ws, t->outputs, t->inputs, t->rows, &version);
+    /* Not folded into the per-row time estimates: a few rows cost far more
+     * per row than the joined batches they describe. */
+    pthread_mutex_lock(&b->mu);
+    b->st.batches++;
+    b->st.tasks[t->kind]++;
+    b->st.rows[t->kind] += (uint64_t)t->rows;
+    if (rc != 0)
+        b->st.errors++;
+    pthread_mutex_unlock(&b->mu);
+    t->version = version;
+    return rc;
+}
+
 void peer_batcher_get_stats(peer_batcher *b, peer_batcher_stats *out)
 {
     pthread_mutex_lock(&b->mu);

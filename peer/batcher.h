@@ -99,6 +99,16 @@ void peer_batcher_destroy(peer_batcher **p);
  * -ESHUTDOWN (stopping). */
 int peer_batcher_submit(peer_batcher *b, peer_task *t);
 
+/* Computes inference task t (kind PEER_TASK_INFER) at once on the calling
+ * thread, ahead of everything queued, with the caller's workspace ws (made
+ * for this block's config and at least t->rows rows; one thread at a time
+ * per ws). For small requests, where handing them to the lane (a wake-up
+ * there and one back) costs more than the compute. Reads one pinned weight
+ * version like a queued forward, sets t->version, counts the task in the
+ * stats; never calls t->done. Returns 0 or -errno (-EINVAL: bad task,
+ * -ESHUTDOWN: stopping). */
+int peer_batcher_infer_now(peer_batcher *b, expert_workspace *ws, peer_task *t);
+
 /* A consistent copy of the counters. */
 void peer_batcher_get_stats(peer_batcher *b, peer_batcher_stats *out);
 

@@ -23,6 +23,8 @@ typedef struct svc_task {
     svc_block *blk;
     peer_rpc_request *req;
     int method;
+    int span, pos;             /* infer: consecutive stages in the request, this task's place */
+    struct svc_task *prev;     /* infer span: the task of the stage before (its out is our input) */
     struct svc_task *next_free;
     float *out;                /* (max_batch, max(in, out)) */
 } svc_task;
@@ -40,6 +42,7 @@ struct svc_block {
     pthread_mutex_t pool_mu;
     svc_task *free_list;
     int pool_size, pool_cap;
+    expert_workspace *inline_ws; /* loop thread: small inference requests, made on first use */
     uint64_t avg_mark;         /* backward rows at the last averaging round */
     uint8_t *state;            /* the latest serialized snapshot for downloads */
     size_t state_len;
@@ -120,31 +123,99 @@ static void pool_free(svc_block *b)
     b->free_list = NULL;
 }
 
-/* Runs on a compute thread: the reply is encoded and handed to the loop by
- * the RPC server. */
+/* Recycles t and the tasks of the stages before it in an infer span. */
+static void chain_put(svc_task *t)
+{
+    while (t) {
+        svc_task *p = t->prev;
+        pool_put(t->blk, t);
+        t = p;
+    }
+}
+
+/* Answers t's request with an error and recycles its chain. */
+static void task_fail(svc_task *t, int code, const char *why)
+{
+    peer_rpc_respond_error(t->req, code, why);
+    chain_put(t);
+}
+
+/* Answers t's request with its result (t is the request's last stage) or
+ * an error, and recycles the chain. Any thread: the RPC server hands the
+ * encoded reply to the loop. */
+static void task_reply(svc_task *t, int status)
+{
+    peer_task *pt = &t->t;
+    svc_block *b = t->blk;
+    if (status != 0) {
+        task_fail(t, EIO, "compute failed");
+        return;
+    }
+    peer_msg reply;
+    uint8_t meta[8 * PEER_SERVICE_MAX_BLOCKS];
+    int n = t->pos + 1; /* one weight version per stage, in order */
+    for (svc_task *x = t; x; x = x->prev)
+        peer_put_le64(meta + 8 * x->pos, x->t.version);
+    peer_msg_init(&reply, PEER_KIND_REPLY, (peer_method)t->method, 0);
+    reply.meta = meta;
+    reply.meta_len = 8 * (size_t)n;
+    uint64_t shape[2] = {(uint64_t)pt->rows,
+                         (uint64_t)(t->method == PEER_METHOD_BACKWARD ? b->cfg.in : b->cfg.out)};
+    reply.n_tensors = 1;
+    if (peer_tensor_f32(&reply.t[0], t->out, 2, shape) != 0 || peer_rpc_respond(t->req, &reply) != 0) {
+        /* respond already answered the client (EIO) or dropped the
+         * request; either way the request is gone. */
+    }
+    chain_put(t);
+}
+
+static svc_block *block_of_stage(peer_service *s, int index)
+{
+    for (int i = 0; i < s->n_blocks; i++)
+        if (s->blocks[i].index == index)
+            return &s->blocks[i];
+    return NULL;
+}
+
+/* The task for the stage after t in an infer span: its input is t's output.
+ * NULL when that block's pool is exhausted. */
+static svc_task *span_next(svc_task *t)
+{
+    svc_block *nb = block_of_stage(t->blk->svc, t->blk->index + 1);
+    svc_task *nt = nb ? pool_get(nb) : NULL;
+    if (!nt)
+        return NULL;
+    nt->req = t->req;
+    nt->method = t->method;
+    nt->span = t->span;
+    nt->pos = t->pos + 1;
+    nt->prev = t;
+    memset(&nt->t, 0, sizeof nt->t);
+    nt->t.kind = PEER_TASK_INFER;
+    nt->t.rows = t->t.rows;
+    nt->t.inputs = t->out;
+    nt->t.outputs = nt->out;
+    nt->t.done = t->t.done;
+    return nt;
+}
+
+/* Runs on a compute thread; a span's next stage goes to its block's lane. */
 static void task_done(peer_task *pt, int status)
 {
     svc_task *t = (svc_task *)pt;
-    svc_block *b = t->blk;
-    if (status != 0) {
-        peer_rpc_respond_error(t->req, EIO, "compute failed");
-    } else {
-        peer_msg reply;
-        uint8_t meta[8];
-        peer_put_le64(meta, pt->version);
-        peer_msg_init(&reply, PEER_KIND_REPLY, (peer_method)t->method, 0);
-        reply.meta = meta;
-        reply.meta_len = sizeof meta;
-        uint64_t shape[2] = {(uint64_t)pt->rows,
-                             (uint64_t)(t->method == PEER_METHOD_BACKWARD ? b->cfg.in : b->cfg.out)};
-        reply.n_tensors = 1;
-        if (peer_tensor_f32(&reply.t[0], t->out, 2, shape) != 0 ||
-            peer_rpc_respond(t->req, &reply) != 0) {
-            /* respond already answered the client (EIO) or dropped the
-             * request; either way the request is gone. */
-        }
+    if (status != 0 || t->pos + 1 >= t->span) {
+        task_reply(t, status);
+        return;
     }
-    pool_put(b, t);
+    svc_task *nt = span_next(t);
+    if (!nt) {
+        task_fail(t, EBUSY, "peer overloaded; try another replica");
+        return;
+    }
+    int rc = peer_batcher_submit(nt->blk->batcher, &nt->t);
+    if (rc != 0)
+        task_fail(nt, rc == -EAGAIN ? EBUSY : rc == -ESHUTDOWN ? ESHUTDOWN : EIO,
+                  rc == -EAGAIN ? "queue full; try another replica" : "cannot queue request");
 }
 
 /* Training samples this block has processed since its last averaging. */
@@ -330,6 +401,26 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
         peer_rpc_respond_error(req, EINVAL, why);
         return;
     }
+    /* infer may name a span: this stage and the ones after it, all hosted
+     * here, computed one after the other without a round trip each. */
+    int span = 1;
+    if (msg->method == PEER_METHOD_INFER && msg->meta_len != 0) {
+        uint64_t v = msg->meta_len == 8 ? peer_get_le64(msg->meta) : 0;
+        if (v < 1 || v > (uint64_t)s->n_blocks) {
+            snprintf(why, sizeof why, "infer meta is the number of consecutive stages to run (u64le, 1..%d)",
+                     s->n_blocks);
+            peer_rpc_respond_error(req, EINVAL, why);
+            return;
+        }
+        span = (int)v;
+        for (int i = 1; i < span; i++)
+            if (!block_of_stage(s, b->index + i)) {
+                snprintf(why, sizeof why, "stage %d (in a span of %d from %s) is not hosted by this peer",
+                         b->index + i, span, b->name);
+                peer_rpc_respond_error(req, ENOENT, why);
+                return;
+            }
+    }
     svc_task *t = pool_get(b);
     if (!t) {
         peer_rpc_respond_error(req, EBUSY, "peer overloaded; try another replica");
@@ -337,6 +428,9 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
     }
     t->req = req;
     t->method = msg->method;
+    t->span = span;
+    t->pos = 0;
+    t->prev = NULL;
     memset(&t->t, 0, sizeof t->t);
     t->t.kind = msg->method == PEER_METHOD_INFER ? PEER_TASK_INFER
                 : fwd                           ? PEER_TASK_FORWARD
@@ -351,6 +445,33 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
     if (!fwd && msg->meta && msg->meta_len == 8) {
         t->t.has_at_version = 1;
         t->t.at_version = peer_get_le64(msg->meta);
+    }
+    /* A small inference request costs less to compute here (under a
+     * millisecond per stage) than to hand to the lane and back: two thread
+     * wake-ups per stage, each of which waits for a time slice when
+     * training keeps the cores busy. */
+    if (t->t.kind == PEER_TASK_INFER && t->t.rows <= s->cfg.infer_inline_rows) {
+        for (;;) {
+            svc_block *tb = t->blk;
+            if (!tb->inline_ws)
+                tb->inline_ws = expert_workspace_create(&tb->cfg, s->cfg.infer_inline_rows);
+            int rc = tb->inline_ws ? peer_batcher_infer_now(tb->batcher, tb->inline_ws, &t->t) : -ENOMEM;
+            if (rc != 0) {
+                task_fail(t, rc == -ESHUTDOWN ? ESHUTDOWN : rc == -ENOMEM ? ENOMEM : EIO,
+                          rc == -ESHUTDOWN ? "peer is shutting down" : "compute failed");
+                return;
+            }
+            if (t->pos + 1 >= t->span) {
+                task_reply(t, 0);
+                return;
+            }
+            svc_task *nt = span_next(t);
+            if (!nt) {
+                task_fail(t, EBUSY, "peer overloaded; try another replica");
+                return;
+            }
+            t = nt;
+        }
     }
     int rc = peer_batcher_submit(b->batcher, &t->t);
     if (rc != 0) {
@@ -419,6 +540,7 @@ static void free_blocks(peer_service *s)
     for (int i = 0; i < s->n_blocks; i++) {
         svc_block *b = &s->blocks[i];
         peer_batcher_destroy(&b->batcher);
+        expert_workspace_destroy(&b->inline_ws);
         pool_free(b);
         pthread_mutex_destroy(&b->pool_mu);
         free(b->state);
@@ -441,6 +563,7 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
     }
     if (!loop || !cfg || !cfg->self || !cfg->model || !cfg->blocks || cfg->n_blocks < 1 ||
         cfg->n_blocks > PEER_SERVICE_MAX_BLOCKS || cfg->threads < 1 || cfg->max_batch < 1 ||
+        cfg->infer_inline_rows < 0 || cfg->infer_inline_rows > cfg->max_batch ||
         cfg->max_queue_rows < cfg->max_batch) {
         snprintf(err, errlen, "invalid service configuration");
         return NULL;

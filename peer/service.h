@@ -56,6 +56,9 @@ typedef struct peer_service_config {
     int max_batch;                /* rows per request and per joined batch */
     int max_queue_rows;           /* per block, before EBUSY */
     int train_idle;               /* training threads at SCHED_IDLE (peer_batcher_config) */
+    int infer_inline_rows;        /* inference requests of at most this many rows are
+                                     computed at once on the loop thread (no hand-off
+                                     to the lane); 0: always through the lane */
     struct expert_optim optim;    /* optimizer, incl. target_batch */
     uint64_t seed;                /* init seed when no checkpoint exists */
     const char *checkpoint_dir;   /* NULL: no checkpoints */

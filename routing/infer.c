@@ -20,6 +20,7 @@ typedef struct unit {
     int used, sent;
     int batch, path, rows;
     int stage;
+    int span;                   /* stages asked of the holder in flight (from stage on) */
     float *buf[2];              /* ping-pong (batch, max width) */
     uint8_t holder[DHT_ID_LEN]; /* holder of the call in flight */
     uint8_t prev[DHT_ID_LEN];   /* holder that served the previous stage */
@@ -150,7 +151,8 @@ static void unit_failed(infer *in, unit *u, int drop)
     }
     if (drop)
         route_conns_drop(in->conns, u->holder);
-    *used_flag(in, u->batch, u->stage, u->path) = 0;
+    for (int i = 0; i < u->span; i++)
+        *used_flag(in, u->batch, u->stage + i, u->path) = 0;
     u->sent = 0;
     u->attempt++;
     in->res->retries++;
@@ -162,35 +164,46 @@ static void on_reply(void *arg, int status, const peer_msg *m)
     infer *in = u->in;
     if (status != 0 || m->kind != PEER_KIND_REPLY) {
         if (status == 0 && m->err_code == ENOENT)
-            route_swarm_invalidate(in->swarm, u->stage);
+            for (int s = u->stage; s < u->stage + u->span; s++)
+                route_swarm_invalidate(in->swarm, s);
         unit_failed(in, u, status != 0 && status != -ETIMEDOUT);
         pump(in);
         return;
     }
-    route_stage *st = route_swarm_stage(in->swarm, u->stage);
-    if (m->n_tensors != 1 || m->t[0].dtype != PEER_DTYPE_F32 || m->t[0].ndim != 2 ||
+    /* One weight version per stage served: a peer may serve fewer stages
+     * of the span than asked (one, if it predates spans). */
+    int served = m->meta && m->meta_len % 8 == 0 ? (int)(m->meta_len / 8) : 0;
+    int last = u->stage + served - 1;
+    route_stage *st = served >= 1 && served <= u->span ? route_swarm_stage(in->swarm, last) : NULL;
+    if (!st || m->n_tensors != 1 || m->t[0].dtype != PEER_DTYPE_F32 || m->t[0].ndim != 2 ||
         m->t[0].shape[0] != (uint64_t)u->rows || m->t[0].shape[1] != (uint64_t)st->out) {
         unit_failed(in, u, 1);
         pump(in);
         return;
     }
-    memcpy(u->buf[(u->stage + 1) & 1], m->t[0].data, (size_t)u->rows * (size_t)st->out * sizeof(float));
-    uint64_t v = m->meta && m->meta_len == 8 ? peer_get_le64(m->meta) : 0;
-    if (v < in->res->ver_min[u->stage])
-        in->res->ver_min[u->stage] = v;
-    if (v > in->res->ver_max[u->stage])
-        in->res->ver_max[u->stage] = v;
+    memcpy(u->buf[(last + 1) & 1], m->t[0].data, (size_t)u->rows * (size_t)st->out * sizeof(float));
+    for (int i = 0; i < served; i++) {
+        uint64_t v = peer_get_le64((const uint8_t *)m->meta + 8 * i);
+        if (v < in->res->ver_min[u->stage + i])
+            in->res->ver_min[u->stage + i] = v;
+        if (v > in->res->ver_max[u->stage + i])
+            in->res->ver_max[u->stage + i] = v;
+    }
     route_holder *h = route_swarm_find_holder(in->swarm, u->stage, u->holder);
     if (h) {
         if (h->rep.inflight > 0)
             h->rep.inflight--;
-        route_replica_success(&h->rep, now_s(in) - u->t_call);
+        route_replica_success(&h->rep, (now_s(in) - u->t_call) / served);
     }
     memcpy(u->prev, u->holder, DHT_ID_LEN);
-    *used_flag(in, u->batch, u->stage, u->path) = 1;
+    for (int i = 0; i < served; i++) {
+        memcpy(used_id(in, u->batch, u->stage + i, u->path), u->holder, DHT_ID_LEN);
+        *used_flag(in, u->batch, u->stage + i, u->path) = 1;
+    }
     u->sent = 0;
     u->attempt = 0;
-    if (++u->stage < in->S) {
+    u->stage = last + 1;
+    if (u->stage < in->S) {
         pump(in);
         return;
     }
@@ -207,6 +220,20 @@ static void on_reply(void *arg, int status, const peer_msg *m)
         decide(in, u->batch);
     u->used = 0;
     pump(in);
+}
+
+/* How many stages from `stage` on the holder id can serve in one request:
+ * it announces each of them online and is not backed off at any. */
+static int span_of(infer *in, int stage, const uint8_t id[DHT_ID_LEN], double now)
+{
+    int n = 1;
+    while (stage + n < in->S) {
+        route_holder *h = route_swarm_find_holder(in->swarm, stage + n, id);
+        if (!h || h->ann.state != PEER_STATE_ONLINE || route_replica_weight(&h->rep, now) <= 0)
+            break;
+        n++;
+    }
+    return n;
 }
 
 static int dispatch(infer *in, unit *u)
@@ -262,9 +289,18 @@ static int dispatch(infer *in, unit *u)
             fresh_busy |= avoided > 0;
             continue;
         }
+        /* The stages after this one that the same peer holds go in the
+         * same request (a span): one round trip instead of one per stage. */
+        int span = span_of(in, u->stage, h->rep.id, now);
+        uint8_t meta[8];
+        peer_put_le64(meta, (uint64_t)span);
         peer_msg m;
         peer_msg_init(&m, PEER_KIND_REQUEST, PEER_METHOD_INFER, 0);
         snprintf(m.block, sizeof m.block, "%s", st->name);
+        if (span > 1) {
+            m.meta = meta;
+            m.meta_len = sizeof meta;
+        }
         uint64_t shape[2] = {(uint64_t)u->rows, (uint64_t)st->in};
         const float *x = u->stage == 0 ? in->cfg.inputs + (size_t)u->batch * (size_t)in->cfg.batch * (size_t)st->in
                                        : u->buf[u->stage & 1];
@@ -272,14 +308,17 @@ static int dispatch(infer *in, unit *u)
         m.n_tensors = 1;
         memcpy(u->holder, h->rep.id, DHT_ID_LEN);
         u->t_call = now;
+        u->span = span;
         int rc = peer_rpc_call(cl, &m, (uint64_t)(in->cfg.call_timeout_s * 1000), on_reply, u, NULL);
         if (rc == 0) {
             u->sent = 1;
             h->rep.inflight++;
             /* Claimed now, not on the reply: sibling paths dispatched in
              * the meantime must see it. */
-            memcpy(used_id(in, u->batch, u->stage, u->path), h->rep.id, DHT_ID_LEN);
-            *used_flag(in, u->batch, u->stage, u->path) = 1;
+            for (int i = 0; i < span; i++) {
+                memcpy(used_id(in, u->batch, u->stage + i, u->path), h->rep.id, DHT_ID_LEN);
+                *used_flag(in, u->batch, u->stage + i, u->path) = 1;
+            }
             return 1;
         }
         if (rc == -ENOTCONN)
@@ -317,6 +356,7 @@ static void pump(infer *in)
             int first = u->batch * in->cfg.batch;
             u->rows = in->cfg.n - first < in->cfg.batch ? in->cfg.n - first : in->cfg.batch;
             u->stage = 0;
+            u->span = 1;
             u->sent = 0;
             u->attempt = 0;
             u->t_start = now_s(in);

@@ -114,7 +114,7 @@ static void fill(float *x, size_t n, unsigned seed)
         x[i] = (float)rand_r(&seed) / (float)RAND_MAX * 2.0f - 1.0f;
 }
 
-static peer_service *start(int *port, const int *blocks, int n)
+static peer_service *start_inline(int *port, const int *blocks, int n, int inline_rows)
 {
     char err[256] = "";
     peer_service_config c;
@@ -130,6 +130,7 @@ static peer_service *start(int *port, const int *blocks, int n)
     c.optim.target_batch = 8;
     c.seed = 42;
     c.checkpoint_dir = dir;
+    c.infer_inline_rows = inline_rows;
     peer_service *s = peer_service_create(&loop, &c, err, sizeof err);
     if (!s)
         fail_msg("peer_service_create: %s", err);
@@ -139,6 +140,28 @@ static peer_service *start(int *port, const int *blocks, int n)
     *port = peer_service_port(s);
     assert_true(*port > 0);
     return s;
+}
+
+static peer_service *start(int *port, const int *blocks, int n)
+{
+    return start_inline(port, blocks, n, 0);
+}
+
+/* An infer request with raw meta bytes (the span). */
+static void call_infer(peer_rpc_client *cl, const char *block, const float *x, int rows, int width,
+                       const void *meta, size_t meta_len, result *r)
+{
+    peer_msg m;
+    peer_msg_init(&m, PEER_KIND_REQUEST, PEER_METHOD_INFER, 0);
+    snprintf(m.block, sizeof m.block, "%s", block);
+    uint64_t shape[2] = {(uint64_t)rows, (uint64_t)width};
+    assert_int_equal(peer_tensor_f32(&m.t[m.n_tensors++], x, 2, shape), 0);
+    m.meta = meta;
+    m.meta_len = meta_len;
+    memset(r, 0, sizeof *r);
+    assert_int_equal(peer_rpc_call(cl, &m, 20000, on_reply, r, NULL), 0);
+    run_until(&r->done);
+    assert_int_equal(r->status, 0);
 }
 
 static peer_rpc_client *connect_to(int port)
@@ -291,6 +314,92 @@ static void test_rpc_equals_local_and_restart(void **state)
     expert_block_destroy(&ref5);
 }
 
+/* An infer request may name a span of consecutive stages hosted by the
+ * peer: the reply equals the stages' local forwards one after the other, bit
+ * for bit, and carries one weight version per stage; the same whether the
+ * stages run on the network thread (few rows, infer_inline_rows) or go
+ * through each block's inference lane. Bad spans get clear errors. */
+static void test_infer_spans(void **state)
+{
+    (void)state;
+    static const int blocks[] = {4, 2, 3}; /* hosted out of order on purpose */
+    const struct expert_model_spec *spec = expert_model_find("fmnist-mlp");
+    struct expert_block_config c[5];
+    expert_block *ref[5] = {0};
+    expert_workspace *ws[5] = {0};
+    for (int i = 2; i <= 4; i++) {
+        assert_int_equal(expert_model_stage(spec, i, &c[i]), 0);
+        ref[i] = expert_block_create(&c[i], expert_stage_seed(42, (unsigned)i));
+        ws[i] = expert_workspace_create(&c[i], 16);
+        assert_true(ref[i] && ws[i]);
+    }
+    static float x[16 * 512], want[16 * 512], tmp[16 * 512];
+    static result r;
+    for (int inl = 0; inl <= 8; inl += 8) {
+        int port;
+        peer_service *s = start_inline(&port, blocks, 3, inl);
+        peer_rpc_client *cl = connect_to(port);
+        const int sizes[2] = {3, 13}; /* within and beyond the inline limit */
+        uint64_t served = 0;
+        for (int k = 0; k < 2; k++) {
+            int B = sizes[k];
+            fill(x, (size_t)B * 512, 7u + (unsigned)k);
+            /* stages 2, 3, 4 in one request */
+            uint8_t meta[8];
+            peer_put_le64(meta, 3);
+            call_infer(cl, "fmnist-mlp.2", x, B, 512, meta, sizeof meta, &r);
+            assert_int_equal(r.kind, PEER_KIND_REPLY);
+            assert_true(r.shape[0] == (uint64_t)B && r.shape[1] == 512);
+            assert_int_equal(expert_block_forward(ref[2], ws[2], want, x, B, NULL), 0);
+            assert_int_equal(expert_block_forward(ref[3], ws[3], tmp, want, B, NULL), 0);
+            assert_int_equal(expert_block_forward(ref[4], ws[4], want, tmp, B, NULL), 0);
+            assert_memory_equal(r.data, want, (size_t)B * 512 * sizeof(float));
+            /* one version per stage: 24 bytes, all version 0 */
+            static const char zeros[24];
+            assert_memory_equal(r.meta, zeros, 24);
+            assert_true(r.version == 0); /* on_reply reads versions only from 8-byte metas */
+            /* a span of 1 and no meta at all: the plain single-stage reply */
+            peer_put_le64(meta, 1);
+            call_infer(cl, "fmnist-mlp.3", x, B, 512, meta, sizeof meta, &r);
+            assert_int_equal(r.kind, PEER_KIND_REPLY);
+            assert_int_equal(expert_block_forward(ref[3], ws[3], want, x, B, NULL), 0);
+            assert_memory_equal(r.data, want, (size_t)B * 512 * sizeof(float));
+            call_infer(cl, "fmnist-mlp.3", x, B, 512, NULL, 0, &r);
+            assert_int_equal(r.kind, PEER_KIND_REPLY);
+            assert_memory_equal(r.data, want, (size_t)B * 512 * sizeof(float));
+            served += (uint64_t)B * 3;
+        }
+        /* stage 5 is not hosted: the span is refused, naming it */
+        uint8_t meta[8];
+        peer_put_le64(meta, 3);
+        call_infer(cl, "fmnist-mlp.3", x, 2, 512, meta, sizeof meta, &r);
+        assert_int_equal(r.kind, PEER_KIND_ERROR);
+        assert_int_equal(r.err_code, ENOENT);
+        assert_non_null(strstr(r.err_msg, "stage 5"));
+        /* garbage metas: wrong length, zero, more than hosted, huge */
+        call_infer(cl, "fmnist-mlp.2", x, 2, 512, meta, 3, &r);
+        assert_int_equal(r.err_code, EINVAL);
+        assert_non_null(strstr(r.err_msg, "consecutive stages"));
+        const uint64_t bad[] = {0, 4, UINT64_MAX};
+        for (int i = 0; i < 3; i++) {
+            peer_put_le64(meta, bad[i]);
+            call_infer(cl, "fmnist-mlp.2", x, 2, 512, meta, sizeof meta, &r);
+            assert_int_equal(r.kind, PEER_KIND_ERROR);
+            assert_int_equal(r.err_code, EINVAL);
+        }
+        /* the blocks counted what they served: stage 3 ran in every request */
+        peer_block_info info;
+        assert_int_equal(peer_service_block_info(s, 2, &info), 0);
+        assert_string_equal(info.name, "fmnist-mlp.3");
+        assert_true(info.stats.rows[PEER_TASK_INFER] == served);
+        stop(&s, &cl);
+    }
+    for (int i = 2; i <= 4; i++) {
+        expert_workspace_destroy(&ws[i]);
+        expert_block_destroy(&ref[i]);
+    }
+}
+
 static void test_bad_configs(void **state)
 {
     (void)state;
@@ -314,6 +423,15 @@ static void test_bad_configs(void **state)
     c.model = "nope";
     assert_null(peer_service_create(&loop, &c, err, sizeof err));
     assert_non_null(strstr(err, "unknown model"));
+    /* inline inference rows beyond max_batch, or negative */
+    c.model = "fmnist-mlp";
+    blocks[1] = 2;
+    c.infer_inline_rows = 9;
+    assert_null(peer_service_create(&loop, &c, err, sizeof err));
+    assert_non_null(strstr(err, "invalid service configuration"));
+    c.infer_inline_rows = -1;
+    assert_null(peer_service_create(&loop, &c, err, sizeof err));
+    c.infer_inline_rows = 0;
     /* A corrupt checkpoint is refused with a clear message, not ignored. */
     c.model = "fmnist-mlp";
     c.n_blocks = 1;
@@ -349,6 +467,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_rpc_equals_local_and_restart, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_infer_spans, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_configs, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -58,6 +58,11 @@ static const char peer_help[] =
     "  --training-priority P  low (default: training threads at nice 10) or idle\n"
     "                         (SCHED_IDLE: inference and everything else preempt\n"
     "                         training at once; for machines that mainly serve)\n"
+    "  --infer-inline-rows N  compute inference requests of at most N rows at once on\n"
+    "                         the network thread, skipping the hand-off to the\n"
+    "                         inference thread: lower latency one request at a time\n"
+    "                         under training load, but no joining of concurrent\n"
+    "                         requests (default 0: always the inference thread)\n"
     "  --max-batch N          largest request and joined batch, rows (default 256)\n"
     "  --target-batch N       samples accumulated per optimizer step (default 128)\n"
     "  --optimizer NAME       adamw (default) or sgd\n"
@@ -361,7 +366,7 @@ static int choose_first_span(run_ctx *r, const char *initial, const char *swarm_
 int cmd_peer(int argc, char **argv)
 {
     enum { O_INITIAL = 256, O_MODEL, O_BLOCKS, O_DEVICE, O_LISTEN, O_ANNOUNCE, O_IDENTITY,
-           O_CKPT_DIR, O_CKPT_EVERY, O_SWARM_KEY, O_THREADS, O_BLAS, O_TPRIO, O_MAX_BATCH, O_TARGET,
+           O_CKPT_DIR, O_CKPT_EVERY, O_SWARM_KEY, O_THREADS, O_BLAS, O_TPRIO, O_INLINE, O_MAX_BATCH, O_TARGET,
            O_OPT, O_LR, O_SEED, O_METRICS, O_ANN_EVERY, O_ANN_TTL, O_NO_SYNC, O_NUM_BLOCKS, O_REBALANCE, O_AVERAGE };
     static const struct option opts[] = {
         {"initial-peers", required_argument, NULL, O_INITIAL},
@@ -377,6 +382,7 @@ int cmd_peer(int argc, char **argv)
         {"threads", required_argument, NULL, O_THREADS},
         {"blas-threads", required_argument, NULL, O_BLAS},
         {"training-priority", required_argument, NULL, O_TPRIO},
+        {"infer-inline-rows", required_argument, NULL, O_INLINE},
         {"max-batch", required_argument, NULL, O_MAX_BATCH},
         {"target-batch", required_argument, NULL, O_TARGET},
         {"optimizer", required_argument, NULL, O_OPT},
@@ -395,7 +401,7 @@ int cmd_peer(int argc, char **argv)
     const char *initial = NULL, *model = "fmnist-mlp", *blocks_s = NULL, *device = "cpu";
     const char *listen = "127.0.0.1:0", *announce_host = NULL, *identity = NULL;
     const char *ckpt_dir = NULL, *swarm_key_file = NULL, *metrics = NULL, *optimizer = "adamw";
-    long threads = 1, blas = 0, max_batch = 256, target = 128, seed = 0;
+    long threads = 1, blas = 0, max_batch = 256, target = 128, seed = 0, inline_rows = 0;
     int train_idle = 0;
     double ckpt_every = 300, lr = -1, ann_every = 20, ann_ttl = 60, rebalance = 60, average = 30;
     long num_blocks = 0;
@@ -457,6 +463,10 @@ int cmd_peer(int argc, char **argv)
                 train_idle = 1;
             else
                 return cli_usage_error("peer", "--training-priority takes low or idle, not '%s'", optarg);
+            break;
+        case O_INLINE:
+            if (cli_parse_long("peer", "--infer-inline-rows", optarg, 0, 256, &inline_rows))
+                return CLI_EXIT_USAGE;
             break;
         case O_MAX_BATCH:
             if (cli_parse_long("peer", "--max-batch", optarg, 1, 65536, &max_batch))
@@ -540,6 +550,9 @@ int cmd_peer(int argc, char **argv)
     if (ann_ttl <= ann_every)
         return cli_usage_error("peer", "--announce-ttl (%g s) must be longer than --announce-every (%g s)",
                                ann_ttl, ann_every);
+    if (inline_rows > max_batch)
+        return cli_usage_error("peer", "--infer-inline-rows (%ld) cannot exceed --max-batch (%ld)", inline_rows,
+                               max_batch);
     if (lr > 0)
         optim.lr = (float)lr;
     optim.target_batch = (int)target;
@@ -580,6 +593,7 @@ int cmd_peer(int argc, char **argv)
     dc->svc.max_batch = (int)max_batch;
     dc->svc.max_queue_rows = (int)max_batch * 8;
     dc->svc.train_idle = train_idle;
+    dc->svc.infer_inline_rows = (int)inline_rows;
     dc->svc.optim = optim;
     dc->svc.seed = (uint64_t)seed;
     dc->svc.checkpoint_dir = ckpt_dir;
