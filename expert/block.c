@@ -753,52 +753,6 @@ int expert_block_set_params(expert_block *b, const float *params)
     return 0;
 }
 
-int expert_block_average_with(expert_block *b, const void *buf, size_t len, double w_self,
-                              double w_other, double *dist_before, double *dist_after)
-{
-    if (!b || !buf || !(w_self >= 0) || !(w_other >= 0) || !(w_self + w_other > 0) ||
-        !isfinite(w_self + w_other))
-        return -EINVAL;
-    expert_block *o = expert_block_create(&b->cfg, 0);
-    if (!o)
-        return -ENOMEM;
-    int rc = expert_block_deserialize(o, buf, len);
-    if (rc != 0) {
-        expert_block_destroy(&o);
-        return rc;
-    }
-    const float *po = o->params + (size_t)o->cur * o->n;
-    const float a = (float)(w_self / (w_self + w_other)), c = 1.0f - a;
-    double d0 = 0, d1 = 0;
-    pthread_mutex_lock(&b->grad_mu);
-    const float *ps = current_params(b);
-    float *dst = spare_begin(b);
-    for (size_t i = 0; i < b->n; i++) {
-        float v = a * ps[i] + c * po[i];
-        if (!isfinite(v)) {
-            rc = -ERANGE;
-            break;
-        }
-        double e0 = (double)ps[i] - po[i], e1 = (double)v - po[i];
-        d0 += e0 * e0;
-        d1 += e1 * e1;
-        dst[i] = v;
-    }
-    /* The spare slot is published only when complete and finite: readers
-     * see the old weights or the averaged ones, never a mix. */
-    if (rc == 0)
-        spare_publish(b, b->version + 1);
-    pthread_mutex_unlock(&b->grad_mu);
-    expert_block_destroy(&o);
-    if (rc == 0) {
-        if (dist_before)
-            *dist_before = sqrt(d0);
-        if (dist_after)
-            *dist_after = sqrt(d1);
-    }
-    return rc;
-}
-
 size_t expert_block_flat_len(const expert_block *b)
 {
     return b ? 3 * b->n : 0;

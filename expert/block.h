@@ -208,18 +208,6 @@ void expert_block_copy_grads(expert_block *b, float *out);
 /* Replaces the parameters with params (nparams floats) as a new version. */
 int expert_block_set_params(expert_block *b, const float *params);
 
-/* Replica averaging: replaces the parameters by
- * (w_self * ours + w_other * theirs) / (w_self + w_other), where theirs come
- * from another replica's expert_block_serialize bytes (validated as
- * deserialize does: same config, checksum). Published as a new weight
- * version in one piece; optimizer state and gradients are left alone.
- * *dist_before / *dist_after (may be NULL) receive the L2 distance between
- * our parameters and theirs before and after. Returns 0, -EINVAL (weights),
- * -ENOMEM, -ERANGE (a non-finite result: nothing changes) or the
- * deserialize errors (nothing changes). */
-int expert_block_average_with(expert_block *b, const void *buf, size_t len, double w_self,
-                              double w_other, double *dist_before, double *dist_after);
-
 /* Group averaging (an all-reduce among replicas, peer/allreduce.h) works on
  * a flat view of the block's state: parameters, then the first moment m,
  * then the second moment v (3 * nparams floats; m and v are zero before

@@ -211,10 +211,8 @@ static void sync_next(peer_daemon *d);
 
 static void maybe_free(peer_daemon *d);
 
-static void on_state(void *arg, int status, const uint8_t *buf, size_t len, uint64_t version,
-                     uint64_t samples)
+static void on_state(void *arg, int status, const uint8_t *buf, size_t len, uint64_t version)
 {
-    (void)samples;
     peer_daemon *d = arg;
     d->sync_inflight = 0;
     if (d->stopping) {
@@ -391,23 +389,20 @@ static void on_avg_group(dht *dh, int status, const dht_entry *e, size_t n, void
     }
     peer_block_info info;
     peer_service_block_info(d->svc, c->block, &info);
-    static avg_cand cand[256];
-    int nc = 0, self_seen = 0;
+    avg_cand cand[256];
+    int nc = 0;
     for (size_t i = 0; status == 0 && i < n && nc < 255; i++) {
         peer_avg_record r;
         if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN ||
             peer_avg_record_decode(&r, e[i].value, e[i].value_len) != 0 || r.round != c->round)
             continue;
-        if (!memcmp(e[i].subkey, d->ident.id, DHT_ID_LEN)) {
-            self_seen = 1;
-            continue;
-        }
+        if (!memcmp(e[i].subkey, d->ident.id, DHT_ID_LEN))
+            continue; /* we are a member whether or not our own entry came back */
         memcpy(cand[nc].m.id, e[i].subkey, DHT_ID_LEN);
         snprintf(cand[nc].m.addr, sizeof cand[nc].m.addr, "%s", r.addr);
         cand[nc].optim = (uint8_t)r.optim;
         nc++;
     }
-    (void)self_seen; /* we are a member whether or not our own entry came back */
     memcpy(cand[nc].m.id, d->ident.id, DHT_ID_LEN);
     snprintf(cand[nc].m.addr, sizeof cand[nc].m.addr, "%s", d->announce_addr);
     cand[nc].optim = (uint8_t)d->optim_kind;

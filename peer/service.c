@@ -272,11 +272,10 @@ static void handle_state(peer_service *s, svc_block *b, peer_rpc_request *req, c
     size_t nf = (len + 3) / 4;
     chunk[nf ? nf - 1 : 0] = 0.0f; /* zero the padding */
     memcpy(chunk, b->state + off, len);
-    uint8_t meta[32];
+    uint8_t meta[24];
     peer_put_le64(meta, b->state_id);
     peer_put_le64(meta + 8, b->state_len);
     peer_put_le64(meta + 16, b->state_version);
-    peer_put_le64(meta + 24, samples_since_avg(b));
     peer_msg reply;
     peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_STATE, 0);
     reply.meta = meta;

@@ -20,7 +20,7 @@ typedef struct sync {
     void *arg;
     uint8_t *buf;
     size_t total, got;
-    uint64_t id, version, samples;
+    uint64_t id, version;
     int restarts;
     int status;
     int done;
@@ -31,9 +31,9 @@ static void on_closed(peer_rpc_client *cl, void *arg)
     sync_t *s = arg;
     peer_rpc_client_destroy(&cl);
     if (s->status == 0)
-        s->cb(s->arg, 0, s->buf, s->total, s->version, s->samples);
+        s->cb(s->arg, 0, s->buf, s->total, s->version);
     else
-        s->cb(s->arg, s->status, NULL, 0, 0, 0);
+        s->cb(s->arg, s->status, NULL, 0, 0);
     free(s->buf);
     free(s);
 }
@@ -83,6 +83,7 @@ static void on_reply(void *arg, int status, const peer_msg *m)
         finish(s, m->err_code > 0 ? -m->err_code : -EIO);
         return;
     }
+    /* 24 bytes; peers of session 2 sent a 4th, unused field */
     if (!m->meta || (m->meta_len != 24 && m->meta_len != 32)) {
         finish(s, -EBADMSG);
         return;
@@ -104,7 +105,6 @@ static void on_reply(void *arg, int status, const peer_msg *m)
         s->id = id;
         s->total = total;
         s->version = version;
-        s->samples = m->meta_len == 32 ? peer_get_le64((const uint8_t *)m->meta + 24) : 0;
     } else if (id != s->id || total != s->total) {
         finish(s, -EBADMSG);
         return;

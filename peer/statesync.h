@@ -18,10 +18,9 @@
 #include "dht/identity.h"
 
 /* status 0: buf[0..len) is the donor's state at weight `version` (buf is
- * valid during the callback only); samples = training samples the donor
- * processed since its last averaging round. Otherwise a negative errno. */
+ * valid during the callback only). Otherwise a negative errno. */
 typedef void (*peer_statesync_cb)(void *arg, int status, const uint8_t *buf, size_t len,
-                                  uint64_t version, uint64_t samples);
+                                  uint64_t version);
 
 /* Starts a download of `block` from the donor with node ID donor_id at
  * donor_addr ("HOST:PORT"). Returns 0 (cb runs exactly once later) or a
