@@ -296,6 +296,15 @@ static void push_batches(trainer *t)
     int w = d->rows * d->cols;
     while (t->cursor < n) {
         int rows = (int)(n - t->cursor < t->cfg.batch ? n - t->cursor : t->cfg.batch);
+        if (t->ph == PH_TRAIN && t->cfg.sync_samples > 0) {
+            /* A group never mixes with the next: the next group's forwards
+             * see the weights after every stage stepped on this one. */
+            long in_group = t->cursor % t->cfg.sync_samples;
+            if (in_group == 0 && t->cursor > 0 && route_pipeline_inflight(t->pipe) > 0)
+                break;
+            if (rows > t->cfg.sync_samples - in_group)
+                rows = (int)(t->cfg.sync_samples - in_group);
+        }
         for (int r = 0; r < rows; r++) {
             long idx = t->ph == PH_TRAIN ? t->order[t->cursor + r] : t->cursor + r;
             memcpy(t->xbuf + (size_t)r * (size_t)w, d->images + (size_t)idx * (size_t)w,
@@ -452,7 +461,7 @@ int route_train_run(uv_loop_t *loop, const route_train_config *cfg_in, route_tra
     memset(out, 0, sizeof *out);
     if (!loop || !cfg_in || !cfg_in->dht || !cfg_in->ident || !cfg_in->model || !cfg_in->train ||
         !cfg_in->test || cfg_in->epochs < 1 || cfg_in->batch < 1 || cfg_in->inflight < 1 ||
-        cfg_in->inflight > ROUTE_PIPELINE_MAX_INFLIGHT ||
+        cfg_in->inflight > ROUTE_PIPELINE_MAX_INFLIGHT || cfg_in->sync_samples < 0 ||
         cfg_in->model->n_stages > ROUTE_PIPELINE_MAX_STAGES) {
         snprintf(out->error, sizeof out->error, "invalid training configuration");
         return -EINVAL;

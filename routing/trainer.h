@@ -57,6 +57,12 @@ typedef struct route_train_config {
     double call_timeout_s;                  /* one RPC (default 30) */
     double max_wait_s;                      /* a stage without holders (default 120) */
     double refresh_s;                       /* holder lookups (default 10) */
+    int sync_samples;                       /* > 0: training micro-batches go in groups of
+                                               this many samples, and a group starts only
+                                               once the previous one has finished its
+                                               backward everywhere (synchronous steps when
+                                               it equals the peers' target batch); 0: a new
+                                               micro-batch starts whenever one finishes */
     void (*on_progress)(void *arg, const route_train_progress *p);
     void (*on_epoch)(void *arg, const route_epoch_result *e);
     void (*on_message)(void *arg, const char *msg);

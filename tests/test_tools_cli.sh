@@ -65,6 +65,7 @@ expect 2 "train --lr" -- "$S" train --initial-peers 127.0.0.1:9 --lr 0.1
 contains "starling peer --lr" "train --lr message"
 expect 2 "train --batch x" -- "$S" train --initial-peers 127.0.0.1:9 --batch x
 expect 2 "train --refresh 0" -- "$S" train --initial-peers 127.0.0.1:9 --refresh 0
+expect 2 "train --sync -1" -- "$S" train --initial-peers 127.0.0.1:9 --sync -1
 expect 2 "train no peers" -- "$S" train
 expect 2 "train bad peers" -- "$S" train --initial-peers "127.0.0.1:9/zz"
 expect 2 "infer --data foo" -- "$S" infer --initial-peers 127.0.0.1:9 --data foo

@@ -33,6 +33,10 @@ static const char train_help[] =
     "                         --target-batch samples (default 128); keeping\n"
     "                         K x B near that keeps gradients fresh: more in flight\n"
     "                         is faster but staler (see docs/benchmarks.md)\n"
+    "  --sync S               start each group of S training samples only when the\n"
+    "                         previous group has finished everywhere: with S = the\n"
+    "                         peers' --target-batch every step is synchronous, as in\n"
+    "                         single-process training (0: asynchronous; default 0)\n"
     "  --data DIR             Fashion-MNIST IDX files (default: $FASHION_MNIST_DIR, then\n"
     "                         /usr/share/datasets/fashion-mnist)\n"
     "  --train-samples N      use the first N training samples (default all 60000)\n"
@@ -131,7 +135,7 @@ static void on_message(void *arg, const char *msg)
 int cmd_train(int argc, char **argv)
 {
     enum { O_INITIAL = 256, O_MODEL, O_EPOCHS, O_BATCH, O_INFLIGHT, O_DATA, O_NTRAIN, O_NTEST,
-           O_SEED, O_TIMEOUT, O_MAXWAIT, O_REFRESH, O_LOG, O_PLOT, O_JSON, O_LISTEN, O_IDENTITY, O_SWARM,
+           O_SEED, O_TIMEOUT, O_MAXWAIT, O_REFRESH, O_SYNC_GROUP, O_LOG, O_PLOT, O_JSON, O_LISTEN, O_IDENTITY, O_SWARM,
            O_LR };
     static const struct option opts[] = {
         {"initial-peers", required_argument, NULL, O_INITIAL},
@@ -146,6 +150,7 @@ int cmd_train(int argc, char **argv)
         {"timeout", required_argument, NULL, O_TIMEOUT},
         {"max-wait", required_argument, NULL, O_MAXWAIT},
         {"refresh", required_argument, NULL, O_REFRESH},
+        {"sync", required_argument, NULL, O_SYNC_GROUP},
         {"metrics-log", required_argument, NULL, O_LOG},
         {"plot", required_argument, NULL, O_PLOT},
         {"json", no_argument, NULL, O_JSON},
@@ -158,7 +163,7 @@ int cmd_train(int argc, char **argv)
     };
     const char *initial = NULL, *model = "fmnist-mlp", *data = NULL, *log_path = "starling-train.jsonl";
     const char *plot_path = "starling-train.svg", *listen = NULL, *identity = NULL, *swarm = NULL;
-    long epochs = 1, batch = 64, inflight = 2, ntrain = 0, ntest = 0, seed = 0;
+    long epochs = 1, batch = 64, inflight = 2, ntrain = 0, ntest = 0, seed = 0, sync = 0;
     double timeout = 30, max_wait = 120, refresh = 10;
     int json = 0, c;
 
@@ -213,6 +218,10 @@ int cmd_train(int argc, char **argv)
             break;
         case O_REFRESH:
             if (cli_parse_double("train", "--refresh", optarg, 0.1, 3600, &refresh))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_SYNC_GROUP:
+            if (cli_parse_long("train", "--sync", optarg, 0, 1 << 24, &sync))
                 return CLI_EXIT_USAGE;
             break;
         default: return cli_bad_option("train", c, argv);
@@ -277,6 +286,7 @@ int cmd_train(int argc, char **argv)
     tc.inflight = (int)inflight;
     tc.seed = (uint64_t)seed;
     tc.refresh_s = refresh;
+    tc.sync_samples = (int)sync;
     tc.call_timeout_s = timeout;
     tc.max_wait_s = max_wait;
     tc.on_progress = on_progress;

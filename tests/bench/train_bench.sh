@@ -7,7 +7,8 @@
 # torch runs get OPENBLAS_CORETYPE unset too unless BLAS=Haswell is given.
 #
 # Usage: tests/bench/train_bench.sh [BUILD_DIR]   (env: EPOCHS=3, SKIP_TORCH=1,
-#        BLAS=Haswell to force AVX2 kernels on both sides)
+#        BLAS=Haswell to force AVX2 kernels on both sides,
+#        TRAIN_FLAGS="--sync 128" extra flags for starling train)
 set -u -o pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${1:-$root/build}
@@ -37,7 +38,7 @@ done
 for span in 0-1 2-3 4-5; do
     for _ in $(seq 1 100); do grep -q 'online: announcing' "$work/peer-$span.err" && break; sleep 0.1; done
 done
-"$S" train --initial-peers "$BS" --epochs "$epochs" --batch 64 --inflight 2 --json \
+"$S" train --initial-peers "$BS" --epochs "$epochs" --batch 64 --inflight 2 ${TRAIN_FLAGS:-} --json \
     --metrics-log "" --plot "" 2>"$work/train.err" | tail -1 >"$work/starling.json"
 ours=$(cat "$work/starling.json")
 echo "{\"system\":\"starling-swarm\",\"blas\":\"$blas\",\"peers\":3,\"result\":$ours}"
