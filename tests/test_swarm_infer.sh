@@ -30,6 +30,11 @@ unan=$(json_field "$T/vote.json" unanimous)
 awk "BEGIN { exit !($unan < 0.9) }" || fail "the stale replica never disagreed (unanimous $unan)"
 
 # Inference while training: both succeed; replies name newer versions.
+# The stale replica leaves first (SIGTERM: it announces itself offline): the
+# trainer would otherwise mix its unrelated weights into the others' stages,
+# and a path through one peer would then score near chance.
+kill "$PID_e"
+wait "$PID_e" 2>/dev/null
 "$S" train --initial-peers "$BS" --train-samples 4096 --test-samples 500 --metrics-log "" --plot "" \
     >"$T/train.out" 2>"$T/train.err" &
 TR=$!
