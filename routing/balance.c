@@ -54,10 +54,10 @@ static int uncovered_with(const int *holders, int n, int k, int start)
 }
 
 int route_balance_should_move(const double *tput, const int *holders, int n, int k, int cur,
-                              double ratio, uint64_t *rng, int *to)
+                              double ratio, int outranked, uint64_t *rng, int *to)
 {
     if (!tput || !holders || n < 1 || k < 1 || k > n || cur < 0 || cur + k > n || !to ||
-        !(ratio > 0 && ratio < 1) || !rng || *rng == 0)
+        !(ratio > 0 && ratio < 1) || outranked < 0 || !rng || *rng == 0)
         return -EINVAL;
     /* First, coverage: move when some span leaves fewer stages without a
      * holder than ours does (this may give up a stage we hold alone, when
@@ -75,12 +75,8 @@ int route_balance_should_move(const double *tput, const int *holders, int n, int
     }
     if (best >= 0) {
         /* Peers sharing our span see the same gap at the same time; if all
-         * of them jumped, the gap would just move. Each goes with
-         * probability 1 / (peers sharing the span), so about one does. */
-        int share = 1 << 30;
-        for (int i = cur; i < cur + k; i++)
-            share = holders[i] < share ? holders[i] : share;
-        if (route_rand01(rng) * (double)(share + 1) >= 1.0)
+         * of them jumped, the gap would just move. Only the highest ID goes. */
+        if (outranked > 0)
             return 0;
         *to = best;
         return 1;
@@ -94,11 +90,8 @@ int route_balance_should_move(const double *tput, const int *holders, int n, int
     if (cand < 0 || cand == cur)
         return 0;
     if (span_sum(tput, cand, k) < ratio * span_sum(tput, cur, k)) {
-        int share = 1 << 30;
-        for (int i = cur; i < cur + k; i++)
-            share = holders[i] < share ? holders[i] : share;
-        if (route_rand01(rng) * (double)(share + 1) >= 1.0)
-            return 0; /* see above: let one of the peers sharing our span go */
+        if (outranked > 0)
+            return 0; /* see above: the highest ID among the sharers goes */
         *to = cand;
         return 1;
     }

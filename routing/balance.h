@@ -9,9 +9,10 @@
  * it moves when another span would leave fewer stages without any holder,
  * else only when the best span is much weaker than its own (hysteresis:
  * best total < ratio x own total) and leaving uncovers none of its stages.
- * A peer that shares its span with m others makes a warranted move with
- * probability 1/(m+1), so peers seeing the same gap do not all jump into
- * it at once. Pure functions: the caller supplies the figures.
+ * Of the peers that share a span, only the one with the highest node ID
+ * makes a warranted move (the caller counts those that outrank it), so
+ * peers seeing the same gap do not all jump into it at once, and none
+ * waits on a coin flip. Pure functions: the caller supplies the figures.
  */
 #ifndef ROUTE_BALANCE_H
 #define ROUTE_BALANCE_H
@@ -26,8 +27,10 @@ int route_balance_choose(const double *tput, int n, int k, uint64_t *rng);
 /* Whether a peer serving [cur, cur+k) should move; when it should, returns 1
  * and stores the new start in *to. holders[] counts the OTHER peers' online
  * holders, tput[] their throughput. ratio in (0, 1): e.g. 0.5 means "move
- * only to a span with less than half our span's throughput". */
+ * only to a span with less than half our span's throughput". outranked:
+ * other online peers that serve our whole span and have a higher node ID;
+ * a warranted move is left to them unless it is 0. */
 int route_balance_should_move(const double *tput, const int *holders, int n, int k, int cur,
-                              double ratio, uint64_t *rng, int *to);
+                              double ratio, int outranked, uint64_t *rng, int *to);
 
 #endif

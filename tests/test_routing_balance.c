@@ -40,28 +40,27 @@ static void test_move_for_coverage(void **state)
     (void)state;
     uint64_t rng = 7;
     int to = -1;
-    /* We serve 0-1 alongside another peer; 4-5 are uncovered: move there,
-     * in about half of the rounds (the other peer may go instead). */
+    /* We serve 0-1 alongside another peer; 4-5 are uncovered: move there
+     * if we have the higher ID (nobody outranks us), else leave it to the
+     * other peer, every time. */
     double t[6] = {100, 100, 100, 100, 0, 0};
     int h[6] = {1, 1, 1, 1, 0, 0};
-    int moved = 0;
-    for (int i = 0; i < 1000; i++) {
-        int r = route_balance_should_move(t, h, 6, 2, 0, 0.5, &rng, &to);
-        assert_true(r == 0 || (r == 1 && to == 4));
-        moved += r;
+    for (int i = 0; i < 100; i++) {
+        to = -1;
+        assert_int_equal(route_balance_should_move(t, h, 6, 2, 0, 0.5, 0, &rng, &to), 1);
+        assert_int_equal(to, 4);
+        assert_int_equal(route_balance_should_move(t, h, 6, 2, 0, 0.5, 1, &rng, &to), 0);
     }
-    if (moved < 400 || moved > 600)
-        fail_msg("moved in %d of 1000 rounds, want about 500", moved);
     /* Overlapping spans 1-3 and 2-4 (we are 1-3) leave 0 and 5 empty:
      * moving to 0-2 covers 0 and gives up nothing the other keeps. */
     double t2[6] = {0, 0, 100, 100, 100, 0};
     int h2[6] = {0, 0, 1, 1, 1, 0};
-    assert_int_equal(route_balance_should_move(t2, h2, 6, 3, 1, 0.5, &rng, &to), 1);
+    assert_int_equal(route_balance_should_move(t2, h2, 6, 3, 1, 0.5, 0, &rng, &to), 1);
     assert_int_equal(to, 0);
     /* Sole holder of stage 1 with nothing better: stay. */
     double t3[6] = {100, 0, 100, 100, 100, 100};
     int h3[6] = {1, 0, 1, 1, 1, 1};
-    assert_int_equal(route_balance_should_move(t3, h3, 6, 2, 0, 0.5, &rng, &to), 0);
+    assert_int_equal(route_balance_should_move(t3, h3, 6, 2, 0, 0.5, 0, &rng, &to), 0);
 }
 
 static void test_move_for_throughput(void **state)
@@ -69,22 +68,21 @@ static void test_move_for_throughput(void **state)
     (void)state;
     uint64_t rng = 9;
     int to = -1;
-    /* Everything covered; 4-5 much weaker than ours: move (with the other
-     * holder of 0-1, about one of us per round). */
+    /* Everything covered; 4-5 much weaker than ours: move, unless the other
+     * holder of 0-1 outranks us. */
     double t[6] = {100, 100, 100, 100, 10, 10};
     int h[6] = {1, 1, 1, 1, 1, 1};
-    int moved = 0;
-    for (int i = 0; i < 200 && !moved; i++)
-        moved = route_balance_should_move(t, h, 6, 2, 0, 0.5, &rng, &to);
-    assert_int_equal(moved, 1);
+    assert_int_equal(route_balance_should_move(t, h, 6, 2, 0, 0.5, 1, &rng, &to), 0);
+    assert_int_equal(route_balance_should_move(t, h, 6, 2, 0, 0.5, 0, &rng, &to), 1);
     assert_int_equal(to, 4);
     /* Hysteresis: a slightly weaker span is not worth a move. */
     double w[6] = {100, 100, 80, 80, 100, 100};
-    assert_int_equal(route_balance_should_move(w, h, 6, 2, 0, 0.5, &rng, &to), 0);
+    assert_int_equal(route_balance_should_move(w, h, 6, 2, 0, 0.5, 0, &rng, &to), 0);
     /* Already the best place; bad arguments. */
-    assert_int_equal(route_balance_should_move(t, h, 6, 2, 4, 0.5, &rng, &to), 0);
-    assert_int_equal(route_balance_should_move(t, h, 6, 2, 5, 0.5, &rng, &to), -EINVAL);
-    assert_int_equal(route_balance_should_move(t, h, 6, 2, 0, 1.5, &rng, &to), -EINVAL);
+    assert_int_equal(route_balance_should_move(t, h, 6, 2, 4, 0.5, 0, &rng, &to), 0);
+    assert_int_equal(route_balance_should_move(t, h, 6, 2, 5, 0.5, 0, &rng, &to), -EINVAL);
+    assert_int_equal(route_balance_should_move(t, h, 6, 2, 0, 1.5, 0, &rng, &to), -EINVAL);
+    assert_int_equal(route_balance_should_move(t, h, 6, 2, 0, 0.5, -1, &rng, &to), -EINVAL);
 }
 
 int main(void)

@@ -133,6 +133,7 @@ typedef struct run_ctx {
     int auto_k;                   /* 0: --blocks given; else span length */
     int cur;                      /* start of the current span (auto mode) */
     int next;                     /* start to move to */
+    int yielded;                  /* checks in a row that left a warranted move to a higher ID */
     double rebalance_every;
     route_swarm *sw;
     int eval_pending;
@@ -243,6 +244,26 @@ static void stage_scores(route_swarm *sw, const struct expert_model_spec *spec, 
     }
 }
 
+/* Other online peers that serve all of [cur, cur+k) and have a higher node
+ * ID than ours: among the peers sharing a span, the highest ID moves. */
+static int count_outranking(route_swarm *sw, const uint8_t *self_id, int cur, int k)
+{
+    route_stage *st = route_swarm_stage(sw, cur);
+    int n = 0;
+    for (int h = 0; st && h < st->n_holders; h++) {
+        const route_holder *ho = &st->holders[h];
+        if (ho->ann.state != PEER_STATE_ONLINE || memcmp(ho->rep.id, self_id, DHT_ID_LEN) <= 0)
+            continue;
+        int all = 1;
+        for (int i = cur + 1; i < cur + k && all; i++) {
+            const route_holder *o = route_swarm_find_holder(sw, i, ho->rep.id);
+            all = o && o->ann.state == PEER_STATE_ONLINE;
+        }
+        n += all;
+    }
+    return n;
+}
+
 static void on_rebalance(uv_timer_t *t);
 
 static void schedule_rebalance(run_ctx *r, double seconds)
@@ -307,7 +328,19 @@ static void on_rebalance(uv_timer_t *t)
     stage_scores(r->sw, r->spec, r->ident.id, tput, holders);
     r->eval_pending = 0;
     int to = -1;
-    if (route_balance_should_move(tput, holders, r->spec->n_stages, r->auto_k, r->cur, 0.5, &r->rng, &to) == 1) {
+    /* A warranted move is left to the highest ID among the peers sharing
+     * our span; but a peer with --blocks never moves, so after yielding on
+     * three checks in a row we go anyway. */
+    int outranked = count_outranking(r->sw, r->ident.id, r->cur, r->auto_k);
+    int go = route_balance_should_move(tput, holders, r->spec->n_stages, r->auto_k, r->cur, 0.5, outranked,
+                                       &r->rng, &to);
+    if (go != 1 && outranked > 0 &&
+        route_balance_should_move(tput, holders, r->spec->n_stages, r->auto_k, r->cur, 0.5, 0, &r->rng, &to) == 1)
+        go = ++r->yielded >= 3;
+    else
+        r->yielded = 0;
+    if (go == 1) {
+        r->yielded = 0;
         char from_s[32], to_s[32];
         int nb[PEER_SERVICE_MAX_BLOCKS];
         for (int i = 0; i < r->auto_k; i++)
