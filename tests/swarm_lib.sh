@@ -59,6 +59,14 @@ json_field() {
 }
 
 finish() {
+    # A child process's sanitizer report would otherwise go unseen.
+    for f in "$T"/*.err; do
+        [ -f "$f" ] || continue
+        if grep -qE "ERROR: (Address|Leak)Sanitizer|runtime error:" "$f"; then
+            fail "sanitizer report in $(basename "$f")"
+            grep -m5 -A12 -E "ERROR: (Address|Leak)Sanitizer|runtime error:" "$f" >&2
+        fi
+    done
     if [ "$fails" -ne 0 ]; then
         echo "$fails check(s) failed" >&2
         exit 1

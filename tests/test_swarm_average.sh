@@ -54,7 +54,7 @@ for i in $(seq 1 90); do
     converged >"$T/conv.txt" && { ok=1; break; }
     sleep 0.5
 done
-[ "$ok" = 1 ] || { fail "replicas did not all reach the group average after training"; show "$T/conv.txt" "$T/a.err"; }
+[ "$ok" = 1 ] || { fail "replicas did not all reach the group average after training"; show "$T/conv.txt" "$T/a.err" "$T/b.err" "$T/c.err"; }
 grep -hE 'averaged in a group of 3' "$T/a.err" "$T/b.err" "$T/c.err" >"$T/rounds.txt"
 "${PYTHON:-python3}" - "$T/rounds.txt" <<'PYEOF' || fail "no round took the replicas onto the group average"
 import re, sys
