@@ -46,8 +46,9 @@ mb = sum(before) / max(len(before), 1)
 print("join at %.1f s; loss before %.3f (%d points), after: max %.3f (%d points)" %
       (join, mb, len(before), max(after or [0]), len(after)))
 assert len(before) >= 3 and len(after) >= 3
-# (measured: 0.94-0.99 x the loss before with the download, 1.2-1.6 x
-# when the newcomer serves its own initial weights)
-assert max(after) <= 1.12 * mb
+# (measured: 0.94-0.99 x the loss before with the download, once 1.14 under
+# ASan on a loaded machine; 1.2-1.6 x when the newcomer serves its own
+# initial weights)
+assert max(after) <= 1.18 * mb
 PYEOF
 finish
