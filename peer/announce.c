@@ -67,81 +67,112 @@ long peer_announce_encode(const peer_announce *a, uint8_t *buf, size_t cap)
     return dht_mp_writer_finish(&w);
 }
 
-int peer_announce_decode(peer_announce *out, const uint8_t *buf, size_t len)
+/* One field of a record: reads the value of `key` into out and sets its
+ * bit in *have when the field is required. Returns 0, 1 for a key it does
+ * not know (the caller skips its value), or -1 for a bad value. */
+typedef int (*record_field_fn)(dht_mp_reader *r, const char *key, void *out, int *have);
+
+/* The records' shared frame: a msgpack map of at most 64 keys within
+ * PEER_ANNOUNCE_MAX_BYTES whose "v" is PEER_ANNOUNCE_VERSION (bit 1 of
+ * have); every other key goes to field, unknown ones are skipped. Good when
+ * the bits set equal want. Returns 0 or -EBADMSG, leaving *out as it is. */
+static int record_decode(const uint8_t *buf, size_t len, record_field_fn field, void *out, int want)
 {
     dht_mp_reader r;
     uint64_t n, u;
     char key[4];
-    int have = 0; /* bits: v b a st h */
+    int have = 0;
 
-    if (!out)
-        return -EINVAL;
-    memset(out, 0, sizeof *out);
     if (!buf || len > PEER_ANNOUNCE_MAX_BYTES)
-        goto bad;
+        return -EBADMSG;
     dht_mp_reader_init(&r, buf, len);
     if (dht_mp_container(&r, 'm', &n) || n > 64)
-        goto bad;
+        return -EBADMSG;
     for (uint64_t i = 0; i < n; i++) {
         if (dht_mp_key(&r, key, sizeof key))
-            goto bad;
+            return -EBADMSG;
         if (!strcmp(key, "v")) {
             if (dht_mp_uint(&r, &u) || u != PEER_ANNOUNCE_VERSION)
-                goto bad;
+                return -EBADMSG;
             have |= 1;
-        } else if (!strcmp(key, "b")) {
-            if (dht_mp_cstr(&r, out->block, sizeof out->block, 64) || !out->block[0])
-                goto bad;
-            have |= 2;
-        } else if (!strcmp(key, "a")) {
-            if (dht_mp_cstr(&r, out->addr, sizeof out->addr, 64) || !out->addr[0])
-                goto bad;
-            have |= 4;
-        } else if (!strcmp(key, "st")) {
-            if (dht_mp_uint(&r, &u) || u > PEER_STATE_OFFLINE)
-                goto bad;
-            out->state = (peer_state)u;
-            have |= 8;
-        } else if (!strcmp(key, "h")) {
-            if (dht_mp_uint(&r, &out->stage_hash))
-                goto bad;
-            have |= 16;
-        } else if (!strcmp(key, "wv")) {
-            if (dht_mp_uint(&r, &out->weight_version))
-                goto bad;
-        } else if (!strcmp(key, "tp")) {
-            if (dht_mp_double(&r, &out->throughput))
-                goto bad;
-            /* A peer cannot claim more than a sane maximum or less than 0. */
-            out->throughput = fmin(fmax(out->throughput, 0.0), 1e9);
-        } else if (!strcmp(key, "ld")) {
-            if (dht_mp_double(&r, &out->load))
-                goto bad;
-            out->load = fmin(fmax(out->load, 0.0), 1.0);
-        } else if (!strcmp(key, "dv")) {
-            if (dht_mp_cstr(&r, out->device, sizeof out->device, 32))
-                goto bad;
-        } else if (!strcmp(key, "t")) {
-            if (dht_mp_uint(&r, &out->time_ms))
-                goto bad;
-        } else if (!strcmp(key, "ar")) {
-            if (dht_mp_uint(&r, &out->avg_rounds))
-                goto bad;
-        } else if (!strcmp(key, "ag")) {
-            uint64_t g;
-            if (dht_mp_uint(&r, &g) || g > 4096)
-                goto bad;
-            out->avg_group = (int)g;
-        } else if (dht_mp_skip(&r, 1)) {
-            goto bad;
+            continue;
         }
+        int rc = field(&r, key, out, &have);
+        if (rc < 0 || (rc > 0 && dht_mp_skip(&r, 1)))
+            return -EBADMSG;
     }
-    if (!dht_mp_at_end(&r) || have != 31)
-        goto bad;
+    return dht_mp_at_end(&r) && have == want ? 0 : -EBADMSG;
+}
+
+/* Clears *out, decodes into it, and clears it again on failure. */
+static int record_decode_into(void *out, size_t size, const uint8_t *buf, size_t len, record_field_fn field,
+                              int want)
+{
+    if (!out)
+        return -EINVAL;
+    memset(out, 0, size);
+    int rc = record_decode(buf, len, field, out, want);
+    if (rc != 0)
+        memset(out, 0, size);
+    return rc;
+}
+
+static int announce_field(dht_mp_reader *r, const char *key, void *outp, int *have)
+{
+    peer_announce *out = outp;
+    uint64_t u;
+    if (!strcmp(key, "b")) {
+        if (dht_mp_cstr(r, out->block, sizeof out->block, 64) || !out->block[0])
+            return -1;
+        *have |= 2;
+    } else if (!strcmp(key, "a")) {
+        if (dht_mp_cstr(r, out->addr, sizeof out->addr, 64) || !out->addr[0])
+            return -1;
+        *have |= 4;
+    } else if (!strcmp(key, "st")) {
+        if (dht_mp_uint(r, &u) || u > PEER_STATE_OFFLINE)
+            return -1;
+        out->state = (peer_state)u;
+        *have |= 8;
+    } else if (!strcmp(key, "h")) {
+        if (dht_mp_uint(r, &out->stage_hash))
+            return -1;
+        *have |= 16;
+    } else if (!strcmp(key, "wv")) {
+        if (dht_mp_uint(r, &out->weight_version))
+            return -1;
+    } else if (!strcmp(key, "tp")) {
+        if (dht_mp_double(r, &out->throughput))
+            return -1;
+        /* A peer cannot claim more than a sane maximum or less than 0. */
+        out->throughput = fmin(fmax(out->throughput, 0.0), 1e9);
+    } else if (!strcmp(key, "ld")) {
+        if (dht_mp_double(r, &out->load))
+            return -1;
+        out->load = fmin(fmax(out->load, 0.0), 1.0);
+    } else if (!strcmp(key, "dv")) {
+        if (dht_mp_cstr(r, out->device, sizeof out->device, 32))
+            return -1;
+    } else if (!strcmp(key, "t")) {
+        if (dht_mp_uint(r, &out->time_ms))
+            return -1;
+    } else if (!strcmp(key, "ar")) {
+        if (dht_mp_uint(r, &out->avg_rounds))
+            return -1;
+    } else if (!strcmp(key, "ag")) {
+        if (dht_mp_uint(r, &u) || u > 4096)
+            return -1;
+        out->avg_group = (int)u;
+    } else {
+        return 1;
+    }
     return 0;
-bad:
-    memset(out, 0, sizeof *out);
-    return -EBADMSG;
+}
+
+int peer_announce_decode(peer_announce *out, const uint8_t *buf, size_t len)
+{
+    /* required: v b a st h */
+    return record_decode_into(out, sizeof *out, buf, len, announce_field, 31);
 }
 
 long peer_model_record_encode(const peer_model_record *m, uint8_t *buf, size_t cap)
@@ -161,47 +192,28 @@ long peer_model_record_encode(const peer_model_record *m, uint8_t *buf, size_t c
     return dht_mp_writer_finish(&w);
 }
 
+static int model_field(dht_mp_reader *r, const char *key, void *outp, int *have)
+{
+    peer_model_record *out = outp;
+    uint64_t u;
+    if (!strcmp(key, "m")) {
+        if (dht_mp_cstr(r, out->model, sizeof out->model, 48) || !out->model[0])
+            return -1;
+        *have |= 2;
+    } else if (!strcmp(key, "n")) {
+        if (dht_mp_uint(r, &u) || u < 1 || u > 4096)
+            return -1;
+        out->n_stages = (int)u;
+        *have |= 4;
+    } else {
+        return 1;
+    }
+    return 0;
+}
+
 int peer_model_record_decode(peer_model_record *out, const uint8_t *buf, size_t len)
 {
-    dht_mp_reader r;
-    uint64_t n, u;
-    char key[4];
-    int have = 0;
-
-    if (!out)
-        return -EINVAL;
-    memset(out, 0, sizeof *out);
-    if (!buf || len > PEER_ANNOUNCE_MAX_BYTES)
-        goto bad;
-    dht_mp_reader_init(&r, buf, len);
-    if (dht_mp_container(&r, 'm', &n) || n > 64)
-        goto bad;
-    for (uint64_t i = 0; i < n; i++) {
-        if (dht_mp_key(&r, key, sizeof key))
-            goto bad;
-        if (!strcmp(key, "v")) {
-            if (dht_mp_uint(&r, &u) || u != PEER_ANNOUNCE_VERSION)
-                goto bad;
-            have |= 1;
-        } else if (!strcmp(key, "m")) {
-            if (dht_mp_cstr(&r, out->model, sizeof out->model, 48) || !out->model[0])
-                goto bad;
-            have |= 2;
-        } else if (!strcmp(key, "n")) {
-            if (dht_mp_uint(&r, &u) || u < 1 || u > 4096)
-                goto bad;
-            out->n_stages = (int)u;
-            have |= 4;
-        } else if (dht_mp_skip(&r, 1)) {
-            goto bad;
-        }
-    }
-    if (!dht_mp_at_end(&r) || have != 7)
-        goto bad;
-    return 0;
-bad:
-    memset(out, 0, sizeof *out);
-    return -EBADMSG;
+    return record_decode_into(out, sizeof *out, buf, len, model_field, 7);
 }
 
 void peer_avg_key(uint8_t key[DHT_ID_LEN], const char *block, uint64_t stage_hash)
@@ -229,49 +241,30 @@ long peer_avg_record_encode(const peer_avg_record *m, uint8_t *buf, size_t cap)
     return dht_mp_writer_finish(&w);
 }
 
+static int avg_field(dht_mp_reader *r, const char *key, void *outp, int *have)
+{
+    peer_avg_record *out = outp;
+    uint64_t u;
+    if (!strcmp(key, "r")) {
+        if (dht_mp_uint(r, &out->round))
+            return -1;
+        *have |= 2;
+    } else if (!strcmp(key, "a")) {
+        if (dht_mp_cstr(r, out->addr, sizeof out->addr, 64) || !out->addr[0])
+            return -1;
+        *have |= 4;
+    } else if (!strcmp(key, "o")) {
+        if (dht_mp_uint(r, &u) || u > 255)
+            return -1;
+        out->optim = (int)u;
+        *have |= 8;
+    } else {
+        return 1;
+    }
+    return 0;
+}
+
 int peer_avg_record_decode(peer_avg_record *out, const uint8_t *buf, size_t len)
 {
-    dht_mp_reader r;
-    uint64_t n, u;
-    char key[4];
-    int have = 0;
-
-    if (!out)
-        return -EINVAL;
-    memset(out, 0, sizeof *out);
-    if (!buf || len > PEER_ANNOUNCE_MAX_BYTES)
-        goto bad;
-    dht_mp_reader_init(&r, buf, len);
-    if (dht_mp_container(&r, 'm', &n) || n > 64)
-        goto bad;
-    for (uint64_t i = 0; i < n; i++) {
-        if (dht_mp_key(&r, key, sizeof key))
-            goto bad;
-        if (!strcmp(key, "v")) {
-            if (dht_mp_uint(&r, &u) || u != PEER_ANNOUNCE_VERSION)
-                goto bad;
-            have |= 1;
-        } else if (!strcmp(key, "r")) {
-            if (dht_mp_uint(&r, &out->round))
-                goto bad;
-            have |= 2;
-        } else if (!strcmp(key, "a")) {
-            if (dht_mp_cstr(&r, out->addr, sizeof out->addr, 64) || !out->addr[0])
-                goto bad;
-            have |= 4;
-        } else if (!strcmp(key, "o")) {
-            if (dht_mp_uint(&r, &u) || u > 255)
-                goto bad;
-            out->optim = (int)u;
-            have |= 8;
-        } else if (dht_mp_skip(&r, 1)) {
-            goto bad;
-        }
-    }
-    if (!dht_mp_at_end(&r) || have != 15)
-        goto bad;
-    return 0;
-bad:
-    memset(out, 0, sizeof *out);
-    return -EBADMSG;
+    return record_decode_into(out, sizeof *out, buf, len, avg_field, 15);
 }
