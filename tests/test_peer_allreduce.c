@@ -15,6 +15,7 @@
 #include "peer/peer.h"
 #include "peer/service.h"
 #include "test_util.h"
+#include "test_rpc_util.h"
 
 #define N 3
 #define STAGE 0 /* Linear 784 -> 512: 401,920 parameters, several chunks per part */
@@ -28,12 +29,7 @@ static peer_allreduce_member members[N];
 
 static void run_until(volatile int *flag)
 {
-    for (int i = 0; i < 30000 && !*flag; i++) {
-        uv_run(&loop, UV_RUN_NOWAIT);
-        if (!*flag)
-            usleep(1000);
-    }
-    assert_true(*flag);
+    test_run_until(&loop, flag, 30000);
 }
 
 static peer_service *start(int k, unsigned seed)
@@ -88,12 +84,6 @@ typedef struct reply {
     size_t meta_len;
 } reply;
 
-static void on_connect(peer_rpc_client *cl, int status, void *arg)
-{
-    (void)cl;
-    *(int *)arg = status == 0 ? 1 : status;
-}
-
 static void on_reply(void *arg, int status, const peer_msg *m)
 {
     reply *r = arg;
@@ -111,33 +101,12 @@ static void on_reply(void *arg, int status, const peer_msg *m)
 
 static peer_rpc_client *connect_to(int k)
 {
-    peer_rpc_client_config cc;
-    memset(&cc, 0, sizeof cc);
-    cc.self = &id_cli;
-    cc.expect_id = ids[k].id;
-    peer_rpc_client *cl = peer_rpc_client_create(&loop, &cc);
-    assert_non_null(cl);
-    struct sockaddr_in sa;
-    uv_ip4_addr("127.0.0.1", ports[k], &sa);
-    int ok = 0;
-    assert_int_equal(peer_rpc_client_connect(cl, (const struct sockaddr *)&sa, on_connect, &ok), 0);
-    run_until(&ok);
-    assert_int_equal(ok, 1);
-    return cl;
-}
-
-static void closed_cl(peer_rpc_client *cl, void *arg)
-{
-    (void)cl;
-    *(int *)arg = 1;
+    return test_rpc_connect(&loop, &id_cli, ids[k].id, ports[k]);
 }
 
 static void close_client(peer_rpc_client **cl)
 {
-    int done = 0;
-    peer_rpc_client_close(*cl, closed_cl, &done);
-    run_until(&done);
-    peer_rpc_client_destroy(cl);
+    test_rpc_close(&loop, cl);
 }
 
 static void call(peer_rpc_client *cl, peer_method method, const void *meta, size_t meta_len, const float *a,

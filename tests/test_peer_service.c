@@ -13,6 +13,7 @@
 #include "peer/peer.h"
 #include "peer/service.h"
 #include "test_util.h"
+#include "test_rpc_util.h"
 
 static uv_loop_t loop;
 static dht_identity id_srv, id_cli;
@@ -30,12 +31,6 @@ typedef struct result {
     uint64_t version;
     char meta[4096];
 } result;
-
-static void on_connect(peer_rpc_client *cl, int status, void *arg)
-{
-    (void)cl;
-    *(int *)arg = status == 0 ? 1 : status;
-}
 
 static void on_reply(void *arg, int status, const peer_msg *m)
 {
@@ -66,12 +61,7 @@ static void on_reply(void *arg, int status, const peer_msg *m)
 /* Runs the loop until *flag is non-zero, at most ~20 s. */
 static void run_until(volatile int *flag)
 {
-    for (int i = 0; i < 20000 && !*flag; i++) {
-        uv_run(&loop, UV_RUN_NOWAIT);
-        if (!*flag)
-            usleep(1000);
-    }
-    assert_true(*flag);
+    test_run_until(&loop, flag, 20000);
 }
 
 static void call(peer_rpc_client *cl, peer_method method, const char *block, const float *a,
@@ -94,18 +84,29 @@ static void call(peer_rpc_client *cl, peer_method method, const char *block, con
 }
 
 /* A state request with raw meta bytes. */
-static void call_state(peer_rpc_client *cl, const char *block, const void *meta, size_t meta_len,
-                       result *r)
+/* A request with raw meta bytes and at most one (rows, width) tensor x. */
+static void call_meta(peer_rpc_client *cl, peer_method method, const char *block, const float *x, int rows,
+                      int width, const void *meta, size_t meta_len, result *r)
 {
     peer_msg m;
-    peer_msg_init(&m, PEER_KIND_REQUEST, PEER_METHOD_STATE, 0);
+    peer_msg_init(&m, PEER_KIND_REQUEST, method, 0);
     snprintf(m.block, sizeof m.block, "%s", block);
+    if (x) {
+        uint64_t shape[2] = {(uint64_t)rows, (uint64_t)width};
+        assert_int_equal(peer_tensor_f32(&m.t[m.n_tensors++], x, 2, shape), 0);
+    }
     m.meta = meta;
     m.meta_len = meta_len;
     memset(r, 0, sizeof *r);
     assert_int_equal(peer_rpc_call(cl, &m, 20000, on_reply, r, NULL), 0);
     run_until(&r->done);
     assert_int_equal(r->status, 0);
+}
+
+static void call_state(peer_rpc_client *cl, const char *block, const void *meta, size_t meta_len,
+                       result *r)
+{
+    call_meta(cl, PEER_METHOD_STATE, block, NULL, 0, 0, meta, meta_len, r);
 }
 
 static void fill(float *x, size_t n, unsigned seed)
@@ -151,40 +152,12 @@ static peer_service *start(int *port, const int *blocks, int n)
 static void call_infer(peer_rpc_client *cl, const char *block, const float *x, int rows, int width,
                        const void *meta, size_t meta_len, result *r)
 {
-    peer_msg m;
-    peer_msg_init(&m, PEER_KIND_REQUEST, PEER_METHOD_INFER, 0);
-    snprintf(m.block, sizeof m.block, "%s", block);
-    uint64_t shape[2] = {(uint64_t)rows, (uint64_t)width};
-    assert_int_equal(peer_tensor_f32(&m.t[m.n_tensors++], x, 2, shape), 0);
-    m.meta = meta;
-    m.meta_len = meta_len;
-    memset(r, 0, sizeof *r);
-    assert_int_equal(peer_rpc_call(cl, &m, 20000, on_reply, r, NULL), 0);
-    run_until(&r->done);
-    assert_int_equal(r->status, 0);
+    call_meta(cl, PEER_METHOD_INFER, block, x, rows, width, meta, meta_len, r);
 }
 
 static peer_rpc_client *connect_to(int port)
 {
-    peer_rpc_client_config cc;
-    memset(&cc, 0, sizeof cc);
-    cc.self = &id_cli;
-    cc.expect_id = id_srv.id;
-    peer_rpc_client *cl = peer_rpc_client_create(&loop, &cc);
-    assert_non_null(cl);
-    struct sockaddr_in sa;
-    uv_ip4_addr("127.0.0.1", port, &sa);
-    int ok = 0;
-    assert_int_equal(peer_rpc_client_connect(cl, (const struct sockaddr *)&sa, on_connect, &ok), 0);
-    run_until(&ok);
-    assert_int_equal(ok, 1);
-    return cl;
-}
-
-static void closed_cl(peer_rpc_client *cl, void *arg)
-{
-    (void)cl;
-    *(int *)arg = 1;
+    return test_rpc_connect(&loop, &id_cli, id_srv.id, port);
 }
 
 static void closed_svc(peer_service *s, int ck, void *arg)
@@ -196,10 +169,8 @@ static void closed_svc(peer_service *s, int ck, void *arg)
 
 static void stop(peer_service **s, peer_rpc_client **cl)
 {
-    int a = 0, b = 0;
-    peer_rpc_client_close(*cl, closed_cl, &a);
-    run_until(&a);
-    peer_rpc_client_destroy(cl);
+    int b = 0;
+    test_rpc_close(&loop, cl);
     peer_service_close(*s, closed_svc, &b);
     run_until(&b);
     peer_service_destroy(s);
