@@ -316,6 +316,21 @@ static void join_all(simnet *s)
     sim_run(s, s->now + 10000, NULL);
 }
 
+/* Joins nodes 1..count-1 through node 0; the others stay out (not started)
+ * until the test joins them. */
+static void join_first(simnet *s, uint32_t count)
+{
+    simnet tmp = *s;
+    tmp.count = count;
+    join_all(&tmp);
+    s->now = tmp.now;
+    s->heap = tmp.heap;
+    s->hn = tmp.hn;
+    s->hcap = tmp.hcap;
+    s->seq = tmp.seq;
+    s->rng = tmp.rng;
+}
+
 static void test_paged_get_collects_every_subkey(void **state)
 {
     (void)state;
@@ -382,15 +397,7 @@ static void test_handover_to_closer_newcomer(void **state)
     simnet *s = sim_create(25, 12, 0.0, NULL);
     /* Nodes 0..23 form the swarm; 24 joins later. Its own ID as the key
      * makes it the closest node to the key. */
-    simnet tmp = *s;
-    tmp.count = 24;
-    join_all(&tmp);
-    s->now = tmp.now;
-    s->heap = tmp.heap;
-    s->hn = tmp.hn;
-    s->hcap = tmp.hcap;
-    s->seq = tmp.seq;
-    s->rng = tmp.rng;
+    join_first(s, 24);
     got_t p = {0};
     uint8_t v[300];
     memset(v, 0, sizeof v);
@@ -808,15 +815,7 @@ static void test_join_retries_silent_peer(void **state)
 {
     (void)state;
     simnet *s = sim_create(6, 23, 0.0, NULL);
-    simnet tmp = *s;
-    tmp.count = 5;
-    join_all(&tmp);
-    s->now = tmp.now;
-    s->heap = tmp.heap;
-    s->hn = tmp.hn;
-    s->hcap = tmp.hcap;
-    s->seq = tmp.seq;
-    s->rng = tmp.rng;
+    join_first(s, 5);
     dht_peer_addr pa;
     memset(&pa, 0, sizeof pa);
     sim_addr(&pa.addr, 1);
