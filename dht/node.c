@@ -35,7 +35,9 @@
 #define HANDOVER_BUDGET 32   /* stores sent to one newcomer */
 #define JOIN_ROUNDS 3        /* a join asks silent initial peers this many times */
 #define REPUBLISH_BATCH 16   /* keys republished per housekeeping tick */
-#define RL_SLOTS 256
+#define RL_SETS 64  /* rate-limit buckets: sets of RL_WAYS sources */
+#define RL_WAYS 4
+#define VERIFY_SLOTS 256 /* verify-ping throttle, by hashed claimed ID */
 #define VCACHE_SETS 256      /* (ID, address) pairs proven recently, beyond the table: */
 #define VCACHE_WAYS 4        /* 1,024 keyed 64-bit fingerprints, 8 KiB */
 #define PROOF_CTX "starling-dht-id-v1"
@@ -149,8 +151,8 @@ struct dht_node {
     uint8_t tok_cur[32], tok_prev[32];
     uint64_t tok_rotated;
     uint8_t rl_key[crypto_shorthash_KEYBYTES];
-    struct { uint64_t last, milli; } rl[RL_SLOTS];
-    uint64_t verify_at[RL_SLOTS]; /* last verify ping per hashed address */
+    struct { uint8_t ip[16]; uint64_t last, milli; } rl[RL_SETS][RL_WAYS];
+    uint64_t verify_at[VERIFY_SLOTS]; /* last verify ping per hashed address */
     uint64_t vcache[VCACHE_SETS][VCACHE_WAYS]; /* most recent first, 0 = empty */
     contact ct[CT_SETS][CT_WAYS]; /* most recently updated first */
     rtt_est all;            /* round trips of every reply */
@@ -204,8 +206,10 @@ static int token_ok(const dht_node *n, const dht_addr *a, const uint8_t tok[DHT_
     return sodium_memcmp(t1, tok, DHT_TOKEN_LEN) == 0 || sodium_memcmp(t2, tok, DHT_TOKEN_LEN) == 0;
 }
 
-/* Token bucket per source IP (hashed into RL_SLOTS with a secret key, so a
- * sender cannot aim at another's slot). */
+/* Token bucket per source IP, in a set-associative table: the IP picks a
+ * set by a keyed hash (a sender cannot aim at another's set) and keeps its
+ * own bucket there, so two sources never share one; a new source takes the
+ * set's least recently seen entry (starting with a full bucket). */
 static int rate_ok(dht_node *n, const dht_addr *a, uint64_t now)
 {
     static const uint8_t v6_loopback[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
@@ -216,18 +220,26 @@ static int rate_ok(dht_node *n, const dht_addr *a, uint64_t now)
     if ((a->family == 4 && a->ip[0] == 127) || (a->family == 6 && !memcmp(a->ip, v6_loopback, 16)))
         return 1;
     crypto_shorthash(h, a->ip, 16, n->rl_key);
-    size_t slot = (size_t)(h[0] | h[1] << 8) % RL_SLOTS;
+    size_t set = (size_t)(h[0] | h[1] << 8) % RL_SETS, way = RL_WAYS;
+    for (size_t w = 0; w < RL_WAYS && way == RL_WAYS; w++)
+        if (n->rl[set][w].last != 0 && !memcmp(n->rl[set][w].ip, a->ip, 16))
+            way = w;
     uint64_t cap = (uint64_t)n->cfg.rate_burst * 1000;
-    if (n->rl[slot].last == 0) {
-        n->rl[slot].milli = cap;
-    } else if (now > n->rl[slot].last) {
-        uint64_t add = (now - n->rl[slot].last) * n->cfg.rate_per_s;
-        n->rl[slot].milli = n->rl[slot].milli + add > cap ? cap : n->rl[slot].milli + add;
+    if (way == RL_WAYS) {
+        way = 0;
+        for (size_t w = 1; w < RL_WAYS; w++)
+            if (n->rl[set][w].last < n->rl[set][way].last)
+                way = w;
+        memcpy(n->rl[set][way].ip, a->ip, 16);
+        n->rl[set][way].milli = cap;
+    } else if (now > n->rl[set][way].last) {
+        uint64_t add = (now - n->rl[set][way].last) * n->cfg.rate_per_s;
+        n->rl[set][way].milli = n->rl[set][way].milli + add > cap ? cap : n->rl[set][way].milli + add;
     }
-    n->rl[slot].last = now ? now : 1;
-    if (n->rl[slot].milli < 1000)
+    n->rl[set][way].last = now ? now : 1;
+    if (n->rl[set][way].milli < 1000)
         return 0;
-    n->rl[slot].milli -= 1000;
+    n->rl[set][way].milli -= 1000;
     return 1;
 }
 
@@ -238,7 +250,7 @@ static int verify_due(dht_node *n, const uint8_t id[DHT_ID_LEN], uint64_t now)
 {
     uint8_t h[crypto_shorthash_BYTES];
     crypto_shorthash(h, id, DHT_ID_LEN, n->rl_key);
-    size_t slot = (size_t)(h[2] | h[3] << 8) % RL_SLOTS;
+    size_t slot = (size_t)(h[2] | h[3] << 8) % VERIFY_SLOTS;
     if (n->verify_at[slot] && now < n->verify_at[slot] + n->cfg.rpc_timeout_ms)
         return 0;
     n->verify_at[slot] = now ? now : 1;
