@@ -956,11 +956,9 @@ again:
              * silent one's place is often dead too, and waiting for that
              * to turn stale as well would double the cost. A candidate
              * first asked after a silence (a replacement or a spare) that
-             * has not answered yet does not hold the get back while another
-             * one asked after a silence has answered in its place: the get
-             * is over once the quorum nearest of the others have answered,
-             * each late one left out made up by a late answer. */
-            size_t silent = 0, spare = 0, nearer = 0, got = 0, late_done = 0, left_out = 0;
+             * has not answered yet does not hold the get back: the get is
+             * over once the quorum nearest of the others have answered. */
+            size_t silent = 0, spare = 0, nearer = 0, got = 0;
             int hold = 0;
             for (size_t i = 0; i < l->n; i++) {
                 cand *c = &l->c[i];
@@ -981,16 +979,10 @@ again:
                 if (c->state != C_FAILED)
                     spare++;
             }
-            for (size_t i = 0; i < l->n; i++)
-                late_done += l->c[i].state == C_DONE && l->c[i].late;
             for (size_t i = 0; i < l->n && busy && got < want; i++) {
                 const cand *c = &l->c[i];
-                if (c->state == C_FAILED || (c->state == C_INFLIGHT && c->tries))
+                if (c->state == C_FAILED || (c->state == C_INFLIGHT && (c->tries || c->late)))
                     continue;
-                if (c->state == C_INFLIGHT && c->late && left_out < late_done) {
-                    left_out++;
-                    continue;
-                }
                 if (c->state != C_DONE) {
                     hold = 1;
                     break;
