@@ -41,8 +41,6 @@
 #define VCACHE_SETS 256      /* (ID, address) pairs proven recently, beyond the table: */
 #define VCACHE_WAYS 4        /* 1,024 keyed 64-bit fingerprints, 8 KiB */
 #define PROOF_CTX "starling-dht-id-v1"
-#define CT_SETS 128          /* contacts with a round-trip estimate and a */
-#define CT_WAYS 4            /* failure count: 512, 8 KiB */
 
 enum rpc_kind { RPC_LOOKUP, RPC_PAGE, RPC_STORE, RPC_VERIFY, RPC_EVICT, RPC_HANDOVER };
 enum cand_state { C_NEW, C_INFLIGHT, C_DONE, C_FAILED };
@@ -65,10 +63,6 @@ typedef struct cand {
     dht_addr addr;
     uint8_t state, anon, has_token, pages, tries;
     uint8_t lost;           /* failed by timeout (not by a wrong answer) */
-    uint8_t bad;            /* failed DHT_TABLE_MAX_FAILS times in a row
-                               lately: ranked after every other candidate */
-    uint16_t soft;          /* stale period of the request in flight (ms) */
-    uint8_t late;           /* get: first asked after some candidate was stale */
     uint8_t st;             /* put: store not sent, sent, stored, refused/lost */
     uint8_t token[DHT_TOKEN_LEN];
     uint16_t depth;
@@ -91,7 +85,6 @@ typedef struct lookup {
     uint32_t id;
     uint8_t op, phase, deferred;
     uint8_t rounds;         /* join: rounds of retries of silent peers so far */
-    uint8_t had_stale;      /* some request of this lookup turned stale */
     uint8_t target[DHT_ID_LEN];
     cand c[LOOKUP_MAX];
     size_t n;
@@ -105,24 +98,6 @@ typedef struct lookup {
     unsigned msgs;
     int stored;
 } lookup;
-
-/* What we know of a contact (ID at an address), table entry or not: its
- * round trips (RFC 6298's SRTT and RTTVAR, and a base: the lowest recent
- * one, all in 1/8 ms) and its consecutive failed requests. Keyed by
- * vprint(); tag 0 = empty slot. */
-typedef struct contact {
-    uint32_t tag;
-    uint32_t heard;         /* low 32 bits of the ms of its last message */
-    uint16_t srtt, rttvar;  /* valid when has_rtt */
-    uint16_t base;          /* falls to a lower sample at once, rises by
-                               1/16 of the gap per higher one */
-    uint8_t fails, has_rtt;
-} contact;
-
-/* An RFC 6298 estimator (1/8 ms units); both 0 before the first sample. */
-typedef struct rtt_est {
-    uint32_t srtt, rttvar;
-} rtt_est;
 
 typedef struct outpkt {
     struct outpkt *next;
@@ -154,9 +129,6 @@ struct dht_node {
     struct { uint8_t ip[16]; uint64_t last, milli; } rl[RL_SETS][RL_WAYS];
     uint64_t verify_at[VERIFY_SLOTS]; /* last verify ping per hashed address */
     uint64_t vcache[VCACHE_SETS][VCACHE_WAYS]; /* most recent first, 0 = empty */
-    contact ct[CT_SETS][CT_WAYS]; /* most recently updated first */
-    rtt_est all;            /* round trips of every reply */
-    rtt_est excess;         /* every reply's round trip less its contact's base */
     uint64_t next_maint, next_republish;
     uint64_t next_selfcheck;  /* next lookup of our own ID (0: not joined) */
     size_t republish_cursor;
@@ -337,147 +309,6 @@ static int need_proof(dht_node *n, const uint8_t *id, const dht_addr *addr)
     if (!n->cfg.verify_ids)
         return 0;
     return !id || !known_at(n, id, addr);
-}
-
-/* ---- contacts: round trips and failures ---- */
-
-/* The contact slot for (id, addr), or NULL when unknown. create != 0 makes
- * one (evicting the least recently updated of its set) and moves it to the
- * front of its set. */
-static contact *ct_get(dht_node *n, const uint8_t id[DHT_ID_LEN], const dht_addr *addr,
-                       int create)
-{
-    uint64_t v = vprint(n, id, addr);
-    contact *set = n->ct[(v >> 32) % CT_SETS];
-    uint32_t tag = (uint32_t)v; /* odd: never 0 */
-    size_t w = 0;
-    while (w < CT_WAYS && set[w].tag != tag)
-        w++;
-    if (!create)
-        return w < CT_WAYS ? &set[w] : NULL;
-    contact c;
-    if (w < CT_WAYS) {
-        c = set[w];
-    } else {
-        memset(&c, 0, sizeof c);
-        c.tag = tag;
-        w = CT_WAYS - 1;
-    }
-    memmove(&set[1], &set[0], w * sizeof *set);
-    set[0] = c;
-    return &set[0];
-}
-
-static void rtt_update(rtt_est *e, uint32_t r)
-{
-    if (!e->srtt && !e->rttvar) {
-        e->srtt = r;
-        e->rttvar = r / 2;
-    } else {
-        uint32_t d = e->srtt > r ? e->srtt - r : r - e->srtt;
-        e->rttvar = (3 * e->rttvar + d) / 4;
-        e->srtt = (7 * e->srtt + r) / 8;
-    }
-}
-
-/* srtt + 4 rttvar in ms (rounded up); 0 before the first sample. */
-static uint32_t rtt_rto(const rtt_est *e)
-{
-    return (e->srtt + 4u * e->rttvar + 7u) / 8u;
-}
-
-/* A reply from (id, addr) to a request sent at sent_at: a round-trip
- * sample (each request has its own transaction ID, so unlike TCP no
- * sample is ambiguous), and the contact is alive. */
-static void ct_reply(dht_node *n, const uint8_t id[DHT_ID_LEN], const dht_addr *addr,
-                     uint64_t sent_at, uint64_t now)
-{
-    contact *c = ct_get(n, id, addr, 1);
-    uint64_t ms = now > sent_at ? now - sent_at : 0;
-    uint32_t r = (uint32_t)(ms > 8000 ? 8000 : ms) * 8u;
-    rtt_est e = {c->srtt, c->rttvar};
-    if (!c->has_rtt) {
-        e.srtt = e.rttvar = 0;
-        c->base = (uint16_t)r;
-        c->has_rtt = 1;
-    } else if (r < c->base) {
-        c->base = (uint16_t)r;
-    } else {
-        c->base = (uint16_t)(c->base + (r - c->base) / 16);
-    }
-    rtt_update(&e, r);
-    c->srtt = (uint16_t)(e.srtt > 0xffff ? 0xffff : e.srtt);
-    c->rttvar = (uint16_t)(e.rttvar > 0xffff ? 0xffff : e.rttvar);
-    /* Over all contacts: the round trip itself (for contacts that never
-     * answered) and how far it is above the contact's base (the load of
-     * the moment, ours and the network's: a contact's own estimate may be
-     * from a busier time). */
-    rtt_update(&n->all, r);
-    rtt_update(&n->excess, r - c->base);
-    c->fails = 0;
-    c->heard = (uint32_t)now;
-}
-
-/* (id, addr) sent us something: alive (no round-trip sample). */
-static void ct_heard(dht_node *n, const uint8_t id[DHT_ID_LEN], const dht_addr *addr,
-                     uint64_t now)
-{
-    contact *c = ct_get(n, id, addr, 0);
-    if (c) {
-        c->fails = 0;
-        c->heard = (uint32_t)now;
-    }
-}
-
-/* A request to (id, addr) sent at sent_at timed out. It counts as a
- * failure only if nothing came from the contact since it went out. */
-static void ct_failed(dht_node *n, const uint8_t id[DHT_ID_LEN], const dht_addr *addr,
-                      uint64_t sent_at)
-{
-    contact *c = ct_get(n, id, addr, 1);
-    if (c->heard && (int32_t)(c->heard - (uint32_t)sent_at) >= 0)
-        return;
-    if (c->fails < 255)
-        c->fails++;
-}
-
-/* 1 if (id, addr) failed DHT_TABLE_MAX_FAILS requests in a row (and sent
- * nothing since): lookups rank it after every other candidate. */
-static int ct_bad(dht_node *n, const uint8_t id[DHT_ID_LEN], const dht_addr *addr)
-{
-    const contact *c = ct_get(n, id, addr, 0);
-    return c && c->fails >= DHT_TABLE_MAX_FAILS;
-}
-
-/* How long a lookup waits for (id, addr) before its request is stale (sent
- * again, and the next candidate asked). For a contact that answered
- * before: its srtt + 4 rttvar (TCP's retransmission timeout), or its base
- * round trip plus srtt + 4 rttvar of all recent replies' excess over their
- * contacts' base if that is shorter (its own samples may be from a busier
- * time: a join storm), clamped to [DHT_STALE_MIN_MS, rpc_timeout / 4]. For
- * one that never did: srtt + 4 rttvar over all contacts' replies (their
- * spread covers near and far ones), clamped the same way (rpc_timeout / 4
- * before the first reply). */
-static uint16_t stale_ms(dht_node *n, const uint8_t *id, const dht_addr *addr)
-{
-    uint32_t hi = n->cfg.rpc_timeout_ms / 4, lo = DHT_STALE_MIN_MS, v;
-    if (hi > 0xffff)
-        hi = 0xffff;
-    const contact *c = id ? ct_get(n, id, addr, 0) : NULL;
-    if (c && c->has_rtt) {
-        rtt_est own = {c->srtt, c->rttvar};
-        uint32_t loaded = (c->base + 7u) / 8u + rtt_rto(&n->excess);
-        v = rtt_rto(&own);
-        if (loaded < v)
-            v = loaded;
-    } else if (n->all.srtt || n->all.rttvar) {
-        v = rtt_rto(&n->all);
-    } else {
-        return (uint16_t)hi;
-    }
-    if (lo > hi)
-        lo = hi;
-    return (uint16_t)(v < lo ? lo : v > hi ? hi : v);
 }
 
 /* Sends request m (type, target, ... filled by the caller) and records it.
@@ -675,8 +506,6 @@ static int cand_cmp(const cand *a, const cand *b, const uint8_t target[DHT_ID_LE
         return a->anon ? -1 : 1;
     if (a->anon)
         return 0;
-    if (a->bad != b->bad)
-        return a->bad ? 1 : -1;
     return dht_id_distance_cmp(target, a->id, b->id);
 }
 
@@ -706,12 +535,6 @@ static void cand_add(dht_node *n, lookup *l, const uint8_t id[DHT_ID_LEN], const
     memcpy(x.id, id, DHT_ID_LEN);
     x.addr = *addr;
     x.depth = (uint16_t)(depth > 0xffff ? 0xffff : depth);
-    /* A contact that failed twice in a row (and sent nothing since) is
-     * asked only if too few others are left: dead nodes linger in other
-     * nodes' tables (and answers) long after they left ours. The node a
-     * find looks for is asked anyway: it is the answer itself. */
-    x.bad = (uint8_t)(ct_bad(n, id, addr) &&
-                      !(l->op == OP_FIND && memcmp(id, l->target, DHT_ID_LEN) == 0));
     size_t pos = l->n;
     while (pos > 0 && cand_cmp(&x, &l->c[pos - 1], l->target) < 0)
         pos--;
@@ -841,10 +664,7 @@ static void lookup_send(dht_node *n, lookup *l, cand *c, uint64_t now)
     memcpy(m.target, l->target, DHT_ID_LEN);
     if (send_request(n, &m, &c->addr, c->anon ? NULL : c->id, RPC_LOOKUP, l->id, now) == 0) {
         c->state = C_INFLIGHT;
-        if (!c->tries)
-            c->late = l->had_stale;
         c->sent_at = now;
-        c->soft = stale_ms(n, c->anon ? NULL : c->id, &c->addr);
         l->q_inflight++;
         l->msgs++;
     } else {
@@ -873,13 +693,12 @@ static void lookup_step(dht_node *n, lookup *l, uint64_t now, int may_finish)
 {
 again:
     if (l->phase == 0) {
-        /* A request unanswered for its stale period (about the contact's
-         * srtt + 4 rttvar, at least DHT_STALE_MIN_MS: stale_ms) is "stale":
-         * it no longer holds one of the alpha slots, and the lookup may
-         * finish without it once k closer-or-equal nodes have answered.
-         * Dead nodes then cost a lookup one stale period, not the full
-         * timeout (the full timeout still decides whether the table drops
-         * them). */
+        /* A request unanswered for a quarter of the timeout is "stale": it
+         * no longer holds one of the alpha slots, and the lookup may finish
+         * without it once k closer-or-equal nodes have answered. Dead nodes
+         * then cost a lookup rpc_timeout/4, not the full timeout (the full
+         * timeout still decides whether the table drops them). */
+        uint64_t soft = n->cfg.rpc_timeout_ms / 4;
         size_t counted = 0, active = 0, want = lookup_want(n, l);
         int busy = 0;
         l->wake_at = UINT64_MAX;
@@ -887,7 +706,7 @@ again:
         int near_done = 1;
         for (size_t i = 0; i < l->n; i++) {
             const cand *c = &l->c[i];
-            int stale = c->state == C_INFLIGHT && now >= c->sent_at + c->soft;
+            int stale = c->state == C_INFLIGHT && now >= c->sent_at + soft;
             int resent = c->state == C_INFLIGHT && c->tries && l->op == OP_GET;
             if (c->state == C_INFLIGHT && !stale && !resent)
                 active++;
@@ -920,13 +739,12 @@ again:
             }
             if (c->state == C_FAILED)
                 continue;
-            if (c->state == C_INFLIGHT && now >= c->sent_at + c->soft) {
+            if (c->state == C_INFLIGHT && now >= c->sent_at + soft) {
                 /* First time stale: ask again at once (a lost datagram
                  * should not cost a lookup its best candidate). A find
                  * asks its alpha nearest a third time: they are the
                  * answer itself (the node looked for, usually), and two
                  * lost exchanges in a row are not that rare at scale. */
-                l->had_stale = 1;
                 if (c->tries == 0 ||
                     (c->tries == 1 && l->op == OP_FIND && counted < n->cfg.alpha)) {
                     c->tries++;
@@ -945,52 +763,10 @@ again:
             if (l->op == OP_GET && c->state == C_INFLIGHT && c->tries)
                 continue;
             counted++;
-            if (c->state == C_INFLIGHT && c->sent_at + c->soft < l->wake_at)
-                l->wake_at = c->sent_at + c->soft;
+            if (c->state == C_INFLIGHT && c->sent_at + soft < l->wake_at)
+                l->wake_at = c->sent_at + soft;
             if (c->state != C_DONE)
                 busy = 1;
-        }
-        if (l->op == OP_GET) {
-            /* Each candidate silent once also gets a spare asked beyond the
-             * quorum: with many nodes dead (churn), the candidate taking a
-             * silent one's place is often dead too, and waiting for that
-             * to turn stale as well would double the cost. A candidate
-             * first asked after a silence (a replacement or a spare) that
-             * has not answered yet does not hold the get back: the get is
-             * over once the quorum nearest of the others have answered. */
-            size_t silent = 0, spare = 0, nearer = 0, got = 0;
-            int hold = 0;
-            for (size_t i = 0; i < l->n; i++) {
-                cand *c = &l->c[i];
-                if (c->state == C_FAILED)
-                    continue;
-                if (c->state == C_INFLIGHT && c->tries) {
-                    silent++;
-                    continue;
-                }
-                if (nearer < want) {
-                    nearer++;
-                    continue;
-                }
-                if (spare >= silent)
-                    continue;
-                if (c->state == C_NEW)
-                    lookup_send(n, l, c, now);
-                if (c->state != C_FAILED)
-                    spare++;
-            }
-            for (size_t i = 0; i < l->n && busy && got < want; i++) {
-                const cand *c = &l->c[i];
-                if (c->state == C_FAILED || (c->state == C_INFLIGHT && (c->tries || c->late)))
-                    continue;
-                if (c->state != C_DONE) {
-                    hold = 1;
-                    break;
-                }
-                got++;
-            }
-            if (busy && !hold && got >= want)
-                busy = 0;
         }
         if (l->op == OP_PUT)
             put_progress(n, l, now, may_finish);
@@ -1115,12 +891,13 @@ static void store_send(dht_node *n, lookup *l, cand *c, uint64_t now)
  * lookup and the stores to the rest of the k go on without a callback. */
 static void put_progress(dht_node *n, lookup *l, uint64_t now, int may_finish)
 {
+    uint64_t soft = n->cfg.rpc_timeout_ms / 4;
     size_t pos = 0, ok = 0, quorum = n->cfg.quorum < n->cfg.k ? n->cfg.quorum : n->cfg.k;
     int ready = 1;
     for (size_t i = 0; i < l->n && pos < n->cfg.k; i++) {
         cand *c = &l->c[i];
         if (c->state == C_FAILED ||
-            (c->state == C_INFLIGHT && c->tries && now >= c->sent_at + c->soft))
+            (c->state == C_INFLIGHT && c->tries && now >= c->sent_at + soft))
             continue; /* presumed dead, as the lookup presumes */
         if (c->state != C_DONE) {
             if (ok < quorum)
@@ -1232,7 +1009,6 @@ static void handle_request(dht_node *n, const dht_msg *m, const dht_addr *from, 
     /* Learn about the sender: a known node at its known address is alive;
      * an unknown one is pinged (with a proof request) before it may enter. */
     dht_table_entry *e = dht_table_find(n->table, m->id);
-    ct_heard(n, m->id, from, now);
     if (e && dht_addr_equal(&e->addr, from)) {
         e->last_seen = now;
         e->fails = 0;
@@ -1445,7 +1221,6 @@ static void handle_reply(dht_node *n, const dht_msg *m, const dht_addr *from, ui
     }
     if (r->has_nonce)
         proven(n, m->id, from);
-    ct_reply(n, m->id, from, r->deadline - n->cfg.rpc_timeout_ms, now);
     if (r->has_nonce || !n->cfg.verify_ids || known_at(n, m->id, from))
         node_seen(n, m->id, from, m->has_token ? m->token : NULL, now);
     rpc_done(n, r, m, 0, now);
@@ -1690,8 +1465,6 @@ void dht_node_tick(dht_node *n, uint64_t now)
         r = expired;
         expired = r->hh.next;
         n->st.timeouts++;
-        if (r->has_id)
-            ct_failed(n, r->id, &r->addr, r->deadline - n->cfg.rpc_timeout_ms);
         if (r->has_id && r->kind != RPC_EVICT) {
             /* Only a node silent since the request went out has failed: a
              * lookup's retry may have been answered meanwhile. */

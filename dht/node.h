@@ -35,14 +35,6 @@
 #define DHT_QUORUM 8
 #endif
 
-/* A lookup request unanswered for about its contact's srtt + 4 rttvar
- * (that over all contacts for one that never answered), clamped to
- * [DHT_STALE_MIN_MS, rpc_timeout / 4], is stale: sent again, and the next
- * candidate asked (docs/protocol.md, "Behaviour"). */
-#ifndef DHT_STALE_MIN_MS
-#define DHT_STALE_MIN_MS 20
-#endif
-
 typedef struct dht_node dht_node;
 
 typedef struct dht_config {
