@@ -8,12 +8,16 @@
  * backward: the same work as one local forward+backward). Served samples/s
  * is then divided by the same block's local samples/s, measured in the same
  * process with expert_block_forward_backward at the same B and the same
- * OpenBLAS threads. The local loop takes no optimizer step, so by default
+ * OpenBLAS threads. The peer joins concurrent requests up to --max-batch
+ * rows (default 256, as `starling peer`), so the local rate at that many
+ * rows is printed too (efficiency_vs_joined: what joining itself gains is
+ * then left out). The local loop takes no optimizer step, so by default
  * the peer's target batch is so large that it takes none either (--target N
  * sets the peer's, to see what its AdamW steps cost). The last stdout line
  * is one JSON object.
  *
- * usage: serve_bench [--clients C] [--depth D] [--batch B] [--seconds S] [--threads T] [--target N]
+ * usage: serve_bench [--clients C] [--depth D] [--batch B] [--max-batch M] [--seconds S] [--threads T]
+ *                    [--target N]
  */
 #include <errno.h>
 #include <stdatomic.h>
@@ -31,8 +35,16 @@
 #include "peer/peer.h"
 
 static dht_identity id_s, id_c;
-static int g_batch = 128, g_clients = 4, g_depth = 2, g_blas = 0, g_target = 1 << 30;
+static int g_batch = 128, g_max_batch = 256, g_clients = 4, g_depth = 2, g_blas = 0, g_target = 1 << 30;
 static double g_seconds = 8;
+
+static double cpu_of(clockid_t id)
+{
+    struct timespec ts;
+    if (clock_gettime(id, &ts) != 0)
+        return 0.0;
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
 
 static double mono(void)
 {
@@ -49,6 +61,7 @@ typedef struct srv {
     uv_async_t stop;
     peer_service *svc;
     atomic_int port;
+    peer_block_info info; /* read on the peer's loop as it stops */
 } srv;
 
 static void svc_closed(peer_service *s, int ck, void *arg)
@@ -62,6 +75,7 @@ static void svc_closed(peer_service *s, int ck, void *arg)
 static void on_stop(uv_async_t *a)
 {
     srv *t = a->data;
+    peer_service_block_info(t->svc, 0, &t->info);
     peer_service_close(t->svc, svc_closed, t);
 }
 
@@ -79,8 +93,8 @@ static void *srv_main(void *arg)
     c.blocks = blocks;
     c.n_blocks = 1;
     c.threads = 1;
-    c.max_batch = g_batch;
-    c.max_queue_rows = g_batch * g_clients * g_depth * 2;
+    c.max_batch = g_max_batch;
+    c.max_queue_rows = g_max_batch + g_batch * g_clients * g_depth * 2;
     expert_optim_default_adamw(&c.optim);
     c.optim.target_batch = g_target;
     char err[256];
@@ -152,24 +166,24 @@ static void on_closed(peer_rpc_client *cl, void *arg)
     peer_rpc_client_destroy(&cl);
 }
 
-/* Local reference: the same block and batch, forward+backward in a loop. */
-static double local_rate(void)
+/* Local reference: the same block, n rows forward+backward in a loop. */
+static double local_rate(int n)
 {
     const struct expert_model_spec *spec = expert_model_find("fmnist-mlp");
     struct expert_block_config bc;
     expert_model_stage(spec, 1, &bc);
     expert_block *b = expert_block_create(&bc, 1);
-    expert_workspace *ws = expert_workspace_create(&bc, g_batch);
-    float *x = malloc((size_t)g_batch * 512 * sizeof(float)), *y = malloc((size_t)g_batch * 512 * sizeof(float));
-    float *dx = malloc((size_t)g_batch * 512 * sizeof(float));
-    for (int i = 0; i < g_batch * 512; i++)
+    expert_workspace *ws = expert_workspace_create(&bc, n);
+    float *x = malloc((size_t)n * 512 * sizeof(float)), *y = malloc((size_t)n * 512 * sizeof(float));
+    float *dx = malloc((size_t)n * 512 * sizeof(float));
+    for (int i = 0; i < n * 512; i++)
         x[i] = y[i] = (float)((i * 37) % 101) / 101.0f - 0.5f;
-    expert_block_forward_backward(b, ws, NULL, dx, y, x, g_batch, NULL); /* warm-up */
+    expert_block_forward_backward(b, ws, NULL, dx, y, x, n, NULL); /* warm-up */
     long rows = 0;
     double t0 = mono();
     while (mono() - t0 < g_seconds / 2) {
-        expert_block_forward_backward(b, ws, NULL, dx, y, x, g_batch, NULL);
-        rows += g_batch;
+        expert_block_forward_backward(b, ws, NULL, dx, y, x, n, NULL);
+        rows += n;
     }
     double rate = (double)rows / (mono() - t0);
     free(x);
@@ -187,15 +201,18 @@ int main(int argc, char **argv)
         if (!strcmp(argv[i], "--clients")) g_clients = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--depth")) g_depth = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--batch")) g_batch = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--max-batch")) g_max_batch = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--seconds")) g_seconds = atof(argv[i + 1]);
         else if (!strcmp(argv[i], "--threads")) g_blas = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--target")) g_target = atoi(argv[i + 1]);
         else {
-            fprintf(stderr, "usage: serve_bench [--clients C] [--depth D] [--batch B] [--seconds S] [--threads T] [--target N]\n");
+            fprintf(stderr, "usage: serve_bench [--clients C] [--depth D] [--batch B] [--max-batch M] "
+                            "[--seconds S] [--threads T] [--target N]\n");
             return 2;
         }
     }
-    if (g_clients < 1 || g_clients > 64 || g_depth < 1 || g_batch < 1 || g_batch > 4096 || !(g_seconds > 0) ||
+    if (g_clients < 1 || g_clients > 64 || g_depth < 1 || g_batch < 1 || g_batch > 4096 || g_max_batch < g_batch ||
+        g_max_batch > 4096 || !(g_seconds > 0) ||
         g_target < 1) {
         fprintf(stderr, "serve_bench: bad arguments\n");
         return 2;
@@ -205,7 +222,8 @@ int main(int argc, char **argv)
     dht_identity_from_seed(&id_s, s1);
     dht_identity_from_seed(&id_c, s2);
 
-    double local = local_rate();
+    double local = local_rate(g_batch);
+    double local_joined = g_max_batch == g_batch ? local : local_rate(g_max_batch);
 
     srv t;
     memset(&t, 0, sizeof t);
@@ -246,11 +264,18 @@ int main(int argc, char **argv)
     double w_end = mono() + 1.0;
     while (mono() < w_end)
         uv_run(&loop, UV_RUN_ONCE);
+    /* CPU of the clients' loop (this thread) and of the peer's loop thread
+     * while measuring: what the network side takes from the BLAS threads. */
+    clockid_t srv_clock;
+    int have_srv_clock = pthread_getcpuclockid(t.th, &srv_clock) == 0;
     long rows0 = served_rows;
-    double t0 = mono();
+    double t0 = mono(), c0 = cpu_of(CLOCK_THREAD_CPUTIME_ID), s0 = have_srv_clock ? cpu_of(srv_clock) : 0.0;
     while (mono() < t_end)
         uv_run(&loop, UV_RUN_ONCE);
-    double served = (double)(served_rows - rows0) / (mono() - t0);
+    double wall = mono() - t0;
+    double served = (double)(served_rows - rows0) / wall;
+    double client_cpu = (cpu_of(CLOCK_THREAD_CPUTIME_ID) - c0) / wall;
+    double server_cpu = have_srv_clock ? (cpu_of(srv_clock) - s0) / wall : -1.0;
     stopping = 1;
     while (inflight > 0)
         uv_run(&loop, UV_RUN_ONCE);
@@ -264,10 +289,16 @@ int main(int argc, char **argv)
     uv_async_send(&t.stop);
     pthread_join(t.th, NULL);
     free(cs);
-    printf("{\"bench\":\"serve_bench\",\"block\":\"fmnist-mlp.1\",\"batch\":%d,\"clients\":%d,\"depth\":%d,"
-           "\"blas_threads\":%d,\"target_batch\":%d,\"openblas_core\":\"%s\",\"served_samples_per_s\":%.1f,"
-           "\"local_samples_per_s\":%.1f,\"efficiency\":%.3f,\"errors\":%ld}\n",
-           g_batch, g_clients, g_depth, blas, g_target, expert_blas_corename(), served, local, served / local,
-           errors);
+    const peer_batcher_stats *st = &t.info.stats;
+    double mean_rows = st->batches ? (double)(st->rows[PEER_TASK_BACKWARD] + st->rows[PEER_TASK_FORWARD]) /
+                                         (double)st->batches
+                                   : 0.0;
+    printf("{\"bench\":\"serve_bench\",\"block\":\"fmnist-mlp.1\",\"batch\":%d,\"max_batch\":%d,"
+           "\"clients\":%d,\"depth\":%d,\"blas_threads\":%d,\"target_batch\":%d,\"openblas_core\":\"%s\","
+           "\"served_samples_per_s\":%.1f,\"mean_joined_rows\":%.1f,\"local_samples_per_s\":%.1f,"
+           "\"local_joined_samples_per_s\":%.1f,\"efficiency\":%.3f,\"efficiency_vs_joined\":%.3f,"
+           "\"client_loop_cpu\":%.3f,\"peer_loop_cpu\":%.3f,\"errors\":%ld}\n",
+           g_batch, g_max_batch, g_clients, g_depth, blas, g_target, expert_blas_corename(), served, mean_rows,
+           local, local_joined, served / local, served / local_joined, client_cpu, server_cpu, errors);
     return errors ? 1 : 0;
 }
