@@ -617,6 +617,44 @@ struct step_ctx {
     uint64_t t;
 };
 
+/* Σ grads² over the thread budget. The gradient is cut into at most
+ * SQ_CHUNKS chunks whose size depends on n alone; each chunk's sum is
+ * computed whole by one thread and the sums are added in chunk order, so
+ * the result is the same for any number of threads. */
+#define SQ_CHUNKS 256
+struct sq_ctx {
+    const float *g;
+    size_t n, chunk, chunks;
+    double part[SQ_CHUNKS];
+};
+
+static void sq_part(void *ctx, int i, int n)
+{
+    struct sq_ctx *c = ctx;
+    size_t lo, hi;
+    expert__split(c->chunks, i, n, 1, &lo, &hi);
+    for (size_t k = lo; k < hi; k++) {
+        size_t a = k * c->chunk, e = a + c->chunk < c->n ? a + c->chunk : c->n;
+        c->part[k] = expert_sqnorm(c->g + a, e - a);
+    }
+}
+
+static double grads_sqnorm(const float *g, size_t n)
+{
+    struct sq_ctx c;
+    c.g = g;
+    c.n = n;
+    c.chunk = (n + SQ_CHUNKS - 1) / SQ_CHUNKS;
+    if (c.chunk < 4096)
+        c.chunk = 4096;
+    c.chunks = (n + c.chunk - 1) / c.chunk;
+    expert__parallel(sq_part, &c, n);
+    double s = 0.0;
+    for (size_t k = 0; k < c.chunks; k++)
+        s += c.part[k];
+    return s;
+}
+
 static void step_part(void *ctx, int i, int n)
 {
     struct step_ctx *c = ctx;
@@ -674,7 +712,7 @@ static int step_locked(expert_block *b, const struct expert_optim *o,
     if (b->accum <= 0)
         return -EAGAIN;
     float gscale = 1.0f / (float)b->accum;
-    double norm = sqrt(expert_sqnorm(b->grads, b->n)) * gscale;
+    double norm = sqrt(grads_sqnorm(b->grads, b->n)) * gscale;
     if (!isfinite(norm)) {
         /* A NaN/Inf gradient (e.g. a bad grad_output from a peer) would
          * poison every weight for good: drop the whole accumulation. */

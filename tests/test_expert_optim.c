@@ -5,6 +5,7 @@
 
 #include <errno.h>
 
+#include "expert/blas.h"
 #include "expert/block.h"
 #include "expert/optim.h"
 
@@ -220,6 +221,74 @@ static void test_nonfinite_gradient_refused(void **state)
     expert_block_destroy(&b);
 }
 
+/* Σ g² against a long-double reference over lengths around the 8-lane
+ * split; non-finite values stay non-finite (the step's NaN check). */
+static void test_sqnorm(void **state)
+{
+    (void)state;
+    static const size_t lens[] = {0, 1, 7, 8, 9, 15, 17, 1000, 100003};
+    float *g = tx_alloc(100003);
+    uint64_t s = 99;
+    tx_fill(g, 100003, &s, 5.0f);
+    for (size_t k = 0; k < sizeof lens / sizeof lens[0]; k++) {
+        long double ref = 0.0L;
+        for (size_t i = 0; i < lens[k]; i++)
+            ref += (long double)g[i] * g[i];
+        double got = expert_sqnorm(g, lens[k]);
+        if (!(fabsl((long double)got - ref) <= 1e-13L * ref))
+            fail_msg("n %zu: %.17g want %.17Lg", lens[k], got, ref);
+    }
+    g[12345] = NAN;
+    assert_true(isnan(expert_sqnorm(g, 100003)));
+    g[12345] = INFINITY;
+    assert_true(isinf(expert_sqnorm(g, 100003)));
+    g[100002] = -INFINITY; /* in the tail after the last full group of 8 */
+    g[12345] = 0.0f;
+    assert_true(isinf(expert_sqnorm(g, 100003)));
+    free(g);
+}
+
+/* A step's gradient norm (summed in chunks over the BLAS thread budget) is
+ * the same bits for 1 and 2 threads, and matches a plain sum. */
+static void test_step_norm_thread_independent(void **state)
+{
+    (void)state;
+    /* 526k parameters: enough work for the pool to split it (2 threads). */
+    struct expert_block_config cfg = { EXPERT_BLOCK_RESFFN, 256, 256, 1024 };
+    double norms[2];
+    for (int t = 0; t < 2; t++) {
+        /* The gradients themselves on one thread (BLAS results may differ
+         * in the last bits between thread counts); the step on t + 1. */
+        expert_blas_set_threads(1);
+        expert_block *b = expert_block_create(&cfg, 3);
+        expert_workspace *ws = expert_workspace_create(&cfg, 8);
+        size_t np = expert_block_nparams(b);
+        uint64_t s = 17;
+        float *x = tx_alloc(8 * 256), *dy = tx_alloc(8 * 256), *g = tx_alloc(np);
+        tx_fill(x, 8 * 256, &s, 1.0f);
+        tx_fill(dy, 8 * 256, &s, 1.0f);
+        assert_int_equal(expert_block_backward(b, ws, NULL, dy, x, 8, NULL), 0);
+        expert_block_copy_grads(b, g);
+        long double ref = 0.0L;
+        for (size_t i = 0; i < np; i++)
+            ref += (long double)g[i] * g[i];
+        struct expert_optim o;
+        expert_optim_default_adamw(&o);
+        struct expert_step_info info;
+        expert_blas_set_threads(t + 1);
+        assert_int_equal(expert_block_step(b, &o, &info), 0);
+        norms[t] = info.grad_norm;
+        long double want = sqrtl(ref) / 8.0L;
+        if (!(fabsl((long double)info.grad_norm - want) <= 1e-12L * want))
+            fail_msg("threads %d: norm %.17g want %.17Lg", t + 1, info.grad_norm, want);
+        free(x); free(dy); free(g);
+        expert_workspace_destroy(&ws);
+        expert_block_destroy(&b);
+    }
+    expert_blas_set_threads(0);
+    assert_memory_equal(&norms[0], &norms[1], sizeof(double));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -228,6 +297,8 @@ int main(void)
         cmocka_unit_test(test_accumulation_matches_full_batch),
         cmocka_unit_test(test_clip_by_norm),
         cmocka_unit_test(test_nonfinite_gradient_refused),
+        cmocka_unit_test(test_sqnorm),
+        cmocka_unit_test(test_step_norm_thread_independent),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
