@@ -8,7 +8,8 @@
 #
 # Usage: tests/bench/train_bench.sh [BUILD_DIR]   (env: EPOCHS=3, SKIP_TORCH=1,
 #        BLAS=Haswell to force AVX2 kernels on both sides,
-#        TRAIN_FLAGS="--sync 128" extra flags for starling train)
+#        TRAIN_FLAGS="--sync 128" extra flags for starling train,
+#        SEED=N the peers' init seed and the trainer's data-order seed, 0)
 set -u -o pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${1:-$root/build}
@@ -32,13 +33,13 @@ export OPENBLAS_NUM_THREADS=1
 for _ in $(seq 1 50); do [ -s "$work/bs.out" ] && break; sleep 0.1; done
 BS=$(head -1 "$work/bs.out")
 for span in 0-1 2-3 4-5; do
-    "$S" peer --initial-peers "$BS" --blocks $span --lr 1e-3 --target-batch 128 --blas-threads 1 \
+    "$S" peer --initial-peers "$BS" --blocks $span --lr 1e-3 --target-batch 128 --blas-threads 1 --seed "${SEED:-0}" \
         >/dev/null 2>"$work/peer-$span.err" & pids="$pids $!"
 done
 for span in 0-1 2-3 4-5; do
     for _ in $(seq 1 100); do grep -q 'online: announcing' "$work/peer-$span.err" && break; sleep 0.1; done
 done
-"$S" train --initial-peers "$BS" --epochs "$epochs" --batch 64 --inflight 2 ${TRAIN_FLAGS:-} --json \
+"$S" train --initial-peers "$BS" --epochs "$epochs" --batch 64 --inflight 2 --seed "${SEED:-0}" ${TRAIN_FLAGS:-} --json \
     --metrics-log "" --plot "" 2>"$work/train.err" | tail -1 >"$work/starling.json"
 ours=$(cat "$work/starling.json")
 echo "{\"system\":\"starling-swarm\",\"blas\":\"$blas\",\"peers\":3,\"result\":$ours}"
@@ -51,8 +52,8 @@ if [ "${SKIP_TORCH:-0}" = 1 ] || ! "$PY" -c 'import torch' 2>/dev/null; then
     exit 0
 fi
 unset OPENBLAS_NUM_THREADS
-(cd "$torch_dir" && "$PY" train_local.py --epochs "$epochs" --threads 1:2) 2>/dev/null | tail -1 >"$work/local.json"
-(cd "$torch_dir" && "$PY" train_pipeline_rpc.py --epochs "$epochs" --stage-threads 1) 2>/dev/null | tail -1 >"$work/rpc.json"
+(cd "$torch_dir" && "$PY" train_local.py --epochs "$epochs" --threads 1:2 --seed "${SEED:-0}") 2>/dev/null | tail -1 >"$work/local.json"
+(cd "$torch_dir" && "$PY" train_pipeline_rpc.py --epochs "$epochs" --stage-threads 1 --seed "${SEED:-0}") 2>/dev/null | tail -1 >"$work/rpc.json"
 echo "{\"system\":\"torch-local\",\"blas\":\"$blas\",\"result\":$(cat "$work/local.json")}"
 echo "{\"system\":\"torch-rpc-pipeline\",\"blas\":\"$blas\",\"result\":$(cat "$work/rpc.json")}"
 "$PY" - "$ours_sps" "$ours_acc" "$work/local.json" "$work/rpc.json" <<'PYEOF'
