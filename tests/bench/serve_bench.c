@@ -9,9 +9,9 @@
  * is then divided by the same block's local samples/s, measured in the same
  * process with expert_block_forward_backward at the same B and the same
  * OpenBLAS threads. The peer joins concurrent requests up to --max-batch
- * rows (default 256, as `starling peer`), so the local rate at that many
- * rows is printed too (efficiency_vs_joined: what joining itself gains is
- * then left out). The local loop takes no optimizer step, so by default
+ * rows (default 256 as in `starling peer`, or --batch if larger), so the
+ * local rate at that many rows is printed too (efficiency_vs_joined: what
+ * joining itself gains is then left out). The local loop takes no optimizer step, so by default
  * the peer's target batch is so large that it takes none either (--target N
  * sets the peer's, to see what its AdamW steps cost). The last stdout line
  * is one JSON object.
@@ -35,7 +35,7 @@
 #include "peer/peer.h"
 
 static dht_identity id_s, id_c;
-static int g_batch = 128, g_max_batch = 256, g_clients = 4, g_depth = 2, g_blas = 0, g_target = 1 << 30;
+static int g_batch = 128, g_max_batch = 0 /* max(256, batch) */, g_clients = 4, g_depth = 2, g_blas = 0, g_target = 1 << 30;
 static double g_seconds = 8;
 
 static double cpu_of(clockid_t id)
@@ -211,6 +211,8 @@ int main(int argc, char **argv)
             return 2;
         }
     }
+    if (g_max_batch == 0)
+        g_max_batch = g_batch > 256 ? g_batch : 256;
     if (g_clients < 1 || g_clients > 64 || g_depth < 1 || g_batch < 1 || g_batch > 4096 || g_max_batch < g_batch ||
         g_max_batch > 4096 || !(g_seconds > 0) ||
         g_target < 1) {
