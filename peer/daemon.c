@@ -26,8 +26,14 @@ typedef struct avg_ctx {
     int block;
     uint64_t round;
     int putting, getting;        /* matchmaking entry stored / group lookup in flight */
+    int regets;                  /* group lookups repeated this round while alone */
     peer_allreduce *ar;          /* the round running, or NULL */
 } avg_ctx;
+
+/* A replica that finds no other entry looks again this many times while the
+ * round lasts: the others' entries can be late (a put that meets dead
+ * contacts waits a stale period per hop, more on a loaded machine). */
+#define AVG_REGETS 3
 
 struct peer_daemon {
     uv_loop_t *loop;
@@ -54,6 +60,7 @@ struct peer_daemon {
     int avg_inflight;            /* all-reduce rounds whose callback is still to come */
     uint64_t avg_rounds[PEER_SERVICE_MAX_BLOCKS]; /* averaging rounds completed per block (announced) */
     int avg_group[PEER_SERVICE_MAX_BLOCKS];       /* size of the last completed round's group */
+    int avg_alone[PEER_SERVICE_MAX_BLOCKS];       /* "alone" said since the last completed round */
     int timers_open;
 
     int joined;
@@ -350,6 +357,7 @@ static void on_avg_done(void *arg, int status, const peer_allreduce_result *res)
     if (status == 0) {
         d->avg_rounds[c->block]++;
         d->avg_group[c->block] = res->n;
+        d->avg_alone[c->block] = 0;
         say(d,
             "%s: averaged in a group of %d (round %llu, our weight %.3f, %.1f MB in %.2f s; distance to the "
             "group average %.6g -> %.6g)",
@@ -360,6 +368,8 @@ static void on_avg_done(void *arg, int status, const peer_allreduce_result *res)
             (unsigned long long)c->round, res->n, strerror(-status));
     }
 }
+
+static void on_avg_gather(uv_timer_t *t);
 
 static int cmp_member(const void *a, const void *b)
 {
@@ -407,8 +417,20 @@ static void on_avg_group(dht *dh, int status, const dht_entry *e, size_t n, void
     snprintf(cand[nc].m.addr, sizeof cand[nc].m.addr, "%s", d->announce_addr);
     cand[nc].optim = (uint8_t)d->optim_kind;
     nc++;
-    if (nc < 2)
-        return; /* no other replica this round */
+    if (nc < 2) {
+        /* No other replica's entry (yet). */
+        uint64_t gather = avg_gather_ms(d), end = (c->round + 1) * avg_period_ms(d);
+        if (c->regets < AVG_REGETS && dht_now_ms() + gather / 2 + gather < end) {
+            c->regets++;
+            c->putting = 1;
+            uv_timer_start(&d->avg_gather_timer, on_avg_gather, gather / 2, 0);
+        } else if (d->avg_group[c->block] >= 2 && !d->avg_alone[c->block]) {
+            /* Said once when a block that had a group finds itself alone. */
+            say(d, "%s: no other replica joined averaging round %llu", info.name, (unsigned long long)c->round);
+            d->avg_alone[c->block] = 1;
+        }
+        return;
+    }
     /* More than PEER_ALLREDUCE_MAX_MEMBERS: split into near-equal groups by
      * a per-round hash of the IDs, which every member computes alike. */
     int lo = 0, hi = nc;
@@ -529,6 +551,7 @@ static void on_avg_timer(uv_timer_t *t)
         if (dht_put(d->dht, key, NULL, 0, val, (size_t)n, now + 2 * avg_gather_ms(d) + 5000, 1, NULL, NULL) ==
             0) {
             c->round = round;
+            c->regets = 0;
             c->putting = 1;
             started++;
         }
