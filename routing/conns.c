@@ -16,6 +16,7 @@ typedef struct conn {
     struct route_conns *owner;
     peer_rpc_client *cl;
     int state;
+    int closing; /* closed by us: the connect callback that follows is our cancel */
     UT_hash_handle hh;
 } conn;
 
@@ -53,9 +54,14 @@ static void on_closed(peer_rpc_client *cl, void *arg)
     c->open--;
 }
 
+/* k leaves the table here, once; closing a client that is still setting
+ * up calls on_connect with -ECANCELED from inside peer_rpc_client_close,
+ * which must then not remove k again (nor report a failed holder), and k
+ * may be freed before this returns. */
 static void close_conn(route_conns *c, conn *k)
 {
     HASH_DEL(c->map, k);
+    k->closing = 1;
     peer_rpc_client_close(k->cl, on_closed, k);
 }
 
@@ -64,6 +70,8 @@ static void on_connect(peer_rpc_client *cl, int status, void *arg)
     (void)cl;
     conn *k = arg;
     route_conns *c = k->owner;
+    if (k->closing)
+        return;
     if (status == 0) {
         k->state = CONN_READY;
         if (c->cfg.on_ready)
@@ -124,9 +132,10 @@ void route_conns_drop(route_conns *c, const uint8_t id[DHT_ID_LEN])
 
 void route_conns_close_all(route_conns *c)
 {
-    conn *k, *tmp;
-    HASH_ITER(hh, c->map, k, tmp)
-        close_conn(c, k);
+    /* The head each time: closing fails pending calls, whose callbacks may
+     * drop other entries meanwhile. */
+    for (int guard = 0; c->map && guard < 1 << 20; guard++)
+        close_conn(c, c->map);
 }
 
 int route_conns_open(const route_conns *c)
