@@ -3,7 +3,15 @@
  * Parts are claimed from an atomic counter by the caller and by the helpers
  * alike, so the caller never waits for a helper that has not been scheduled
  * yet (on a shared 2-core machine it often is not): it simply runs the
- * unclaimed parts itself, and waits only for parts a helper already started. */
+ * unclaimed parts itself, and waits only for parts a helper already started.
+ *
+ * A claim names the job: the claim word holds the job's generation above
+ * the next part's index, and a part is taken only by a compare-and-swap
+ * that still finds the generation the claimer read with fn/ctx. A helper
+ * that woke for a job which then ended, while the caller already started
+ * the next one, therefore claims nothing: before, it could take a part of
+ * the new job and run the old job's function on the old caller's (dead)
+ * stack frame, leaving that part of the new job undone. */
 #include "expert/pool.h"
 #include "expert/blas.h"
 
@@ -19,7 +27,7 @@ static struct {
     expert__task_fn fn;
     void *ctx;
     int n;                       /* parts in the current job */
-    atomic_int next;             /* next part to claim */
+    _Atomic unsigned long long claim; /* (gen << CLAIM_BITS) | next part to claim */
     atomic_int finished;         /* parts completed */
 } pool = {
     .busy = PTHREAD_MUTEX_INITIALIZER,
@@ -28,14 +36,23 @@ static struct {
     .done = PTHREAD_COND_INITIALIZER,
 };
 
-/* Claims and runs parts until none is left; returns how many it ran. */
-static int run_parts(expert__task_fn fn, void *ctx, int n)
+#define CLAIM_BITS 16 /* n <= 2 * EXPERT__POOL_MAX parts */
+#define CLAIM_GEN(g) ((unsigned long long)(g) << CLAIM_BITS)
+
+/* Claims parts of job gen and runs them until none is left; returns how
+ * many it ran. */
+static int run_parts(expert__task_fn fn, void *ctx, int n, unsigned long gen)
 {
     int ran = 0;
     for (;;) {
-        int i = atomic_fetch_add(&pool.next, 1);
-        if (i >= n)
-            return ran;
+        unsigned long long v = atomic_load(&pool.claim);
+        for (;;) {
+            if ((v >> CLAIM_BITS) != (CLAIM_GEN(gen) >> CLAIM_BITS) || (int)(v & 0xffffu) >= n)
+                return ran; /* another job by now, or nothing left */
+            if (atomic_compare_exchange_weak(&pool.claim, &v, v + 1))
+                break;
+        }
+        int i = (int)(v & 0xffffu);
         fn(ctx, i, n);
         ran++;
         if (atomic_fetch_add(&pool.finished, 1) + 1 == n) {
@@ -59,9 +76,10 @@ static void *helper(void *arg)
         void *ctx = pool.ctx;
         int n = pool.n;
         pthread_mutex_unlock(&pool.mu);
-        /* A helper waking after the job ended finds next >= n and runs
-         * nothing; fn/ctx are only called for parts it claimed in time. */
-        run_parts(fn, ctx, n);
+        /* A helper waking after the job ended claims nothing (all parts
+         * taken, or the claim word names a newer job); fn/ctx are only
+         * called for parts of job `seen` it claimed in time. */
+        run_parts(fn, ctx, n, seen);
         pthread_mutex_lock(&pool.mu);
     }
     return NULL;
@@ -107,12 +125,12 @@ void expert__parallel(expert__task_fn fn, void *ctx, size_t work)
     pool.fn = fn;
     pool.ctx = ctx;
     pool.n = n;
-    atomic_store(&pool.next, 0);
     atomic_store(&pool.finished, 0);
-    pool.gen++;
+    unsigned long gen = ++pool.gen;
+    atomic_store(&pool.claim, CLAIM_GEN(gen));
     pthread_cond_broadcast(&pool.go);
     pthread_mutex_unlock(&pool.mu);
-    run_parts(fn, ctx, n);
+    run_parts(fn, ctx, n, gen);
     pthread_mutex_lock(&pool.mu);
     while (atomic_load(&pool.finished) < n)
         pthread_cond_wait(&pool.done, &pool.mu);

@@ -6,6 +6,7 @@
 
 #include "expert/blas.h"
 #include "expert/ops.h"
+#include "expert/pool.h"
 
 #define SEED 20260101u
 
@@ -359,6 +360,48 @@ static void test_pool_split_identical(void **state)
     free(x); free(bias); free(w); free(dy);
 }
 
+/* Many short jobs back to back with more helpers than cores: helpers often
+ * wake for a job that has already ended. Each job has its own heap context;
+ * every part of every job must run exactly once, through that job's
+ * context. Before the claim word named the job, a late helper could take a
+ * part of the next job and run it on the previous job's (freed) context:
+ * that part stayed undone (and ASan saw the stale frame). */
+struct pool_job {
+    int n;
+    int done[2 * EXPERT__POOL_MAX];
+};
+
+static void pool_job_part(void *ctx, int i, int n)
+{
+    struct pool_job *j = ctx;
+    j->n = n;
+    j->done[i]++;
+}
+
+static void test_pool_jobs_back_to_back(void **state)
+{
+    (void)state;
+    int old = expert_blas_threads();
+    expert_blas_set_threads(EXPERT__POOL_MAX);
+    int bad = 0, split = 0;
+    for (int k = 0; k < 20000 && bad == 0; k++) {
+        struct pool_job *j = calloc(1, sizeof *j);
+        assert_non_null(j);
+        expert__parallel(pool_job_part, j, EXPERT__POOL_MIN_WORK);
+        assert_true(j->n >= 1 && j->n <= 2 * EXPERT__POOL_MAX);
+        split += j->n > 1;
+        for (int i = 0; i < j->n; i++)
+            if (j->done[i] != 1) {
+                fprintf(stderr, "job %d: part %d of %d ran %d times\n", k, i, j->n, j->done[i]);
+                bad++;
+            }
+        free(j);
+    }
+    expert_blas_set_threads(old);
+    assert_int_equal(bad, 0);
+    assert_true(split > 0); /* the pool really split jobs */
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -372,6 +415,7 @@ int main(void)
         cmocka_unit_test(test_crossentropy),
         cmocka_unit_test(test_ops_table_and_bad_args),
         cmocka_unit_test(test_pool_split_identical),
+        cmocka_unit_test(test_pool_jobs_back_to_back),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
