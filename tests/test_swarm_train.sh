@@ -6,27 +6,26 @@ start_bootstrap
 start_peer a 0-2
 start_peer b 3-5
 start_peer c 2,3
-timeout 300 "$S" train --initial-peers "$BS" --train-samples 6000 --test-samples 2000 --json \
-    --metrics-log "$T/train.jsonl" --plot "$T/train.svg" >"$T/train.out" 2>"$T/train.err"
-rc=$?
-[ "$rc" -eq 0 ] || { fail "train exited $rc"; show "$T/train.err"; }
-acc=$(json_field "$T/train.out" test_acc)
-samples=$(json_field "$T/train.out" samples)
-echo "test_acc=$acc samples=$samples"
-awk "BEGIN { exit !($acc >= 0.55) }" || fail "test accuracy $acc below 0.55"
-[ "$samples" = 6000 ] || fail "processed $samples samples, want 6000"
+# train_ok NAME SAMPLES [FLAGS...]: trains on SAMPLES training samples; it
+# must exit 0, process every sample exactly once and beat 0.55 accuracy.
+train_ok() {
+    name=$1 n=$2
+    shift 2
+    timeout 300 "$S" train --initial-peers "$BS" --train-samples "$n" --json "$@" \
+        >"$T/$name.out" 2>"$T/$name.err"
+    rc=$?
+    [ "$rc" -eq 0 ] || { fail "$name: train exited $rc"; show "$T/$name.err"; }
+    acc=$(json_field "$T/$name.out" test_acc)
+    samples=$(json_field "$T/$name.out" samples)
+    echo "$name: test_acc=$acc samples=$samples"
+    awk "BEGIN { exit !($acc >= 0.55) }" || fail "$name: test accuracy $acc below 0.55"
+    [ "$samples" = "$n" ] || fail "$name: processed $samples samples, want $n"
+}
+train_ok train 6000 --test-samples 2000 --metrics-log "$T/train.jsonl" --plot "$T/train.svg"
 grep -q '"event":"epoch"' "$T/train.jsonl" || fail "no epoch line in the metrics log"
 grep -q '<polyline' "$T/train.svg" || fail "no curve in the plot"
 # Synchronous groups (--sync): 100-sample groups (not a multiple of the
 # micro-batch, so groups cut micro-batches short) with 4 in flight still
 # process every sample exactly once and learn.
-timeout 300 "$S" train --initial-peers "$BS" --train-samples 3000 --test-samples 1000 --sync 100 --inflight 4 \
-    --json --metrics-log "" --plot "" >"$T/sync.out" 2>"$T/sync.err"
-rc=$?
-[ "$rc" -eq 0 ] || { fail "train --sync exited $rc"; show "$T/sync.err"; }
-acc=$(json_field "$T/sync.out" test_acc)
-samples=$(json_field "$T/sync.out" samples)
-echo "sync: test_acc=$acc samples=$samples"
-awk "BEGIN { exit !($acc >= 0.55) }" || fail "--sync test accuracy $acc below 0.55"
-[ "$samples" = 3000 ] || fail "--sync processed $samples samples, want 3000"
+train_ok sync 3000 --test-samples 1000 --sync 100 --inflight 4 --metrics-log "" --plot ""
 finish
