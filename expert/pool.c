@@ -9,9 +9,9 @@
  * the next part's index, and a part is taken only by a compare-and-swap
  * that still finds the generation the claimer read with fn/ctx. A helper
  * that woke for a job which then ended, while the caller already started
- * the next one, therefore claims nothing: before, it could take a part of
- * the new job and run the old job's function on the old caller's (dead)
- * stack frame, leaving that part of the new job undone. */
+ * the next one, therefore claims nothing (otherwise it would take a part of
+ * the new job and run the old job's function on the old caller's dead
+ * context, and that part of the new job would never be computed). */
 #include "expert/pool.h"
 #include "expert/blas.h"
 
@@ -37,6 +37,7 @@ static struct {
 };
 
 #define CLAIM_BITS 16 /* n <= 2 * EXPERT__POOL_MAX parts */
+#define CLAIM_PART 0xffffull
 #define CLAIM_GEN(g) ((unsigned long long)(g) << CLAIM_BITS)
 
 /* Claims parts of job gen and runs them until none is left; returns how
@@ -47,12 +48,12 @@ static int run_parts(expert__task_fn fn, void *ctx, int n, unsigned long gen)
     for (;;) {
         unsigned long long v = atomic_load(&pool.claim);
         for (;;) {
-            if ((v >> CLAIM_BITS) != (CLAIM_GEN(gen) >> CLAIM_BITS) || (int)(v & 0xffffu) >= n)
+            if ((v & ~CLAIM_PART) != CLAIM_GEN(gen) || (int)(v & CLAIM_PART) >= n)
                 return ran; /* another job by now, or nothing left */
             if (atomic_compare_exchange_weak(&pool.claim, &v, v + 1))
                 break;
         }
-        int i = (int)(v & 0xffffu);
+        int i = (int)(v & CLAIM_PART);
         fn(ctx, i, n);
         ran++;
         if (atomic_fetch_add(&pool.finished, 1) + 1 == n) {

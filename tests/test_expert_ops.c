@@ -363,9 +363,9 @@ static void test_pool_split_identical(void **state)
 /* Many short jobs back to back with more helpers than cores: helpers often
  * wake for a job that has already ended. Each job has its own heap context;
  * every part of every job must run exactly once, through that job's
- * context. Before the claim word named the job, a late helper could take a
- * part of the next job and run it on the previous job's (freed) context:
- * that part stayed undone (and ASan saw the stale frame). */
+ * context. A late helper that claimed a part of the next job would run it
+ * on the previous job's freed context: the part would stay undone here
+ * (and ASan would report the use after free). */
 struct pool_job {
     int n;
     int done[2 * EXPERT__POOL_MAX];

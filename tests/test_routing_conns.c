@@ -6,10 +6,10 @@
  * so every client stays in its handshake (connecting) until closed. Closing
  * such a connection cancels its setup; that is our own doing, not a failed
  * holder: on_failed must not run, and the pool must stay consistent when
- * several are closed at once (before the fix, the cancel re-entered the
- * pool and removed the entry a second time, corrupting the table; a trainer
- * or `starling infer` that finished while a connection was still being set
- * up could crash). */
+ * several are closed at once (the cancel re-enters the pool's connect
+ * callback, which must not remove the entry a second time: that corrupted
+ * the table and crashed a trainer or `starling infer` finishing while a
+ * connection was still being set up). */
 #include <errno.h>
 #include <string.h>
 
