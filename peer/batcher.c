@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -211,6 +212,13 @@ static void *worker_main(void *arg)
 {
     worker *w = arg;
     peer_batcher *b = w->b;
+    char tname[32]; /* the kernel keeps 15 characters */
+    if (b->cfg.stage >= 0)
+        snprintf(tname, sizeof tname, "%s-%d", w->infer_only ? "infer" : "train", b->cfg.stage);
+    else
+        snprintf(tname, sizeof tname, "%s", w->infer_only ? "infer" : "train");
+    tname[15] = '\0';
+    (void)pthread_setname_np(pthread_self(), tname); /* best effort: diagnostics only */
     /* Training threads yield the CPU to the inference lane: on a loaded
      * machine the lane's requests would otherwise wait for a time slice.
      * A nice value of 10 by default; with train_idle, SCHED_IDLE (Linux):
@@ -373,13 +381,21 @@ int peer_batcher_submit(peer_batcher *b, peer_task *t)
     q_push(t->kind == PEER_TASK_INFER ? &b->infer : &b->train, t);
     b->queued_rows += t->rows;
     b->queued_tasks++;
+    int lane = t->kind == PEER_TASK_INFER && b->cfg.infer_threads > 0;
+    pthread_mutex_unlock(&b->mu);
     /* Inference wakes the lanes (and, without lanes, the workers, which
-     * then serve it first); training work wakes the training threads. */
-    if (t->kind == PEER_TASK_INFER && b->cfg.infer_threads > 0)
+     * then serve it first); training work wakes the training threads.
+     * The wake-up comes after the unlock: signalled under the lock, a
+     * lane woken on this CPU preempted us, found the lock held and slept
+     * again, and we (a lane handing a span's next stage over) then waited
+     * runnable, still holding the lock, until the next scheduler tick
+     * while an idle-priority training thread ran (perf sched showed one
+     * such hand-over take 4.9 ms). The batcher cannot go away meanwhile:
+     * it is destroyed only once every request has been answered. */
+    if (lane)
         pthread_cond_signal(&b->cv_infer);
     else
         pthread_cond_broadcast(&b->cv);
-    pthread_mutex_unlock(&b->mu);
     return 0;
 }
 
