@@ -67,6 +67,7 @@ static int run_parts(expert__task_fn fn, void *ctx, int n, unsigned long gen)
 static void *helper(void *arg)
 {
     (void)arg;
+    (void)pthread_setname_np(pthread_self(), "expert-pool"); /* shows in ps/top/perf */
     unsigned long seen = 0;
     pthread_mutex_lock(&pool.mu);
     for (;;) {

@@ -66,6 +66,8 @@ typedef struct peer_batcher_config {
     int train_idle;       /* with lanes: training threads run at SCHED_IDLE
                              (preempted at once by any other thread) instead
                              of nice 10 */
+    int stage;            /* names the threads in ps/top/perf: "train-<stage>",
+                             "infer-<stage>" (-1: "train", "infer") */
 } peer_batcher_config;
 
 typedef struct peer_batcher_stats {

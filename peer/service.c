@@ -644,7 +644,7 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
             }
         }
         peer_batcher_config bc = {cfg->threads, cfg->max_batch, cfg->max_queue_rows, cfg->optim, 1,
-                                  cfg->train_idle};
+                                  cfg->train_idle, b->index};
         b->batcher = peer_batcher_create(b->block, &bc);
         if (!b->batcher) {
             snprintf(err, errlen, "cannot start compute threads for %s", b->name);

@@ -11,6 +11,25 @@ start_peer b 3-5 --announce-every 1 --announce-ttl 3
 id_a=$(sed -n 's#.*address .*/\([0-9a-f]\{40\}\)$#\1#p' "$T/a.out")
 id_b=$(sed -n 's#.*address .*/\([0-9a-f]\{40\}\)$#\1#p' "$T/b.out")
 
+# Threads are named for ps/top/perf, and a peer's training threads run at a
+# lower priority than its inference lanes (--training-priority low: nice 10).
+if [ -r "/proc/$PID_a/comm" ]; then
+    [ "$(cat "/proc/$PID_a/comm")" = starling-peer ] || fail "peer process name is '$(cat "/proc/$PID_a/comm")'"
+    for want in train-0 train-2 infer-0 infer-2; do
+        found=""
+        for t in /proc/$PID_a/task/*; do
+            [ "$(cat "$t/comm" 2>/dev/null)" = "$want" ] || continue
+            found=$t
+            nice=$(sed 's/^.*) //' "$t/stat" | cut -d' ' -f17)
+            case $want in
+            train-*) [ "$nice" = 10 ] || fail "$want runs at nice $nice, want 10" ;;
+            infer-*) [ "$nice" = 0 ] || fail "$want runs at nice $nice, want 0" ;;
+            esac
+        done
+        [ -n "$found" ] || fail "peer a has no thread named $want"
+    done
+fi
+
 # Text view: every stage covered, exit 0.
 "$S" monitor --initial-peers "$BS" >"$T/mon.txt" 2>&1; rc=$?
 [ "$rc" -eq 0 ] || { fail "monitor exit $rc, want 0"; show "$T/mon.txt"; }

@@ -2,6 +2,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <pthread.h>
+
 #include "config.h"
 #include "expert/expert.h"
 #include "tools/cli.h"
@@ -10,14 +12,15 @@ static const struct {
     const char *name;
     cli_main_fn run;
     const char *summary;
+    const char *comm; /* the process name in ps/top (the kernel keeps 15 characters) */
 } commands[] = {
-    {"peer", cmd_peer, "serve model blocks to the swarm and announce them in the DHT"},
-    {"bootstrap", cmd_bootstrap, "run a DHT-only node that others join through"},
-    {"monitor", cmd_monitor, "show the models, stages and holders of a swarm"},
-    {"train", cmd_train, "train a model through the swarm on Fashion-MNIST"},
-    {"infer", cmd_infer, "run predictions through the swarm"},
-    {"keygen", cmd_keygen, "create an ed25519 identity file and print its node ID"},
-    {"dht", cmd_dht, "get or put a key in a running swarm (debugging)"},
+    {"peer", cmd_peer, "serve model blocks to the swarm and announce them in the DHT", "starling-peer"},
+    {"bootstrap", cmd_bootstrap, "run a DHT-only node that others join through", "starling-boot"},
+    {"monitor", cmd_monitor, "show the models, stages and holders of a swarm", "starling-mon"},
+    {"train", cmd_train, "train a model through the swarm on Fashion-MNIST", "starling-train"},
+    {"infer", cmd_infer, "run predictions through the swarm", "starling-infer"},
+    {"keygen", cmd_keygen, "create an ed25519 identity file and print its node ID", "starling-keygen"},
+    {"dht", cmd_dht, "get or put a key in a running swarm (debugging)", "starling-dht"},
 };
 #define NCOMMANDS (sizeof commands / sizeof commands[0])
 
@@ -56,8 +59,13 @@ int main(int argc, char **argv)
         return CLI_EXIT_OK;
     }
     for (size_t i = 0; i < NCOMMANDS; i++)
-        if (strcmp(name, commands[i].name) == 0)
+        if (strcmp(name, commands[i].name) == 0) {
+            /* "starling-peer" etc. in ps/top (after the BLAS re-exec the
+             * kernel's name for us is "exe"); threads started later inherit
+             * it unless they name themselves (compute threads do). */
+            (void)pthread_setname_np(pthread_self(), commands[i].comm);
             return commands[i].run(argc - 1, argv + 1);
+        }
     if (name[0] == '-')
         fprintf(stderr, "starling: unknown option '%s'\n", name);
     else
