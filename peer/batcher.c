@@ -213,10 +213,7 @@ static void *worker_main(void *arg)
     worker *w = arg;
     peer_batcher *b = w->b;
     char tname[32]; /* the kernel keeps 15 characters */
-    if (b->cfg.stage >= 0)
-        snprintf(tname, sizeof tname, "%s-%d", w->infer_only ? "infer" : "train", b->cfg.stage);
-    else
-        snprintf(tname, sizeof tname, "%s", w->infer_only ? "infer" : "train");
+    snprintf(tname, sizeof tname, "%s-%d", w->infer_only ? "infer" : "train", b->cfg.stage);
     tname[15] = '\0';
     (void)pthread_setname_np(pthread_self(), tname); /* best effort: diagnostics only */
     /* Training threads yield the CPU to the inference lane: on a loaded

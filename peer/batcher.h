@@ -67,7 +67,7 @@ typedef struct peer_batcher_config {
                              (preempted at once by any other thread) instead
                              of nice 10 */
     int stage;            /* names the threads in ps/top/perf: "train-<stage>",
-                             "infer-<stage>" (-1: "train", "infer") */
+                             "infer-<stage>" */
 } peer_batcher_config;
 
 typedef struct peer_batcher_stats {

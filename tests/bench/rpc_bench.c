@@ -293,9 +293,8 @@ static int measure(int plaintext, int no_aes, int iters, int stream_n, int do_la
         while (s.inflight > 0 && !s.failed)
             uv_run(&cloop, UV_RUN_ONCE);
         clockid_t srv_clk;
-        if (pthread_getcpuclockid(t.th, &srv_clk) != 0)
-            srv_clk = CLOCK_THREAD_CPUTIME_ID; /* fall back to ours: the share reads 0 */
-        double c0 = thread_cpu_s(CLOCK_THREAD_CPUTIME_ID), s0 = thread_cpu_s(srv_clk);
+        int have_srv = pthread_getcpuclockid(t.th, &srv_clk) == 0; /* else the share reads 0 */
+        double c0 = thread_cpu_s(CLOCK_THREAD_CPUTIME_ID), s0 = have_srv ? thread_cpu_s(srv_clk) : 0;
         uint64_t t0 = uv_hrtime();
         s.remaining = stream_n - depth;
         for (int i = 0; i < depth; i++) {
@@ -306,7 +305,7 @@ static int measure(int plaintext, int no_aes, int iters, int stream_n, int do_la
             uv_run(&cloop, UV_RUN_ONCE);
         double sec = (double)(uv_hrtime() - t0) / 1e9;
         f->cl_cpu = (thread_cpu_s(CLOCK_THREAD_CPUTIME_ID) - c0) / sec;
-        f->srv_cpu = srv_clk == CLOCK_THREAD_CPUTIME_ID ? 0 : (thread_cpu_s(srv_clk) - s0) / sec;
+        f->srv_cpu = have_srv ? (thread_cpu_s(srv_clk) - s0) / sec : 0;
         f->gbps = (double)stream_n * (double)(n * 4) / sec / 1e9;
         free(x);
         if (s.failed)
