@@ -1,5 +1,6 @@
 #include "expert/blas.h"
 
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -55,6 +56,15 @@ void expert_blas_prefer_native(char **argv)
         unsetenv("OPENBLAS_CORETYPE");
     }
     setenv("STARLING_BLAS_REEXECED", "1", 1);
+    /* By the binary's real path where it resolves, so the process (and the
+     * threads OpenBLAS starts as it loads, before a command names itself)
+     * shows as "starling" in ps/top, not as "exe". */
+    char self[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n > 0) {
+        self[n] = '\0';
+        execv(self, argv);
+    }
     execv("/proc/self/exe", argv);
     /* exec failed: carry on with the kernels already loaded. */
     if (have)

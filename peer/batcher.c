@@ -11,6 +11,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "peer/timeslice.h"
+
 #define EWMA_ALPHA 0.1
 
 typedef struct queue {
@@ -216,6 +218,9 @@ static void *worker_main(void *arg)
     snprintf(tname, sizeof tname, "%s-%d", w->infer_only ? "infer" : "train", b->cfg.stage);
     tname[15] = '\0';
     (void)pthread_setname_np(pthread_self(), tname); /* best effort: diagnostics only */
+    /* The default time slice, whatever the creating thread (the network
+     * thread, peer/timeslice.h) asked for itself. */
+    (void)peer_sched_set_slice(0);
     /* Training threads yield the CPU to the inference lane: on a loaded
      * machine the lane's requests would otherwise wait for a time slice.
      * A nice value of 10 by default; with train_idle, SCHED_IDLE (Linux):

@@ -8,6 +8,7 @@
 
 #include "expert/block.h"
 #include "peer/batcher.h"
+#include "peer/timeslice.h"
 #include "test_util.h"
 
 #define D 16
@@ -349,6 +350,58 @@ static void test_concurrent_and_steps(void **state)
     expert_block_destroy(&blk);
 }
 
+/* The network thread may ask for a long time slice (peer/timeslice.h);
+ * compute threads it creates run with the kernel's default slice, not an
+ * inherited one. */
+static uint64_t slice_seen[2];
+
+static void on_done_slice(peer_task *t, int status)
+{
+    rec *r = (rec *)t;
+    slice_seen[r->t.kind == PEER_TASK_INFER] = peer_sched_get_slice();
+    on_done(t, status);
+}
+
+static void test_compute_threads_default_slice(void **state)
+{
+    (void)state;
+    if (peer_sched_set_slice(PEER_LOOP_SLICE_NS) != 0 || peer_sched_get_slice() != PEER_LOOP_SLICE_NS) {
+        (void)peer_sched_set_slice(0);
+        skip(); /* no custom slices on this kernel (before Linux 6.12) */
+    }
+    expert_block *blk = expert_block_create(&cfg, 6);
+    sem_t done;
+    sem_init(&done, 0, 0);
+    atomic_int order = 0;
+    peer_batcher_config c = bcfg(1, 4, 16);
+    c.infer_threads = 1;
+    peer_batcher *b = peer_batcher_create(blk, &c); /* threads start with our slice */
+    assert_non_null(b);
+    static float x[4 * D], y[2][4 * D];
+    fill(x, 4 * D, 10);
+    rec r[2];
+    memset(r, 0, sizeof r);
+    slice_seen[0] = slice_seen[1] = UINT64_MAX;
+    for (int i = 0; i < 2; i++) {
+        r[i].t = (peer_task){.kind = i ? PEER_TASK_INFER : PEER_TASK_FORWARD, .rows = 4, .inputs = x,
+                             .outputs = y[i], .done = on_done_slice};
+        r[i].done_sem = &done;
+        r[i].order = &order;
+        assert_int_equal(peer_batcher_submit(b, &r[i].t), 0);
+    }
+    sem_wait(&done);
+    sem_wait(&done);
+    assert_int_equal(peer_sched_get_slice(), PEER_LOOP_SLICE_NS); /* ours is kept */
+    assert_int_equal(peer_sched_set_slice(0), 0);
+    uint64_t dflt = peer_sched_get_slice(); /* the kernel's default, e.g. 1.4 ms */
+    assert_true(dflt > 0 && dflt < PEER_LOOP_SLICE_NS);
+    assert_int_equal(slice_seen[0], dflt); /* training thread */
+    assert_int_equal(slice_seen[1], dflt); /* inference lane */
+    peer_batcher_destroy(&b);
+    expert_block_destroy(&blk);
+    sem_destroy(&done);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -357,6 +410,7 @@ int main(void)
         cmocka_unit_test(test_inference_lane),
         cmocka_unit_test(test_bad_submits),
         cmocka_unit_test(test_concurrent_and_steps),
+        cmocka_unit_test(test_compute_threads_default_slice),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -7,7 +7,7 @@
 PY=$(command -v python3) || { echo "python3 needed to check JSON" >&2; exit 77; }
 start_bootstrap
 start_peer a 0-2 --checkpoint-dir "$T/ckpt" --metrics 127.0.0.1:0
-start_peer b 3-5 --announce-every 1 --announce-ttl 3
+start_peer b 3-5 --announce-every 1 --announce-ttl 3 --training-priority idle
 id_a=$(sed -n 's#.*address .*/\([0-9a-f]\{40\}\)$#\1#p' "$T/a.out")
 id_b=$(sed -n 's#.*address .*/\([0-9a-f]\{40\}\)$#\1#p' "$T/b.out")
 
@@ -31,6 +31,26 @@ if [ -r "/proc/$PID_a/comm" ]; then
         done
         [ -n "$found" ] || fail "peer a has no thread named $want"
     done
+    # --training-priority idle: training threads at SCHED_IDLE (policy 5),
+    # and the network thread asks for a 10 ms time slice (Linux 6.12+,
+    # where /proc/PID/sched shows se.slice; compute threads keep the default).
+    for t in /proc/$PID_b/task/*; do
+        c=$(cat "$t/comm" 2>/dev/null)
+        pol=$(sed 's/^.*) //' "$t/stat" | cut -d' ' -f39)
+        case $c in
+        train-*) [ "$pol" = 5 ] || fail "peer b's $c has policy $pol, want 5 (SCHED_IDLE)" ;;
+        infer-*) [ "$pol" = 0 ] || fail "peer b's $c has policy $pol, want 0" ;;
+        esac
+    done
+    kv=$(uname -r | sed 's/^\([0-9]*\)\.\([0-9]*\).*/\1 \2/')
+    if [ "${kv% *}" -gt 6 ] || { [ "${kv% *}" -eq 6 ] && [ "${kv#* }" -ge 12 ]; }; then
+        if grep -q '^se.slice' "/proc/$PID_b/sched" 2>/dev/null; then
+            sl=$(sed -n 's/^se.slice *: *//p' "/proc/$PID_b/sched")
+            [ "$sl" = 10000000 ] || fail "peer b's network thread has slice $sl ns, want 10000000"
+            sl=$(sed -n 's/^se.slice *: *//p' "/proc/$PID_a/sched")
+            [ "$sl" != 10000000 ] || fail "peer a (training priority low) has the long slice too"
+        fi
+    fi
 fi
 
 # Text view: every stage covered, exit 0.

@@ -6,7 +6,7 @@
 # p99(under load) / p99(idle) (target <= 2).
 #
 # Usage: tests/bench/infer_bench.sh [BUILD_DIR]
-#   env: N=1000 requests per phase, PRIORITY=idle|low (peers' --training-priority),
+#   env: N=1000 requests per phase, PRIORITY=low|idle (peers' --training-priority; default: the peers' default, low),
 #        INLINE (peers' --infer-inline-rows; 0 sends every request to the lane),
 #        TRAIN_PREFIX (e.g. "nice -n 19" for the trainer),
 #        PEER_ARGS (more flags for both peers, e.g. "--target-batch 4096")
@@ -23,7 +23,7 @@ export OPENBLAS_NUM_THREADS=1
 for _ in $(seq 1 50); do [ -s "$work/bs.out" ] && break; sleep 0.1; done
 BS=$(head -1 "$work/bs.out")
 for span in 0-2 3-5; do
-    "$S" peer --initial-peers "$BS" --blocks $span --blas-threads 1 --training-priority ${PRIORITY:-idle} ${INLINE:+--infer-inline-rows $INLINE} ${PEER_ARGS:-} >/dev/null 2>"$work/peer-$span.err" &
+    "$S" peer --initial-peers "$BS" --blocks $span --blas-threads 1 --training-priority ${PRIORITY:-low} ${INLINE:+--infer-inline-rows $INLINE} ${PEER_ARGS:-} >/dev/null 2>"$work/peer-$span.err" &
     pids="$pids $!"
 done
 for span in 0-2 3-5; do
