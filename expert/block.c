@@ -504,13 +504,16 @@ int expert_block_forward(expert_block *b, expert_workspace *ws, float *out,
     return 0;
 }
 
+/* recompute == 0: the workspace already holds the forward of inp on these
+ * params (expert_block_forward_train, or rows loaded back into it). */
 static void backward_params(expert_block *b, const float *params, expert_workspace *ws,
                             float *out, float *dinp, const float *dout,
-                            const float *inp, int B)
+                            const float *inp, int B, int recompute)
 {
     const struct expert_block_config *c = &b->cfg;
     int in = c->in, o = c->out, h = c->hidden;
-    forward_params(b, params, ws, out, inp, B, 1);
+    if (recompute)
+        forward_params(b, params, ws, out, inp, B, 1);
     switch (c->kind) {
     case EXPERT_BLOCK_LINEAR:
         expert_linear_backward(dinp, G(0), G(1), dout, inp, P(0), B, in, o);
@@ -562,9 +565,9 @@ int expert_block_forward_backward(expert_block *b, expert_workspace *ws, float *
                                     version_out);
 }
 
-int expert_block_backward_at(expert_block *b, expert_workspace *ws, float *out, float *dinp,
-                             const float *dout, const float *inp, int B, uint64_t at_version,
-                             uint64_t *version_out)
+static int backward_common(expert_block *b, expert_workspace *ws, float *out, float *dinp,
+                           const float *dout, const float *inp, int B, uint64_t at_version,
+                           int recompute, uint64_t *version_out)
 {
     if (!b || !dout || !inp)
         return -EINVAL;
@@ -594,7 +597,13 @@ int expert_block_backward_at(expert_block *b, expert_workspace *ws, float *out, 
         }
         pthread_mutex_unlock(&b->mu);
     }
-    backward_params(b, s.params, ws, out, dinp, dout, inp, B);
+    if (!recompute && s.version != at_version) {
+        /* The kept activations are of a version the block no longer holds. */
+        expert_block_snapshot_release(b, &s);
+        pthread_mutex_unlock(&b->grad_mu);
+        return -ESTALE;
+    }
+    backward_params(b, s.params, ws, out, dinp, dout, inp, B, recompute);
     if (version_out)
         *version_out = s.version;
     expert_block_snapshot_release(b, &s);
@@ -603,8 +612,105 @@ int expert_block_backward_at(expert_block *b, expert_workspace *ws, float *out, 
     return 0;
 }
 
+int expert_block_backward_at(expert_block *b, expert_workspace *ws, float *out, float *dinp,
+                             const float *dout, const float *inp, int B, uint64_t at_version,
+                             uint64_t *version_out)
+{
+    return backward_common(b, ws, out, dinp, dout, inp, B, at_version, 1, version_out);
+}
+
+int expert_block_backward_kept(expert_block *b, expert_workspace *ws, float *dinp,
+                               const float *dout, const float *inp, int B, uint64_t version,
+                               uint64_t *version_out)
+{
+    if (version == EXPERT_VERSION_CURRENT)
+        return -EINVAL;
+    return backward_common(b, ws, NULL, dinp, dout, inp, B, version, 0, version_out);
+}
+
+int expert_block_forward_train(expert_block *b, expert_workspace *ws, float *out,
+                               const float *inp, int B, uint64_t *version_out)
+{
+    if (!b || !out || !inp)
+        return -EINVAL;
+    int rc = check_call(b, ws, B);
+    if (rc < 0)
+        return rc;
+    struct expert_snapshot s;
+    expert_block_snapshot_acquire(b, &s);
+    forward_params(b, s.params, ws, out, inp, B, 1);
+    if (version_out)
+        *version_out = s.version;
+    expert_block_snapshot_release(b, &s);
+    return 0;
+}
+
 #undef P
 #undef G
+
+/* The views of a workspace that a backward reads after the forward, in the
+ * order rows are packed: for each its pointer and floats per row. LINEAR
+ * keeps nothing (its backward reads only the input); HEAD keeps LN's output
+ * and statistics; RESFFN also gelu(pre) and gelu'(pre). Returns the count. */
+#define KEPT_MAX 5
+static int kept_views(const expert_workspace *ws, float *v[KEPT_MAX], size_t w[KEPT_MAX])
+{
+    const struct expert_block_config *c = &ws->cfg;
+    int n = 0;
+    if (c->kind == EXPERT_BLOCK_LINEAR)
+        return 0;
+    v[n] = ws->ln, w[n++] = (size_t)c->in;
+    v[n] = ws->mean, w[n++] = 1;
+    v[n] = ws->rstd, w[n++] = 1;
+    if (c->kind == EXPERT_BLOCK_RESFFN) {
+        v[n] = ws->act, w[n++] = (size_t)c->hidden;
+        v[n] = ws->dgelu, w[n++] = (size_t)c->hidden;
+    }
+    return n;
+}
+
+size_t expert_workspace_kept_floats(const expert_workspace *ws)
+{
+    if (!ws)
+        return 0;
+    float *v[KEPT_MAX];
+    size_t w[KEPT_MAX], sum = 0;
+    int n = kept_views(ws, v, w);
+    for (int i = 0; i < n; i++)
+        sum += w[i];
+    return sum;
+}
+
+/* Copies rows [row0, row0 + rows) between the workspace views and the
+ * packed buffer p (save: views -> p; load: p -> views). */
+static int kept_copy(expert_workspace *ws, int row0, int rows, float *p, int save)
+{
+    if (!ws || !p || row0 < 0 || rows < 1 || row0 > ws->max_batch - rows)
+        return -EINVAL;
+    float *v[KEPT_MAX];
+    size_t w[KEPT_MAX];
+    int n = kept_views(ws, v, w);
+    for (int i = 0; i < n; i++) {
+        float *view = v[i] + (size_t)row0 * w[i];
+        size_t len = (size_t)rows * w[i];
+        if (save)
+            memcpy(p, view, len * sizeof(float));
+        else
+            memcpy(view, p, len * sizeof(float));
+        p += len;
+    }
+    return 0;
+}
+
+int expert_workspace_save_rows(const expert_workspace *ws, int row0, int rows, float *dst)
+{
+    return kept_copy((expert_workspace *)ws, row0, rows, dst, 1);
+}
+
+int expert_workspace_load_rows(expert_workspace *ws, int row0, int rows, const float *src)
+{
+    return kept_copy(ws, row0, rows, (float *)src, 0);
+}
 
 /* ------------------------------------------------------------- steps -- */
 

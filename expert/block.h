@@ -172,6 +172,40 @@ int expert_block_backward_at(expert_block *b, expert_workspace *ws, float *out, 
                              const float *dout, const float *inp, int B, uint64_t at_version,
                              uint64_t *version_out);
 
+/* ---- Keeping a training forward's activations for its backward ----
+ * A server that sees both halves of a training sample may skip the
+ * backward's recompute: run the forward with expert_block_forward_train,
+ * save the rows' activations out of the workspace (expert_workspace_save_rows),
+ * and before the backward load them back (into any workspace of the same
+ * config, at any row offset) and call expert_block_backward_kept with the
+ * forward's weight version. The result is the backward of that version,
+ * as expert_block_backward_at computes it, without the forward's first
+ * matrix product, LayerNorm and GELU. */
+
+/* As expert_block_forward, and the workspace keeps what a backward reads
+ * (for RESFFN also gelu'), so the rows can be saved. */
+int expert_block_forward_train(expert_block *b, expert_workspace *ws, float *out,
+                               const float *inp, int B, uint64_t *version_out);
+
+/* Floats per row that save_rows/load_rows move (0 for LINEAR: nothing to
+ * keep; in + 2 for HEAD; in + 2 + 2·hidden for RESFFN). */
+size_t expert_workspace_kept_floats(const expert_workspace *ws);
+
+/* Copies rows [row0, row0+rows) of the kept activations into dst
+ * (rows · kept_floats floats, packed view by view), or back from src.
+ * Returns 0 or -EINVAL (bad range). */
+int expert_workspace_save_rows(const expert_workspace *ws, int row0, int rows, float *dst);
+int expert_workspace_load_rows(expert_workspace *ws, int row0, int rows, const float *src);
+
+/* As expert_block_backward_at(version), but takes the forward from the
+ * workspace instead of recomputing it: ws must hold rows 0..B-1 of the
+ * forward of inp on weight version `version`. Returns -ESTALE (nothing
+ * changed) when the block no longer holds that version; the caller then
+ * recomputes with expert_block_backward_at. */
+int expert_block_backward_kept(expert_block *b, expert_workspace *ws, float *dinp,
+                               const float *dout, const float *inp, int B, uint64_t version,
+                               uint64_t *version_out);
+
 /* Samples accumulated in the gradients since the last step. */
 int expert_block_accumulated(expert_block *b);
 

@@ -30,6 +30,16 @@ typedef struct worker {
     float *out_buf;   /* (max_batch, max(in, out)): joined results */
 } worker;
 
+/* A kept training forward (see batcher.h). */
+enum { KEPT_FREE = 0, KEPT_BUSY, KEPT_READY };
+typedef struct kept {
+    int state;
+    int rows;
+    uint64_t version, seq;
+    size_t cap;        /* floats allocated in buf */
+    float *buf;        /* rows * in input floats, then rows * kept_floats activations */
+} kept;
+
 struct peer_batcher {
     int nworkers;             /* cfg.threads + cfg.infer_threads */
     expert_block *blk;
@@ -44,6 +54,9 @@ struct peer_batcher {
     int stopping;
     peer_batcher_stats st;
     worker *workers;
+    kept *kept;               /* cfg.keep slots, guarded by mu; BUSY ones are a worker's */
+    size_t kept_floats;       /* activation floats per row (0: nothing worth keeping) */
+    uint64_t kept_seq;
 };
 
 static double now_s(void)
@@ -142,6 +155,105 @@ static peer_task *take_batch(peer_batcher *b, int infer_only, int *fwd_out, int 
     }
 }
 
+/* Keeps task t's forward (its rows start at row `off` of the worker's
+ * workspace) for its backward. Best effort: no free slot or no memory
+ * just means that backward recomputes. */
+static void keep_forward(worker *w, const peer_task *t, int off, uint64_t version)
+{
+    peer_batcher *b = w->b;
+    size_t in_n = (size_t)t->rows * (size_t)b->in;
+    size_t need = in_n + (size_t)t->rows * b->kept_floats;
+    kept *k = NULL;
+    pthread_mutex_lock(&b->mu);
+    for (int i = 0; i < b->cfg.keep; i++) { /* a free slot, else the oldest ready one */
+        kept *c = &b->kept[i];
+        if (c->state == KEPT_BUSY)
+            continue;
+        if (!k || (k->state == KEPT_READY && (c->state == KEPT_FREE || c->seq < k->seq)))
+            k = c;
+    }
+    if (k)
+        k->state = KEPT_BUSY;
+    pthread_mutex_unlock(&b->mu);
+    if (!k)
+        return;
+    if (k->cap < need) {
+        float *nb = realloc(k->buf, need * sizeof(float));
+        if (!nb) {
+            pthread_mutex_lock(&b->mu);
+            k->state = KEPT_FREE;
+            pthread_mutex_unlock(&b->mu);
+            return;
+        }
+        k->buf = nb;
+        k->cap = need;
+    }
+    memcpy(k->buf, t->inputs, in_n * sizeof(float));
+    int rc = expert_workspace_save_rows(w->ws, off, t->rows, k->buf + in_n);
+    pthread_mutex_lock(&b->mu);
+    k->rows = t->rows;
+    k->version = version;
+    k->seq = ++b->kept_seq;
+    k->state = rc == 0 ? KEPT_READY : KEPT_FREE;
+    pthread_mutex_unlock(&b->mu);
+}
+
+/* Claims the kept forward of backward task t: same rows, version and
+ * input. Returns the slot (BUSY, the caller's until kept_release) or NULL. */
+static kept *kept_claim(peer_batcher *b, const peer_task *t)
+{
+    size_t in_n = (size_t)t->rows * (size_t)b->in;
+    size_t probe = in_n < 64 ? in_n : 64; /* a cheap first look under the lock */
+    for (int i = 0; i < b->cfg.keep; i++) {
+        kept *k = &b->kept[i];
+        pthread_mutex_lock(&b->mu);
+        int cand = k->state == KEPT_READY && k->rows == t->rows && k->version == t->at_version &&
+                   memcmp(k->buf, t->inputs, probe * sizeof(float)) == 0;
+        if (cand)
+            k->state = KEPT_BUSY;
+        pthread_mutex_unlock(&b->mu);
+        if (!cand)
+            continue;
+        if (memcmp(k->buf, t->inputs, in_n * sizeof(float)) == 0)
+            return k;
+        pthread_mutex_lock(&b->mu);
+        k->state = KEPT_READY;
+        pthread_mutex_unlock(&b->mu);
+    }
+    return NULL;
+}
+
+static void kept_release(peer_batcher *b, kept *k)
+{
+    pthread_mutex_lock(&b->mu);
+    k->state = KEPT_FREE;
+    pthread_mutex_unlock(&b->mu);
+}
+
+/* For a backward batch: loads every task's kept forward into the worker's
+ * workspace in batch order. Returns 1 when all were there (the slots are
+ * freed either way: each forward has one backward). */
+static int load_kept(worker *w, peer_task *head)
+{
+    peer_batcher *b = w->b;
+    if (b->cfg.keep < 1 || b->kept_floats == 0 || !head->has_at_version)
+        return 0;
+    int all = 1, off = 0;
+    for (peer_task *t = head; t; t = t->next_) {
+        kept *k = kept_claim(b, t);
+        if (!k) {
+            all = 0;
+            continue;
+        }
+        if (all && expert_workspace_load_rows(w->ws, off, t->rows,
+                                              k->buf + (size_t)t->rows * (size_t)b->in) != 0)
+            all = 0;
+        kept_release(b, k);
+        off += t->rows;
+    }
+    return all;
+}
+
 /* Runs one joined batch. Returns 0 or -errno for the whole batch. */
 static int compute(worker *w, peer_task *head, int fwd, int rows, uint64_t *version,
                    struct expert_step_info *step, int *stepped)
@@ -163,7 +275,20 @@ static int compute(worker *w, peer_task *head, int fwd, int rows, uint64_t *vers
             }
             x = w->in_buf;
         }
-        rc = expert_block_forward(b->blk, w->ws, y, x, rows, version);
+        int keep = 0;
+        if (b->cfg.keep > 0 && b->kept_floats > 0)
+            for (peer_task *t = head; t; t = t->next_)
+                keep |= t->kind == PEER_TASK_FORWARD;
+        rc = keep ? expert_block_forward_train(b->blk, w->ws, y, x, rows, version)
+                  : expert_block_forward(b->blk, w->ws, y, x, rows, version);
+        if (rc == 0 && keep) {
+            int off = 0;
+            for (peer_task *t = head; t; t = t->next_) {
+                if (t->kind == PEER_TASK_FORWARD)
+                    keep_forward(w, t, off, *version);
+                off += t->rows;
+            }
+        }
         if (rc == 0 && !single) {
             size_t off = 0;
             for (peer_task *t = head; t; t = t->next_) {
@@ -189,9 +314,21 @@ static int compute(worker *w, peer_task *head, int fwd, int rows, uint64_t *vers
         x = w->in_buf;
         gy = w->go_buf;
     }
-    rc = expert_block_backward_at(b->blk, w->ws, NULL, want_gx ? gx : NULL, gy, x, rows,
-                                  head->has_at_version ? head->at_version : EXPERT_VERSION_CURRENT,
-                                  version);
+    int from_kept = load_kept(w, head);
+    rc = from_kept ? expert_block_backward_kept(b->blk, w->ws, want_gx ? gx : NULL, gy, x, rows,
+                                                head->at_version, version)
+                   : -ESTALE;
+    if (rc == -ESTALE) {
+        from_kept = 0;
+        rc = expert_block_backward_at(b->blk, w->ws, NULL, want_gx ? gx : NULL, gy, x, rows,
+                                      head->has_at_version ? head->at_version : EXPERT_VERSION_CURRENT,
+                                      version);
+    }
+    if (b->cfg.keep > 0 && b->kept_floats > 0) {
+        pthread_mutex_lock(&b->mu);
+        *(from_kept ? &b->st.kept_hits : &b->st.kept_misses) += (uint64_t)rows;
+        pthread_mutex_unlock(&b->mu);
+    }
     if (rc == 0 && !single && want_gx) {
         size_t off = 0;
         for (peer_task *t = head; t; t = t->next_) {
@@ -277,6 +414,10 @@ static void *worker_main(void *arg)
 
 static void free_workers(peer_batcher *b)
 {
+    for (int i = 0; i < b->cfg.keep && b->kept; i++)
+        free(b->kept[i].buf);
+    free(b->kept);
+    b->kept = NULL;
     for (int i = 0; i < b->nworkers; i++) {
         worker *w = &b->workers[i];
         expert_workspace_destroy(&w->ws);
@@ -290,7 +431,8 @@ static void free_workers(peer_batcher *b)
 peer_batcher *peer_batcher_create(expert_block *blk, const peer_batcher_config *cfg)
 {
     if (!blk || !cfg || cfg->threads < 1 || cfg->threads > 256 || cfg->infer_threads < 0 ||
-        cfg->infer_threads > 16 || cfg->max_batch < 1 ||
+        cfg->infer_threads > 16 || cfg->keep < 0 || cfg->keep > PEER_BATCHER_MAX_KEEP ||
+        cfg->max_batch < 1 ||
         cfg->max_queue_rows < cfg->max_batch || expert_optim_check(&cfg->optim) != 0)
         return NULL;
     peer_batcher *b = calloc(1, sizeof *b);
@@ -308,6 +450,14 @@ peer_batcher *peer_batcher_create(expert_block *blk, const peer_batcher_config *
         free(b);
         return NULL;
     }
+    if (cfg->keep > 0) {
+        b->kept = calloc((size_t)cfg->keep, sizeof *b->kept);
+        if (!b->kept) {
+            free(b->workers);
+            free(b);
+            return NULL;
+        }
+    }
     for (int i = 0; i < b->nworkers; i++) {
         worker *w = &b->workers[i];
         w->b = b;
@@ -321,6 +471,7 @@ peer_batcher *peer_batcher_create(expert_block *blk, const peer_batcher_config *
             free(b);
             return NULL;
         }
+        b->kept_floats = expert_workspace_kept_floats(w->ws);
     }
     pthread_mutex_init(&b->mu, NULL);
     pthread_cond_init(&b->cv, NULL);

@@ -15,6 +15,16 @@
  * version, so they never see a half-applied step; each task reports the
  * version it used.
  *
+ * Kept activations (cfg.keep > 0): a training forward's activations are
+ * kept, with a copy of its input, in one of cfg.keep slots (the oldest is
+ * reused first); a backward whose input equals a kept forward's exactly and
+ * that names the forward's weight version (has_at_version) loads them
+ * instead of recomputing the forward: the same result, a sixth less matrix
+ * work for a ResFFN sample. Anything else (another replica took the
+ * forward, the slot was reused, the version is gone) recomputes, as a
+ * stateless server would. Memory: up to keep * max_batch * (in + the
+ * block's kept floats per row) floats.
+ *
  * Threads: submit may be called from any thread. A task's done callback
  * runs on a worker thread, without any batcher lock held; it may submit
  * new tasks. The task memory is the caller's and must stay valid until done
@@ -55,6 +65,8 @@ struct peer_task {
     peer_task *next_;
 };
 
+#define PEER_BATCHER_MAX_KEEP 1024
+
 typedef struct peer_batcher_config {
     int threads;          /* compute threads, >= 1 */
     int max_batch;        /* rows per joined batch (and per task) */
@@ -68,6 +80,9 @@ typedef struct peer_batcher_config {
                              of nice 10 */
     int stage;            /* names the threads in ps/top/perf: "train-<stage>",
                              "infer-<stage>" */
+    int keep;             /* training forwards whose activations are kept for
+                             their backward (0: every backward recomputes its
+                             forward; see "Kept activations" above) */
 } peer_batcher_config;
 
 typedef struct peer_batcher_stats {
@@ -82,6 +97,8 @@ typedef struct peer_batcher_stats {
     double fwd_row_s;         /* EWMA compute seconds per forward row */
     double bwd_row_s;         /* EWMA compute seconds per backward row */
     uint64_t version;         /* current weight version */
+    uint64_t kept_hits;       /* backward rows computed from kept activations */
+    uint64_t kept_misses;     /* backward rows that recomputed their forward (keep > 0) */
 } peer_batcher_stats;
 
 typedef struct peer_batcher peer_batcher;

@@ -675,6 +675,10 @@ static size_t render_metrics(char *buf, size_t cap, void *arg)
         {"starling_steps_total", "counter", "Optimizer steps applied."},
         {"starling_weight_version", "gauge", "Current weight version."},
         {"starling_throughput_samples_per_second", "gauge", "Measured training throughput."},
+        {"starling_backward_kept_samples_total", "counter",
+         "Backward rows computed from kept forward activations (no recompute)."},
+        {"starling_backward_recomputed_samples_total", "counter",
+         "Backward rows that recomputed their forward (with --keep-activations > 0)."},
     };
     for (size_t m = 0; m < sizeof per_block / sizeof per_block[0]; m++) {
         EMIT("# HELP %s %s\n# TYPE %s %s\n", per_block[m].name, per_block[m].help, per_block[m].name,
@@ -693,7 +697,9 @@ static size_t render_metrics(char *buf, size_t cap, void *arg)
             case 4: v = (double)s->errors; break;
             case 5: v = (double)s->steps; break;
             case 6: v = (double)info.version; break;
-            default: v = peer_batcher_train_throughput(s); break;
+            case 7: v = peer_batcher_train_throughput(s); break;
+            case 8: v = (double)s->kept_hits; break;
+            default: v = (double)s->kept_misses; break;
             }
             EMIT("%s{block=\"%s\"} %.6g\n", per_block[m].name, info.name, v);
         }

@@ -563,6 +563,7 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
     if (!loop || !cfg || !cfg->self || !cfg->model || !cfg->blocks || cfg->n_blocks < 1 ||
         cfg->n_blocks > PEER_SERVICE_MAX_BLOCKS || cfg->threads < 1 || cfg->max_batch < 1 ||
         cfg->infer_inline_rows < 0 || cfg->infer_inline_rows > cfg->max_batch ||
+        cfg->keep_activations < 0 || cfg->keep_activations > PEER_BATCHER_MAX_KEEP ||
         cfg->max_queue_rows < cfg->max_batch) {
         snprintf(err, errlen, "invalid service configuration");
         return NULL;
@@ -644,7 +645,7 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
             }
         }
         peer_batcher_config bc = {cfg->threads, cfg->max_batch, cfg->max_queue_rows, cfg->optim, 1,
-                                  cfg->train_idle, b->index};
+                                  cfg->train_idle, b->index, cfg->keep_activations};
         b->batcher = peer_batcher_create(b->block, &bc);
         if (!b->batcher) {
             snprintf(err, errlen, "cannot start compute threads for %s", b->name);

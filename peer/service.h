@@ -59,6 +59,9 @@ typedef struct peer_service_config {
     int infer_inline_rows;        /* inference requests of at most this many rows are
                                      computed at once on the loop thread (no hand-off
                                      to the lane); 0: always through the lane */
+    int keep_activations;         /* per block: training forwards kept for their
+                                     backward (peer_batcher_config.keep; 0: every
+                                     backward recomputes its forward) */
     struct expert_optim optim;    /* optimizer, incl. target_batch */
     uint64_t seed;                /* init seed when no checkpoint exists */
     const char *checkpoint_dir;   /* NULL: no checkpoints */

@@ -402,6 +402,74 @@ static void test_compute_threads_default_slice(void **state)
     sem_destroy(&done);
 }
 
+/* Kept activations: a backward whose forward ran here (same input, the
+ * forward's version) skips the recompute and computes the same gradients
+ * as a stateless block; another input, or a backward without a version,
+ * recomputes. */
+static void test_kept_activations(void **state)
+{
+    (void)state;
+    expert_block *blk = expert_block_create(&cfg, 7), *ref = expert_block_create(&cfg, 7);
+    expert_workspace *ws = expert_workspace_create(&cfg, 4);
+    sem_t done;
+    sem_init(&done, 0, 0);
+    atomic_int order = 0;
+    peer_batcher_config c = bcfg(1, 8, 32);
+    c.keep = 2;
+    peer_batcher *b = peer_batcher_create(blk, &c);
+    assert_non_null(b);
+    static float x[4 * D], x2[4 * D], dy[4 * D], y[4 * D], dx[4 * D], dx_ref[4 * D];
+    fill(x, 4 * D, 21);
+    fill(x2, 4 * D, 22);
+    fill(dy, 4 * D, 23);
+    rec r;
+    memset(&r, 0, sizeof r);
+    r.done_sem = &done;
+    r.order = &order;
+    r.t = (peer_task){.kind = PEER_TASK_FORWARD, .rows = 4, .inputs = x, .outputs = y, .done = on_done};
+    assert_int_equal(peer_batcher_submit(b, &r.t), 0);
+    sem_wait(&done);
+    assert_int_equal(r.status, 0);
+    uint64_t v = r.t.version;
+    r.t = (peer_task){.kind = PEER_TASK_BACKWARD, .rows = 4, .inputs = x, .grad_outputs = dy,
+                      .outputs = dx, .done = on_done, .has_at_version = 1, .at_version = v};
+    assert_int_equal(peer_batcher_submit(b, &r.t), 0);
+    sem_wait(&done);
+    assert_int_equal(r.status, 0);
+    peer_batcher_stats st;
+    peer_batcher_get_stats(b, &st);
+    assert_int_equal(st.kept_hits, 4);
+    assert_int_equal(st.kept_misses, 0);
+    assert_int_equal(expert_block_backward(ref, ws, dx_ref, dy, x, 4, NULL), 0);
+    assert_true(close_enough(dx, dx_ref, 4 * D, "dx from kept activations"));
+    size_t n = expert_block_nparams(blk);
+    float *g = malloc(n * sizeof *g), *g_ref = malloc(n * sizeof *g_ref);
+    expert_block_copy_grads(blk, g);
+    expert_block_copy_grads(ref, g_ref);
+    assert_true(close_enough(g, g_ref, n, "grads from kept activations"));
+
+    /* The slot was used up: the same backward again recomputes; so do one
+     * for an input never forwarded here, and one without a version. */
+    for (int i = 0; i < 3; i++) {
+        r.t = (peer_task){.kind = PEER_TASK_BACKWARD, .rows = 4, .inputs = i == 1 ? x2 : x,
+                          .grad_outputs = dy, .outputs = dx, .done = on_done,
+                          .has_at_version = i != 2, .at_version = v};
+        assert_int_equal(peer_batcher_submit(b, &r.t), 0);
+        sem_wait(&done);
+        assert_int_equal(r.status, 0);
+    }
+    peer_batcher_get_stats(b, &st);
+    assert_int_equal(st.kept_hits, 4);
+    assert_int_equal(st.kept_misses, 12);
+    free(g);
+    free(g_ref);
+    peer_batcher_destroy(&b);
+    expert_block_destroy(&blk);
+    expert_block_destroy(&ref);
+    expert_workspace_destroy(&ws);
+    sem_destroy(&done);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -411,6 +479,7 @@ int main(void)
         cmocka_unit_test(test_bad_submits),
         cmocka_unit_test(test_concurrent_and_steps),
         cmocka_unit_test(test_compute_threads_default_slice),
+        cmocka_unit_test(test_kept_activations),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

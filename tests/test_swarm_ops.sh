@@ -88,6 +88,7 @@ body = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
 assert "starling_up 1" in body, body[:200]
 assert 'starling_requests_total{block="fmnist-mlp.0",kind="forward"}' in body
 assert "starling_dht_datagrams_total" in body
+assert 'starling_backward_kept_samples_total{block="fmnist-mlp.0"} 0' in body
 try:
     urllib.request.urlopen(base + "/nope", timeout=5)
     raise SystemExit("404 expected")

@@ -4,7 +4,7 @@
 . "$(dirname "$0")/swarm_lib.sh"
 start_bootstrap
 start_peer a 0-2
-start_peer b 3-5
+start_peer b 3-5 --metrics 127.0.0.1:0
 start_peer c 2,3
 # train_ok NAME SAMPLES [FLAGS...]: trains on SAMPLES training samples; it
 # must exit 0, process every sample exactly once and beat 0.55 accuracy.
@@ -24,6 +24,23 @@ train_ok() {
 train_ok train 6000 --test-samples 2000 --metrics-log "$T/train.jsonl" --plot "$T/train.svg"
 grep -q '"event":"epoch"' "$T/train.jsonl" || fail "no epoch line in the metrics log"
 grep -q '<polyline' "$T/train.svg" || fail "no curve in the plot"
+# Peer b alone holds stages 4 and 5, so it serves both halves of their
+# samples: its backwards take the kept forward activations (the peer's
+# default --keep-activations 16) instead of recomputing.
+mport=$(sed -n 's#.*metrics on http://127.0.0.1:\([0-9]*\)/metrics#\1#p' "$T/b.err")
+if PY=$(command -v python3); then
+    "$PY" - "$mport" <<'PYEOF' || fail "peer b's backwards did not use kept activations"
+import re, sys, urllib.request
+body = urllib.request.urlopen("http://127.0.0.1:%s/metrics" % sys.argv[1], timeout=5).read().decode()
+def val(name):
+    m = re.search(r'^%s\{block="fmnist-mlp.4"\} (\S+)$' % name, body, re.M)
+    assert m, name
+    return float(m.group(1))
+kept, recomputed = val("starling_backward_kept_samples_total"), val("starling_backward_recomputed_samples_total")
+print("stage 4 backward rows: kept", kept, "recomputed", recomputed)
+assert kept >= 3000, (kept, recomputed)  # of 6000; the rest: slots reused, retries
+PYEOF
+fi
 # Synchronous groups (--sync): 100-sample groups (not a multiple of the
 # micro-batch, so groups cut micro-batches short) with 4 in flight still
 # process every sample exactly once and learn.

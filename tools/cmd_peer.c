@@ -64,7 +64,13 @@ static const char peer_help[] =
     "                         inference thread: lower latency one request at a time\n"
     "                         under training load, but no joining of concurrent\n"
     "                         requests (default 0: always the inference thread)\n"
-    "  --max-batch N          largest request and joined batch, rows (default 256)\n"
+    "  --keep-activations N   per block, keep the activations of N training forwards\n"
+    "                         for their backward, so a backward that reaches the\n"
+    "                         same peer skips recomputing its forward (default 16;\n"
+    "                         0: stateless, every backward recomputes)\n"
+    "  --max-batch N          largest request and joined batch, rows (default 256)\n";
+/* In two pieces: C11 compilers need only take 4095-character literals. */
+static const char peer_help2[] =
     "  --target-batch N       samples accumulated per optimizer step (default 128)\n"
     "  --optimizer NAME       adamw (default) or sgd\n"
     "  --lr X                 learning rate (default 1e-3 adamw, 1e-2 sgd)\n"
@@ -400,7 +406,7 @@ static int choose_first_span(run_ctx *r, const char *initial, const char *swarm_
 int cmd_peer(int argc, char **argv)
 {
     enum { O_INITIAL = 256, O_MODEL, O_BLOCKS, O_DEVICE, O_LISTEN, O_ANNOUNCE, O_IDENTITY,
-           O_CKPT_DIR, O_CKPT_EVERY, O_SWARM_KEY, O_THREADS, O_BLAS, O_TPRIO, O_INLINE, O_MAX_BATCH, O_TARGET,
+           O_CKPT_DIR, O_CKPT_EVERY, O_SWARM_KEY, O_THREADS, O_BLAS, O_TPRIO, O_INLINE, O_KEEP, O_MAX_BATCH, O_TARGET,
            O_OPT, O_LR, O_SEED, O_METRICS, O_ANN_EVERY, O_ANN_TTL, O_NO_SYNC, O_NUM_BLOCKS, O_REBALANCE, O_AVERAGE };
     static const struct option opts[] = {
         {"initial-peers", required_argument, NULL, O_INITIAL},
@@ -417,6 +423,7 @@ int cmd_peer(int argc, char **argv)
         {"blas-threads", required_argument, NULL, O_BLAS},
         {"training-priority", required_argument, NULL, O_TPRIO},
         {"infer-inline-rows", required_argument, NULL, O_INLINE},
+        {"keep-activations", required_argument, NULL, O_KEEP},
         {"max-batch", required_argument, NULL, O_MAX_BATCH},
         {"target-batch", required_argument, NULL, O_TARGET},
         {"optimizer", required_argument, NULL, O_OPT},
@@ -435,7 +442,7 @@ int cmd_peer(int argc, char **argv)
     const char *initial = NULL, *model = "fmnist-mlp", *blocks_s = NULL, *device = "cpu";
     const char *listen = "127.0.0.1:0", *announce_host = NULL, *identity = NULL;
     const char *ckpt_dir = NULL, *swarm_key_file = NULL, *metrics = NULL, *optimizer = "adamw";
-    long threads = 1, blas = 0, max_batch = 256, target = 128, seed = 0, inline_rows = 0;
+    long threads = 1, blas = 0, max_batch = 256, target = 128, seed = 0, inline_rows = 0, keep = 16;
     int train_idle = 0;
     double ckpt_every = 300, lr = -1, ann_every = 20, ann_ttl = 60, rebalance = 60, average = 30;
     long num_blocks = 0;
@@ -445,7 +452,7 @@ int cmd_peer(int argc, char **argv)
     opterr = 0;
     while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
         switch (c) {
-        case 'h': fputs(peer_help, stdout); return CLI_EXIT_OK;
+        case 'h': fputs(peer_help, stdout); fputs(peer_help2, stdout); return CLI_EXIT_OK;
         case O_NO_SYNC: no_sync = 1; break;
         case O_INITIAL: initial = optarg; break;
         case O_MODEL: model = optarg; break;
@@ -497,6 +504,10 @@ int cmd_peer(int argc, char **argv)
                 train_idle = 1;
             else
                 return cli_usage_error("peer", "--training-priority takes low or idle, not '%s'", optarg);
+            break;
+        case O_KEEP:
+            if (cli_parse_long("peer", "--keep-activations", optarg, 0, PEER_BATCHER_MAX_KEEP, &keep))
+                return CLI_EXIT_USAGE;
             break;
         case O_INLINE:
             if (cli_parse_long("peer", "--infer-inline-rows", optarg, 0, 256, &inline_rows))
@@ -628,6 +639,7 @@ int cmd_peer(int argc, char **argv)
     dc->svc.max_queue_rows = (int)max_batch * 8;
     dc->svc.train_idle = train_idle;
     dc->svc.infer_inline_rows = (int)inline_rows;
+    dc->svc.keep_activations = (int)keep;
     dc->svc.optim = optim;
     dc->svc.seed = (uint64_t)seed;
     dc->svc.checkpoint_dir = ckpt_dir;

@@ -9,7 +9,8 @@
 # Usage: tests/bench/train_bench.sh [BUILD_DIR]   (env: EPOCHS=3, SKIP_TORCH=1,
 #        BLAS=Haswell to force AVX2 kernels on both sides,
 #        TRAIN_FLAGS="--sync 128" extra flags for starling train,
-#        SEED=N the peers' init seed and the trainer's data-order seed, 0)
+#        SEED=N the peers' init seed and the trainer's data-order seed, 0,
+#        PEER_ARGS="--keep-activations 0" extra flags for the peers)
 set -u -o pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${1:-$root/build}
@@ -33,7 +34,7 @@ export OPENBLAS_NUM_THREADS=1
 for _ in $(seq 1 50); do [ -s "$work/bs.out" ] && break; sleep 0.1; done
 BS=$(head -1 "$work/bs.out")
 for span in 0-1 2-3 4-5; do
-    "$S" peer --initial-peers "$BS" --blocks $span --lr 1e-3 --target-batch 128 --blas-threads 1 --seed "${SEED:-0}" \
+    "$S" peer --initial-peers "$BS" --blocks $span --lr 1e-3 --target-batch 128 --blas-threads 1 --seed "${SEED:-0}" ${PEER_ARGS:-} \
         >/dev/null 2>"$work/peer-$span.err" & pids="$pids $!"
 done
 for span in 0-1 2-3 4-5; do
