@@ -19,8 +19,8 @@
  * kept, with a copy of its input, in one of cfg.keep slots (the oldest is
  * reused first); a backward whose input equals a kept forward's exactly and
  * that names the forward's weight version (has_at_version) loads them
- * instead of recomputing the forward: the same result, a sixth less matrix
- * work for a ResFFN sample. Anything else (another replica took the
+ * instead of recomputing the forward: the same result without one of a
+ * ResFFN sample's seven matrix products (and its LayerNorm and GELU). Anything else (another replica took the
  * forward, the slot was reused, the version is gone) recomputes, as a
  * stateless server would. Memory: up to keep * max_batch * (in + the
  * block's kept floats per row) floats.
