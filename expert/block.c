@@ -487,8 +487,9 @@ int expert_block_forward_snapshot(expert_block *b, const struct expert_snapshot 
     return 0;
 }
 
-int expert_block_forward(expert_block *b, expert_workspace *ws, float *out,
-                         const float *inp, int B, uint64_t *version_out)
+/* A forward on the current weights; want_dgelu: keep gelu' for a backward. */
+static int forward_current(expert_block *b, expert_workspace *ws, float *out, const float *inp,
+                           int B, int want_dgelu, uint64_t *version_out)
 {
     if (!b || !out || !inp)
         return -EINVAL;
@@ -497,11 +498,17 @@ int expert_block_forward(expert_block *b, expert_workspace *ws, float *out,
         return rc;
     struct expert_snapshot s;
     expert_block_snapshot_acquire(b, &s);
-    forward_params(b, s.params, ws, out, inp, B, 0);
+    forward_params(b, s.params, ws, out, inp, B, want_dgelu);
     if (version_out)
         *version_out = s.version;
     expert_block_snapshot_release(b, &s);
     return 0;
+}
+
+int expert_block_forward(expert_block *b, expert_workspace *ws, float *out,
+                         const float *inp, int B, uint64_t *version_out)
+{
+    return forward_current(b, ws, out, inp, B, 0, version_out);
 }
 
 /* recompute == 0: the workspace already holds the forward of inp on these
@@ -631,18 +638,7 @@ int expert_block_backward_kept(expert_block *b, expert_workspace *ws, float *din
 int expert_block_forward_train(expert_block *b, expert_workspace *ws, float *out,
                                const float *inp, int B, uint64_t *version_out)
 {
-    if (!b || !out || !inp)
-        return -EINVAL;
-    int rc = check_call(b, ws, B);
-    if (rc < 0)
-        return rc;
-    struct expert_snapshot s;
-    expert_block_snapshot_acquire(b, &s);
-    forward_params(b, s.params, ws, out, inp, B, 1);
-    if (version_out)
-        *version_out = s.version;
-    expert_block_snapshot_release(b, &s);
-    return 0;
+    return forward_current(b, ws, out, inp, B, 1, version_out);
 }
 
 #undef P

@@ -54,6 +54,8 @@ expect 2 "peer blocks and num-blocks" -- "$S" peer --blocks 1 --num-blocks 2
 expect 2 "peer --listen garbage" -- "$S" peer --blocks 1 --listen nohost
 expect 2 "peer --training-priority bad" -- "$S" peer --blocks 1 --training-priority realtime
 contains "low or idle" "training-priority message"
+expect 2 "peer --keep-activations bad" -- "$S" peer --blocks 1 --keep-activations -1
+contains "between 0 and 1024" "keep-activations message"
 expect 2 "peer --infer-inline-rows > --max-batch" -- "$S" peer --blocks 1 --infer-inline-rows 40 --max-batch 32
 contains "cannot exceed --max-batch" "infer-inline-rows message"
 expect 2 "peer --optimizer" -- "$S" peer --blocks 1 --optimizer adagrad
