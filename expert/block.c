@@ -677,35 +677,37 @@ size_t expert_workspace_kept_floats(const expert_workspace *ws)
     return sum;
 }
 
-/* Copies rows [row0, row0 + rows) between the workspace views and the
- * packed buffer p (save: views -> p; load: p -> views). */
-static int kept_copy(expert_workspace *ws, int row0, int rows, float *p, int save)
+/* Copies rows [row0, row0 + rows) between the workspace views and a packed
+ * buffer: out of the views into dst (save), or from src into them (load).
+ * The views' floats are writable through a const workspace: the struct
+ * holds only pointers to them. */
+static int kept_copy(const expert_workspace *ws, int row0, int rows, const float *src, float *dst)
 {
-    if (!ws || !p || row0 < 0 || rows < 1 || row0 > ws->max_batch - rows)
+    if (!ws || !(src || dst) || row0 < 0 || rows < 1 || row0 > ws->max_batch - rows)
         return -EINVAL;
     float *v[KEPT_MAX];
-    size_t w[KEPT_MAX];
+    size_t w[KEPT_MAX], done = 0;
     int n = kept_views(ws, v, w);
     for (int i = 0; i < n; i++) {
         float *view = v[i] + (size_t)row0 * w[i];
         size_t len = (size_t)rows * w[i];
-        if (save)
-            memcpy(p, view, len * sizeof(float));
+        if (dst)
+            memcpy(dst + done, view, len * sizeof(float));
         else
-            memcpy(view, p, len * sizeof(float));
-        p += len;
+            memcpy(view, src + done, len * sizeof(float));
+        done += len;
     }
     return 0;
 }
 
 int expert_workspace_save_rows(const expert_workspace *ws, int row0, int rows, float *dst)
 {
-    return kept_copy((expert_workspace *)ws, row0, rows, dst, 1);
+    return dst ? kept_copy(ws, row0, rows, NULL, dst) : -EINVAL;
 }
 
 int expert_workspace_load_rows(expert_workspace *ws, int row0, int rows, const float *src)
 {
-    return kept_copy(ws, row0, rows, (float *)src, 0);
+    return src ? kept_copy(ws, row0, rows, src, NULL) : -EINVAL;
 }
 
 /* ------------------------------------------------------------- steps -- */

@@ -93,6 +93,8 @@ static void test_backward_from_kept_rows(void **state)
         assert_int_equal(expert_workspace_save_rows(ws, 6, 3, saved_a), -EINVAL);
         assert_int_equal(expert_workspace_load_rows(ws2, -1, 3, saved_a), -EINVAL);
         assert_int_equal(expert_workspace_save_rows(NULL, 0, 1, saved_a), -EINVAL);
+        assert_int_equal(expert_workspace_save_rows(ws, 0, 1, NULL), -EINVAL);
+        assert_int_equal(expert_workspace_load_rows(ws2, 0, 1, NULL), -EINVAL);
 
         /* A step in between: version 1 is current, 0 still held. */
         struct expert_optim o;
