@@ -7,6 +7,7 @@
 
 #include "peer/rpc_conn.h"
 #include "peer/rpc_server.h"
+#include "peer/wake.h"
 
 typedef struct sconn sconn;
 
@@ -44,7 +45,8 @@ struct peer_rpc_server {
     int have_swarm;
     uv_tcp_t listener;
     uv_timer_t sweep;
-    uv_async_t async;
+    peer__wake wake;             /* workers' answers wake the loop */
+    int wake_ok;
     int listening, closing, handles_open;
     int port;
     sconn *conns;
@@ -163,13 +165,17 @@ static void dispatch(peer_rpc_request *r)
 {
     peer_rpc_server *srv = r->conn->srv;
     pthread_mutex_lock(&srv->mu);
+    /* Only the answer that makes the queue non-empty wakes the loop: until
+     * the loop takes the queue, that wake-up is still due. */
+    int first = srv->done_head == NULL;
     if (srv->done_tail)
         srv->done_tail->next = r;
     else
         srv->done_head = r;
     srv->done_tail = r;
     pthread_mutex_unlock(&srv->mu);
-    uv_async_send(&srv->async);
+    if (first)
+        peer__wake_send(&srv->wake);
 }
 
 int peer_rpc_respond(peer_rpc_request *r, const peer_msg *reply)
@@ -233,9 +239,9 @@ const uint8_t *peer_rpc_request_peer_id(const peer_rpc_request *r)
     return peer_channel_peer_id(r->conn->c.ch);
 }
 
-static void async_cb(uv_async_t *a)
+static void wake_cb(peer__wake *w)
 {
-    peer_rpc_server *srv = a->data;
+    peer_rpc_server *srv = w->data;
     pthread_mutex_lock(&srv->mu);
     peer_rpc_request *r = srv->done_head;
     srv->done_head = srv->done_tail = NULL;
@@ -438,11 +444,13 @@ int peer_rpc_server_listen(peer_rpc_server *srv, const struct sockaddr *addr)
         return rc;
     srv->listener.data = srv;
     srv->listening = 1;
-    srv->handles_open = 3;
+    srv->handles_open = 2;
     uv_timer_init(srv->loop, &srv->sweep);
     srv->sweep.data = srv;
-    uv_async_init(srv->loop, &srv->async, async_cb);
-    srv->async.data = srv;
+    if ((rc = peer__wake_init(&srv->wake, srv->loop, wake_cb, srv)) != 0)
+        return rc; /* the caller closes the server */
+    srv->wake_ok = 1;
+    srv->handles_open = 3;
     if ((rc = uv_tcp_bind(&srv->listener, addr, 0)) != 0 ||
         (rc = uv_listen((uv_stream_t *)&srv->listener, 128, on_connection)) != 0)
         return rc; /* the caller closes the server */
@@ -475,14 +483,22 @@ static void handle_closed(uv_handle_t *h)
     maybe_finish_close(srv);
 }
 
+static void wake_closed(peer__wake *w)
+{
+    peer_rpc_server *srv = w->data;
+    srv->handles_open--;
+    maybe_finish_close(srv);
+}
+
 static void maybe_finish_close(peer_rpc_server *srv)
 {
     if (!srv->closing)
         return;
-    /* The async handle closes last: workers may still answer until every
+    /* The wake-up closes last: workers may still answer until every
      * connection (and so every request) is gone. */
-    if (srv->handles_open == 1 && !srv->conns && !uv_is_closing((uv_handle_t *)&srv->async)) {
-        uv_close((uv_handle_t *)&srv->async, handle_closed);
+    if (srv->wake_ok && srv->handles_open == 1 && !srv->conns &&
+        !peer__wake_is_closing(&srv->wake)) {
+        peer__wake_close(&srv->wake, wake_closed);
         return;
     }
     if (srv->handles_open == 0 && srv->close_cb) {

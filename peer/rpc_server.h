@@ -5,7 +5,8 @@
  * handler on the loop thread. The handler answers later, exactly once, with
  * peer_rpc_respond or peer_rpc_respond_error, from the loop thread or from any
  * other thread (a worker computing the block): off-loop replies are encoded
- * on the calling thread and handed to the loop through a uv_async.
+ * on the calling thread and handed to the loop through an eventfd the loop
+ * polls (peer/wake.h).
  *
  * The server answers by itself, without calling the handler: a frame that
  * decodes to garbage or is not a request (EBADMSG); an oversize frame
