@@ -10,7 +10,8 @@
 #        BLAS=Haswell to force AVX2 kernels on both sides,
 #        TRAIN_FLAGS="--sync 128" extra flags for starling train,
 #        SEED=N the peers' init seed and the trainer's data-order seed, 0,
-#        PEER_ARGS="--keep-activations 0" extra flags for the peers)
+#        PEER_ARGS="--keep-activations 0" extra flags for the peers,
+#        SPANS="0-2 3-5" the peers' block ranges, one peer each, "0-1 2-3 4-5")
 set -u -o pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${1:-$root/build}
@@ -33,17 +34,18 @@ export OPENBLAS_NUM_THREADS=1
 "$S" bootstrap --listen 127.0.0.1:0 >"$work/bs.out" 2>/dev/null & pids="$pids $!"
 for _ in $(seq 1 50); do [ -s "$work/bs.out" ] && break; sleep 0.1; done
 BS=$(head -1 "$work/bs.out")
-for span in 0-1 2-3 4-5; do
+spans=${SPANS:-0-1 2-3 4-5}
+for span in $spans; do
     "$S" peer --initial-peers "$BS" --blocks $span --lr 1e-3 --target-batch 128 --blas-threads 1 --seed "${SEED:-0}" ${PEER_ARGS:-} \
         >/dev/null 2>"$work/peer-$span.err" & pids="$pids $!"
 done
-for span in 0-1 2-3 4-5; do
+for span in $spans; do
     for _ in $(seq 1 100); do grep -q 'online: announcing' "$work/peer-$span.err" && break; sleep 0.1; done
 done
 "$S" train --initial-peers "$BS" --epochs "$epochs" --batch 64 --inflight 2 --seed "${SEED:-0}" ${TRAIN_FLAGS:-} --json \
     --metrics-log "" --plot "" 2>"$work/train.err" | tail -1 >"$work/starling.json"
 ours=$(cat "$work/starling.json")
-echo "{\"system\":\"starling-swarm\",\"blas\":\"$blas\",\"peers\":3,\"result\":$ours}"
+echo "{\"system\":\"starling-swarm\",\"blas\":\"$blas\",\"peers\":\"$spans\",\"result\":$ours}"
 ours_sps=$(sed -n 's/.*"samples_per_s":\([0-9.]*\).*/\1/p' "$work/starling.json")
 ours_acc=$(sed -n 's/.*"test_acc":\([0-9.]*\).*/\1/p' "$work/starling.json")
 for p in $pids; do kill $p 2>/dev/null; done; wait 2>/dev/null; pids=""
