@@ -45,12 +45,6 @@
 
 #ifndef PEER_CHANNEL_MAX_RECORD
 #define PEER_CHANNEL_MAX_RECORD (256u << 20) /* default largest plaintext per record */
-/* For tests: when built with OpenSSL (which then does the record AEAD),
- * checks that OpenSSL and libsodium produce and accept the same records in
- * both directions for both ciphers. Returns 0, -EIO on a mismatch, or
- * -ENOSYS in a build without OpenSSL (libsodium does everything). */
-int peer__channel_selftest(void);
-
 #endif
 
 typedef struct peer_channel peer_channel;
