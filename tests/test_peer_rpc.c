@@ -87,7 +87,7 @@ static void *worker_main(void *arg)
         const peer_msg *m = W.qm[W.head % 1024];
         W.head++;
         pthread_mutex_unlock(&W.mu);
-        compute(req, m); /* answered from this thread: the uv_async path */
+        compute(req, m); /* answered from this thread: the eventfd wake-up path */
         pthread_mutex_lock(&W.mu);
     }
     pthread_mutex_unlock(&W.mu);
