@@ -15,6 +15,7 @@
 #include "peer/announce.h"
 #include "peer/metrics.h"
 #include "peer/statesync.h"
+#include "peer/timeslice.h"
 #include "peer/wire.h"
 
 #define JOIN_RETRY_MS 5000
@@ -605,6 +606,10 @@ static void start_join(peer_daemon *d)
 static void ckpt_work_cb(uv_work_t *w)
 {
     peer_daemon *d = w->data;
+    /* libuv's pool threads start at the first queued work and inherit the
+     * loop thread's time slice (10 ms under --training-priority idle): give
+     * this one the kernel's default, as the compute threads have. */
+    (void)peer_sched_set_slice(0);
     d->ckpt_status = peer_service_checkpoint(d->svc);
 }
 

@@ -447,10 +447,13 @@ int peer_rpc_server_listen(peer_rpc_server *srv, const struct sockaddr *addr)
     srv->handles_open = 2;
     uv_timer_init(srv->loop, &srv->sweep);
     srv->sweep.data = srv;
-    if ((rc = peer__wake_init(&srv->wake, srv->loop, wake_cb, srv)) != 0)
+    rc = peer__wake_init(&srv->wake, srv->loop, wake_cb, srv);
+    if (srv->wake.fd >= 0) { /* the handle exists, even if it failed to start */
+        srv->wake_ok = 1;
+        srv->handles_open = 3;
+    }
+    if (rc)
         return rc; /* the caller closes the server */
-    srv->wake_ok = 1;
-    srv->handles_open = 3;
     if ((rc = uv_tcp_bind(&srv->listener, addr, 0)) != 0 ||
         (rc = uv_listen((uv_stream_t *)&srv->listener, 128, on_connection)) != 0)
         return rc; /* the caller closes the server */

@@ -15,9 +15,8 @@ static void on_readable(uv_poll_t *p, int status, int events)
     do
         r = read(w->fd, &n, sizeof n);
     while (r < 0 && errno == EINTR);
-    /* EAGAIN: another callback already drained it; still call cb, which
-     * finds nothing to do. A poll error (status < 0) cannot be recovered
-     * by reading; cb still runs so queued work is not stranded. */
+    /* EAGAIN: nothing to read (a spurious wake-up); cb finds nothing to
+     * do. status < 0 (a poll error) does not happen for an eventfd. */
     (void)status;
     w->cb(w);
 }
@@ -33,15 +32,8 @@ int peer__wake_init(peer__wake *w, uv_loop_t *loop, peer__wake_cb cb, void *data
     int rc = uv_poll_init(loop, &w->poll, w->fd);
     if (rc == 0) {
         w->poll.data = w;
-        rc = uv_poll_start(&w->poll, UV_READABLE, on_readable);
-        if (rc) {
-            /* The handle exists now; the caller's loop must close it. */
-            close(w->fd);
-            w->fd = -1;
-            uv_close((uv_handle_t *)&w->poll, NULL);
-            return rc;
-        }
-        return 0;
+        /* On failure the handle exists: the caller closes it (wake.h). */
+        return uv_poll_start(&w->poll, UV_READABLE, on_readable);
     }
     close(w->fd);
     w->fd = -1;
@@ -50,12 +42,14 @@ int peer__wake_init(peer__wake *w, uv_loop_t *loop, peer__wake_cb cb, void *data
 
 void peer__wake_send(peer__wake *w)
 {
+    int saved = errno;
     uint64_t one = 1;
     ssize_t r;
     do
         r = write(w->fd, &one, sizeof one);
     while (r < 0 && errno == EINTR);
     /* EAGAIN means the counter is at its maximum: a wake-up is pending. */
+    errno = saved;
 }
 
 static void on_closed(uv_handle_t *h)

@@ -11,8 +11,11 @@
  * the loop runs coalesce into one callback, as with uv_async_t.
  *
  * Linux only (eventfd). The loop-side calls (init, close) belong to the loop
- * thread; peer__wake_send may be called from any thread, any number of times,
- * until the close callback has run.
+ * thread; peer__wake_send may be called from any thread, any number of
+ * times, but the owner must make sure that no send can start once it calls
+ * peer__wake_close (the eventfd is closed after that, and its number may be
+ * reused). rpc_server closes its wake-up only after every connection, and so
+ * every request a worker could still answer, is gone.
  */
 #ifndef PEER_WAKE_H
 #define PEER_WAKE_H
@@ -31,15 +34,18 @@ struct peer__wake {
 };
 
 /* Opens the eventfd and starts polling it. Returns 0, or a negative errno /
- * libuv error with nothing left open. */
+ * libuv error. After an error w->fd is -1 and nothing is left open, except
+ * when the poll handle was made but could not be started: then w->fd stays
+ * >= 0 and the caller must still close w with peer__wake_close. */
 int peer__wake_init(peer__wake *w, uv_loop_t *loop, peer__wake_cb cb, void *data);
 
-/* Any thread: makes the loop call cb soon. Async-signal-safe. */
+/* Any thread: makes the loop call cb soon. Async-signal-safe (one write;
+ * errno is preserved). */
 void peer__wake_send(peer__wake *w);
 
 /* Loop thread: stops polling, closes the handle, then the eventfd, then calls
- * closed (may be NULL). A send racing with close is harmless until closed
- * runs; after that w must not be used. */
+ * closed (may be NULL); after that w must not be used. No send may start
+ * after this call (see above). Closing twice is a no-op. */
 void peer__wake_close(peer__wake *w, peer__wake_cb closed);
 
 int peer__wake_is_closing(const peer__wake *w);
