@@ -25,8 +25,10 @@ static void on_wake(peer__wake *w)
     c->last_seen = atomic_load(&c->sent);
     /* Every send happened before this callback or will cause another one,
      * so once the last send is seen the loop can stop waiting. */
-    if (c->total && c->last_seen == c->total)
-        uv_timer_stop(&c->deadline), uv_stop(w->poll.loop);
+    if (c->total && c->last_seen == c->total) {
+        uv_timer_stop(&c->deadline);
+        uv_stop(w->poll.loop);
+    }
 }
 
 static void on_deadline(uv_timer_t *t)

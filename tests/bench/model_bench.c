@@ -109,9 +109,13 @@ int main(int argc, char **argv)
         else if (strcmp(a, "--threads") == 0)
             threads = parse_long(a, v, 1, 256);
         else if (strcmp(a, "--min-time") == 0) {
-            min_time = atof(v);
-            if (!(min_time > 0 && min_time < 3600))
-                usage();
+            char *end;
+            errno = 0;
+            min_time = strtod(v, &end);
+            if (errno || end == v || *end || !(min_time > 0 && min_time < 3600)) {
+                fprintf(stderr, "model_bench: --min-time wants seconds in (0, 3600), got '%s'\n", v);
+                exit(2);
+            }
         } else
             usage();
     }

@@ -39,13 +39,19 @@ for span in $spans; do
     "$S" peer --initial-peers "$BS" --blocks $span --lr 1e-3 --target-batch 128 --blas-threads 1 --seed "${SEED:-0}" ${PEER_ARGS:-} \
         >/dev/null 2>"$work/peer-$span.err" & pids="$pids $!"
 done
+n_peers=0
 for span in $spans; do
     for _ in $(seq 1 100); do grep -q 'online: announcing' "$work/peer-$span.err" && break; sleep 0.1; done
+    if ! grep -q 'online: announcing' "$work/peer-$span.err"; then
+        echo "train_bench: the peer for blocks $span did not come online: $(head -1 "$work/peer-$span.err")" >&2
+        exit 1
+    fi
+    n_peers=$((n_peers + 1))
 done
 "$S" train --initial-peers "$BS" --epochs "$epochs" --batch 64 --inflight 2 --seed "${SEED:-0}" ${TRAIN_FLAGS:-} --json \
     --metrics-log "" --plot "" 2>"$work/train.err" | tail -1 >"$work/starling.json"
 ours=$(cat "$work/starling.json")
-echo "{\"system\":\"starling-swarm\",\"blas\":\"$blas\",\"peers\":\"$spans\",\"result\":$ours}"
+echo "{\"system\":\"starling-swarm\",\"blas\":\"$blas\",\"peers\":$n_peers,\"spans\":\"$spans\",\"result\":$ours}"
 ours_sps=$(sed -n 's/.*"samples_per_s":\([0-9.]*\).*/\1/p' "$work/starling.json")
 ours_acc=$(sed -n 's/.*"test_acc":\([0-9.]*\).*/\1/p' "$work/starling.json")
 for p in $pids; do kill $p 2>/dev/null; done; wait 2>/dev/null; pids=""
