@@ -2,6 +2,7 @@
  * flat parameter/gradient/optimizer arrays, double-buffered weights, the
  * recomputing backward, optimizer steps and serialisation. */
 #include "expert/block.h"
+#include "expert/model.h"
 #include "expert/pool.h"
 #include "expert/ops.h"
 #include "expert/simd.h"
@@ -9,6 +10,7 @@
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -45,6 +47,11 @@ struct expert_block {
     uint64_t steps;
     int optim_kind;        /* 0 until the first step */
     uint64_t dropped_steps; /* steps refused for non-finite gradients */
+
+    /* Stage identity (expert_block_set_stage): "" / 0 when none. */
+    char model[EXPERT_CKPT_NAME_LEN];
+    char stage[EXPERT_CKPT_NAME_LEN];
+    uint64_t stage_hash;
 };
 
 struct expert_workspace {
@@ -956,11 +963,36 @@ int expert_block_flat_apply(expert_block *b, const float *avg, const float *base
     return rc;
 }
 
+/* ---------------------------------------------------- stage identity -- */
+
+int expert_block_set_stage(expert_block *b, const struct expert_model_spec *m, int index)
+{
+    struct expert_block_config cfg;
+    char stage[EXPERT_CKPT_NAME_LEN];
+    if (!b || !m || expert_model_stage(m, index, &cfg) != 0 || cfg.kind != b->cfg.kind ||
+        cfg.in != b->cfg.in || cfg.out != b->cfg.out || cfg.hidden != b->cfg.hidden ||
+        strlen(m->name) >= sizeof b->model || expert_stage_name(stage, sizeof stage, m, index) < 0)
+        return -EINVAL;
+    memcpy(b->stage, stage, sizeof stage);
+    snprintf(b->model, sizeof b->model, "%s", m->name);
+    b->stage_hash = expert_stage_hash(m, index);
+    return 0;
+}
+
+const char *expert_block_stage(const expert_block *b, uint64_t *stage_hash_out)
+{
+    if (stage_hash_out)
+        *stage_hash_out = b ? b->stage_hash : 0;
+    return b ? b->stage : "";
+}
+
 /* ----------------------------------------------------- serialisation -- */
 
-#define HDR_LEN 64
+/* Format 1: the 64-byte header, the table, the data, the CRC. Format 2 adds
+ * the stage (hash, model name, stage name) after the first 64 bytes. */
+#define HDR_LEN_V1 64
+#define HDR_LEN 200
 #define ENTRY_LEN 48
-#define FORMAT_VERSION 1
 static const char magic[8] = { 'S', 'T', 'R', 'L', 'C', 'K', 'P', 'T' };
 
 enum { ROLE_PARAM = 0, ROLE_M = 1, ROLE_V = 2 };
@@ -970,10 +1002,122 @@ static size_t n_entries(const expert_block *b, int with_optim)
     return (size_t)b->nt * (with_optim ? 3 : 1);
 }
 
+static size_t hdr_len(uint32_t format)
+{
+    return format == 1 ? HDR_LEN_V1 : HDR_LEN;
+}
+
+static size_t state_len(uint32_t format, int nt, size_t nfloats, int with_optim)
+{
+    int k = with_optim ? 3 : 1;
+    return hdr_len(format) + ENTRY_LEN * (size_t)nt * (size_t)k + sizeof(float) * nfloats * (size_t)k + 4;
+}
+
 size_t expert_block_serialized_size(const expert_block *b, int with_optim)
 {
-    size_t ne = n_entries(b, with_optim);
-    return HDR_LEN + ENTRY_LEN * ne + sizeof(float) * b->n * (with_optim ? 3 : 1) + 4;
+    return state_len(EXPERT_CKPT_FORMAT, b->nt, b->n, with_optim);
+}
+
+/* A name field: printable ASCII, NUL-terminated, zero after the NUL. */
+static int get_name(const uint8_t *p, char *out)
+{
+    size_t n = 0;
+    while (n < EXPERT_CKPT_NAME_LEN && p[n])
+        n++;
+    if (n == EXPERT_CKPT_NAME_LEN)
+        return -EBADMSG;
+    for (size_t i = 0; i < n; i++)
+        if (p[i] < 0x21 || p[i] > 0x7e)
+            return -EBADMSG;
+    for (size_t i = n; i < EXPERT_CKPT_NAME_LEN; i++)
+        if (p[i])
+            return -EBADMSG;
+    memcpy(out, p, n + 1);
+    return 0;
+}
+
+/* "<model>.<index>": the index as expert_stage_parse wants it. */
+static int stage_index(const char *model, const char *stage)
+{
+    size_t ml = strlen(model);
+    if (strncmp(stage, model, ml) != 0 || stage[ml] != '.')
+        return -1;
+    const char *d = stage + ml + 1;
+    if (!*d || (d[0] == '0' && d[1]) || strlen(d) > 9)
+        return -1;
+    int v = 0;
+    for (; *d; d++) {
+        if (*d < '0' || *d > '9')
+            return -1;
+        v = v * 10 + (*d - '0');
+    }
+    return v;
+}
+
+int expert_ckpt_peek(const void *buf, size_t len, struct expert_ckpt_info *out)
+{
+    if (!buf || !out)
+        return -EINVAL;
+    const uint8_t *p = buf;
+    memset(out, 0, sizeof *out);
+    if (len < 12 || memcmp(p, magic, 8) != 0)
+        return -EBADMSG;
+    out->format = get_u32(p + 8);
+    if (out->format != 1 && out->format != 2)
+        return -EPROTONOSUPPORT;
+    if (len < hdr_len(out->format))
+        return -EBADMSG;
+    uint32_t flags = get_u32(p + 12);
+    if (flags & ~1u)
+        return -EBADMSG;
+    out->with_optim = (int)(flags & 1u);
+    out->config_hash = get_u64(p + 16);
+    out->version = get_u64(p + 24);
+    out->steps = get_u64(p + 32);
+    uint32_t dims[4];
+    for (int i = 0; i < 4; i++) {
+        dims[i] = get_u32(p + 40 + 4 * i);
+        if (dims[i] > EXPERT_BLOCK_MAX_DIM)
+            return -EBADMSG;
+    }
+    out->cfg = (struct expert_block_config){ (int)dims[0], (int)dims[1], (int)dims[2], (int)dims[3] };
+    struct expert_tensor_info t[EXPERT_BLOCK_MAX_TENSORS];
+    size_t nfloats;
+    int nt = expert_block_config_tensors(&out->cfg, t, &nfloats);
+    /* The config hash is not checked against the dims: it also covers the
+     * fixed numerics, and a file of another build's numerics is another
+     * config (-ESTALE from expert_block_ckpt_fits), not corruption. */
+    if (nt < 0)
+        return -EBADMSG;
+    if (get_u32(p + 60) != (uint32_t)nt * (out->with_optim ? 3u : 1u))
+        return -EBADMSG;
+    out->total_len = state_len(out->format, nt, nfloats, out->with_optim);
+    if (out->format == 1)
+        return 0;
+    out->stage_hash = get_u64(p + 64);
+    if (get_name(p + 72, out->model) != 0 || get_name(p + 72 + EXPERT_CKPT_NAME_LEN, out->stage) != 0)
+        return -EBADMSG;
+    if (!out->stage_hash && !out->model[0] && !out->stage[0])
+        return 0; /* a block that was never told its stage */
+    int index = stage_index(out->model, out->stage);
+    if (!out->model[0] || index < 0 ||
+        out->stage_hash != expert_stage_hash_of(out->model, index, out->config_hash))
+        return -EBADMSG;
+    return 0;
+}
+
+int expert_block_ckpt_fits(const expert_block *b, const struct expert_ckpt_info *info)
+{
+    if (!b || !info)
+        return -EINVAL;
+    if (info->config_hash != expert_block_config_hash(&b->cfg) || info->cfg.kind != b->cfg.kind ||
+        info->cfg.in != b->cfg.in || info->cfg.out != b->cfg.out || info->cfg.hidden != b->cfg.hidden)
+        return -ESTALE;
+    if (b->stage[0] && info->stage[0] &&
+        (strcmp(info->stage, b->stage) != 0 || strcmp(info->model, b->model) != 0 ||
+         info->stage_hash != b->stage_hash))
+        return -ESTALE;
+    return 0;
 }
 
 long expert_block_serialize(expert_block *b, int with_optim, void *buf, size_t cap)
@@ -993,7 +1137,7 @@ long expert_block_serialize(expert_block *b, int with_optim, void *buf, size_t c
     const float *params = current_params(b);
     memset(p, 0, data_off);
     memcpy(p, magic, 8);
-    put_u32(p + 8, FORMAT_VERSION);
+    put_u32(p + 8, EXPERT_CKPT_FORMAT);
     put_u32(p + 12, (uint32_t)with_optim);
     put_u64(p + 16, expert_block_config_hash(&b->cfg));
     put_u64(p + 24, b->version);
@@ -1004,6 +1148,9 @@ long expert_block_serialize(expert_block *b, int with_optim, void *buf, size_t c
     put_u32(p + 52, (uint32_t)b->cfg.hidden);
     put_u32(p + 56, with_optim ? (uint32_t)b->optim_kind : 0);
     put_u32(p + 60, (uint32_t)ne);
+    put_u64(p + 64, b->stage_hash);
+    memcpy(p + 72, b->model, strlen(b->model));
+    memcpy(p + 72 + EXPERT_CKPT_NAME_LEN, b->stage, strlen(b->stage));
     const float *src[3] = { params, b->m, b->v };
     size_t off = data_off;
     for (size_t e = 0; e < ne; e++) {
@@ -1023,36 +1170,29 @@ long expert_block_serialize(expert_block *b, int with_optim, void *buf, size_t c
     return (long)len;
 }
 
-int expert_block_header_mismatch(const expert_block *b, const void *buf, size_t len)
-{
-    const uint8_t *p = buf;
-    if (!b || !buf || len < HDR_LEN || memcmp(p, magic, 8) != 0 ||
-        get_u32(p + 8) != FORMAT_VERSION)
-        return 0;
-    return get_u64(p + 16) != expert_block_config_hash(&b->cfg);
-}
-
 int expert_block_deserialize(expert_block *b, const void *buf, size_t len)
 {
     if (!b || (!buf && len))
         return -EINVAL;
     const uint8_t *p = buf;
-    if (len < HDR_LEN + 4 || memcmp(p, magic, 8) != 0)
+    if (len < 12 || memcmp(p, magic, 8) != 0)
         return -EBADMSG;
-    if (get_u32(p + 8) != FORMAT_VERSION)
+    uint32_t format = get_u32(p + 8);
+    if (format != 1 && format != 2)
         return -EPROTONOSUPPORT;
-    if (get_u32(p + len - 4) != (uint32_t)crc32_z(0L, p, len - 4))
+    size_t hl = hdr_len(format);
+    if (len < hl + 4 || get_u32(p + len - 4) != (uint32_t)crc32_z(0L, p, len - 4))
         return -EBADMSG;
-    uint32_t flags = get_u32(p + 12);
-    if (flags & ~1u)
-        return -EBADMSG;
-    int with_optim = (int)(flags & 1u);
-    if (get_u64(p + 16) != expert_block_config_hash(&b->cfg) ||
-        get_u32(p + 40) != (uint32_t)b->cfg.kind || get_u32(p + 44) != (uint32_t)b->cfg.in ||
-        get_u32(p + 48) != (uint32_t)b->cfg.out || get_u32(p + 52) != (uint32_t)b->cfg.hidden)
-        return -ESTALE;
-    uint64_t version = get_u64(p + 24);
-    uint64_t steps = get_u64(p + 32);
+    struct expert_ckpt_info h;
+    int rc = expert_ckpt_peek(p, len - 4, &h);
+    if (rc != 0)
+        return rc;
+    /* Another block or stage is a mismatch, not corruption: say so. */
+    rc = expert_block_ckpt_fits(b, &h);
+    if (rc != 0)
+        return rc;
+    int with_optim = h.with_optim;
+    uint64_t version = h.version, steps = h.steps;
     uint32_t okind = get_u32(p + 56);
     if (with_optim ? (okind != 0 && okind != EXPERT_OPTIM_ADAMW && okind != EXPERT_OPTIM_SGD)
                    : (okind != 0 || steps != 0))
@@ -1060,14 +1200,14 @@ int expert_block_deserialize(expert_block *b, const void *buf, size_t len)
     if (with_optim && (okind == 0) != (steps == 0))
         return -EBADMSG;
     size_t ne = n_entries(b, with_optim);
-    if (get_u32(p + 60) != ne || len != expert_block_serialized_size(b, with_optim))
+    if (len != h.total_len)
         return -EBADMSG;
     /* The table must be exactly the canonical one: every name, role, dtype,
      * offset and count checked, so no field can point outside the buffer. */
-    size_t off = HDR_LEN + ENTRY_LEN * ne;
+    size_t off = hl + ENTRY_LEN * ne;
     for (size_t e = 0; e < ne; e++) {
         const struct expert_tensor_info *t = &b->t[e % (size_t)b->nt];
-        const uint8_t *q = p + HDR_LEN + ENTRY_LEN * e;
+        const uint8_t *q = p + hl + ENTRY_LEN * e;
         char name[EXPERT_TENSOR_NAME_LEN] = { 0 };
         memcpy(name, t->name, strlen(t->name));
         if (memcmp(q, name, EXPERT_TENSOR_NAME_LEN) != 0 ||
@@ -1079,15 +1219,15 @@ int expert_block_deserialize(expert_block *b, const void *buf, size_t len)
     if (off != len - 4)
         return -EBADMSG;
     /* Non-finite weights would poison every forward: refuse them. */
+    const uint8_t *src = p + hl + ENTRY_LEN * ne;
     size_t nf = b->n * (with_optim ? 3 : 1);
     for (size_t i = 0; i < nf; i++) {
         float x;
-        memcpy(&x, p + HDR_LEN + ENTRY_LEN * ne + i * sizeof x, sizeof x);
+        memcpy(&x, src + i * sizeof x, sizeof x);
         if (!isfinite(x))
             return -EBADMSG;
     }
 
-    const uint8_t *src = p + HDR_LEN + ENTRY_LEN * ne;
     pthread_mutex_lock(&b->grad_mu);
     float *dst = spare_begin(b);
     memcpy(dst, src, b->n * sizeof(float));

@@ -261,34 +261,101 @@ int expert_block_flat_export(expert_block *b, float *out);
 int expert_block_flat_apply(expert_block *b, const float *avg, const float *base, int with_optim,
                             double *dist_before, double *dist_after);
 
+/* ---- Stage identity ---- */
+
+struct expert_model_spec;
+
+/* Tells the block that it is stage `index` of model m (expert/model.h).
+ * Serialised state and checkpoint files then record the model name, the
+ * stage name ("<model>.<index>") and the stage hash, and deserialising or
+ * loading refuses state that records another stage (-ESTALE). Call it once,
+ * before the block is shared between threads. Returns 0, or -EINVAL when m
+ * has no such stage or its config is not this block's. */
+int expert_block_set_stage(expert_block *b, const struct expert_model_spec *m, int index);
+/* The stage name set with expert_block_set_stage ("" when none; static for
+ * the block's life) and, when stage_hash_out is not NULL, its hash (0). */
+const char *expert_block_stage(const expert_block *b, uint64_t *stage_hash_out);
+
 /* ---- Serialisation (the checkpoint file format; docs/expert.md) ---- */
+
+#define EXPERT_CKPT_FORMAT 2          /* written; format 1 is still read */
+#define EXPERT_CKPT_NAME_LEN 64       /* model and stage name fields, with the NUL */
+
+/* What a checkpoint's header says (expert_ckpt_peek). */
+struct expert_ckpt_info {
+    uint32_t format;                  /* 1 or 2 */
+    int with_optim;
+    uint64_t config_hash;             /* expert_block_config_hash of cfg */
+    struct expert_block_config cfg;
+    uint64_t version;                 /* weight version */
+    uint64_t steps;                   /* optimizer steps (0 without optimizer state) */
+    uint64_t stage_hash;              /* expert_stage_hash; 0 when no stage is recorded */
+    char model[EXPERT_CKPT_NAME_LEN]; /* "" when no stage is recorded (format 1, or */
+    char stage[EXPERT_CKPT_NAME_LEN]; /*    a block without expert_block_set_stage) */
+    size_t total_len;                 /* the length the whole state must have */
+};
+
+/* Reads the header at the start of buf (len bytes, at least the header's
+ * length; the rest need not be there) into *out. It checks the header's
+ * structure (magic, flags, dims, table length, name fields, and that the
+ * stage hash is the hash of the recorded model, index and config), not the
+ * checksum: use it to explain a refusal, never to trust the data. Returns 0,
+ * -EBADMSG (not a well-formed header), -EPROTONOSUPPORT (another format
+ * version; out->format holds it), -EINVAL. */
+int expert_ckpt_peek(const void *buf, size_t len, struct expert_ckpt_info *out);
+/* 0 when state with header *info may be loaded into b: same block config,
+ * and, when both b (expert_block_set_stage) and the state name a stage, the
+ * same stage. -ESTALE otherwise, -EINVAL. State that names no stage fits any
+ * block of its config (the caller should warn: it may be another stage's). */
+int expert_block_ckpt_fits(const expert_block *b, const struct expert_ckpt_info *info);
 
 /* Bytes expert_block_serialize writes: with_optim != 0 adds the optimizer
  * state (AdamW m and v, or the SGD momentum buffer in m). */
 size_t expert_block_serialized_size(const expert_block *b, int with_optim);
-/* Writes the current version's parameters (and optimizer state) into buf.
+/* Writes the current version's parameters (and optimizer state) into buf,
+ * in format EXPERT_CKPT_FORMAT, with the block's stage if it has one.
  * Returns the bytes written, or -ENOSPC if cap is too small, -EINVAL. */
 long expert_block_serialize(expert_block *b, int with_optim, void *buf, size_t cap);
 /* Loads bytes from expert_block_serialize (e.g. a newcomer's download, or a
- * file): validates everything before touching the block, then installs the
- * parameters as the file's weight version and, if present, the optimizer
- * state and step count; gradients are zeroed. Never trusts the input:
- * -EBADMSG (truncated, bad magic, bad checksum, malformed table),
- * -EPROTONOSUPPORT (unknown format version), -ESTALE (the config hash or
- * dims are another block's). On error the block is unchanged. */
+ * file), format 1 or 2: validates everything before touching the block,
+ * then installs the parameters as the file's weight version and, if
+ * present, the optimizer state and step count; gradients are zeroed. Never
+ * trusts the input: -EBADMSG (truncated, bad magic, bad checksum, malformed
+ * header or table), -EPROTONOSUPPORT (unknown format version), -ESTALE (the
+ * config hash or dims are another block's, or the state records another
+ * stage than b's: expert_block_ckpt_fits). On error the block is unchanged. */
 int expert_block_deserialize(expert_block *b, const void *buf, size_t len);
 
-/* 1 when buf (at least the 64-byte header) is a well-formed header of this
- * format and version whose config hash is not this block's; 0 otherwise. */
-int expert_block_header_mismatch(const expert_block *b, const void *buf, size_t len);
-
-/* Atomic checkpoint file: written to a temporary file in the same directory,
- * fsync'd, renamed over path, then the directory fsync'd, so a crash leaves
- * either the old file or the new one, never a torn one. Returns 0 or -errno. */
+/* Atomic checkpoint file: written to a temporary file "<path>.tmp.<pid>.XXXXXX"
+ * in the same directory, locked (flock) while it is written, fsync'd, renamed
+ * over path, then the directory fsync'd, so a crash leaves either the old
+ * file or the new one, never a torn one (but maybe the temporary file:
+ * expert_ckpt_clean_tmp). Returns 0 or -errno. */
 int expert_block_save(expert_block *b, const char *path, int with_optim);
 /* Reads and deserialises path. Errors as deserialize, plus -errno from I/O;
- * a file of the wrong size is refused without being read whole: -ESTALE
- * when its header names another config, else -EBADMSG. */
-int expert_block_load(expert_block *b, const char *path);
+ * a file whose header names another block or stage is refused (-ESTALE)
+ * without being read whole, a file of the wrong size for its header too
+ * (-EBADMSG). When msg is not NULL it receives a sentence: on failure what
+ * is wrong, naming the file and, for -ESTALE, what it holds and what b is
+ * ("<path> holds fmnist-mlp.2 (stage hash ..), not fmnist-mlp.3 (..)"); on
+ * success "" or a warning to show: the file records no stage (format 1),
+ * so only its block config could be checked. */
+int expert_block_load(expert_block *b, const char *path, char *msg, size_t msglen);
+
+/* Files older than this with no live writer count as stale (below). */
+#define EXPERT_CKPT_TMP_STALE_S 600
+
+/* Removes the temporary files that saves of the checkpoint at path left
+ * behind (a process killed while writing). Only files in path's directory
+ * named "<basename>.tmp.<pid>.<6 chars>" are candidates, and only those no
+ * process holds locked (a write in flight holds its lock) and whose writer is
+ * gone: pid is ours, or no process has it (kill(pid, 0) fails with ESRCH), or
+ * the file has not changed for EXPERT_CKPT_TMP_STALE_S seconds (another pid
+ * namespace, or the pid reused). An older build's "<basename>.tmp.<6 chars>"
+ * files are removed once they are that old. Call it when no save of path
+ * runs in this process outside the lock (any time, in practice). Returns the
+ * number of files removed, or -errno when the directory cannot be read;
+ * *bytes_out (may be NULL) = their total size. */
+int expert_ckpt_clean_tmp(const char *path, uint64_t *bytes_out);
 
 #endif

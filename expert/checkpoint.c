@@ -1,16 +1,23 @@
 /* expert/checkpoint.c: checkpoint files (the bytes of expert_block_serialize)
  * written atomically: temp file in the same directory, fsync, rename, fsync
- * of the directory. */
+ * of the directory; loading with a sentence that says what is wrong; and
+ * removing the temp files of writers that were killed. */
 #include "expert/block.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <libgen.h>
 #include <limits.h>
+#include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 static int write_all(int fd, const void *buf, size_t len)
@@ -56,17 +63,21 @@ int expert_block_save(expert_block *b, const char *path, int with_optim)
         free(buf);
         return (int)n;
     }
+    /* The pid in the name and the lock held until the rename let
+     * expert_ckpt_clean_tmp tell a killed writer's file from a live one. */
     char tmp[PATH_MAX];
-    if (snprintf(tmp, sizeof tmp, "%s.tmp.XXXXXX", path) >= (int)sizeof tmp) {
+    if (snprintf(tmp, sizeof tmp, "%s.tmp.%ld.XXXXXX", path, (long)getpid()) >= (int)sizeof tmp) {
         free(buf);
         return -ENAMETOOLONG;
     }
-    int fd = mkstemp(tmp);
+    int fd = mkostemp(tmp, O_CLOEXEC);
     if (fd < 0) {
         int e = -errno;
         free(buf);
         return e;
     }
+    /* Best effort: a file system without flock still has the pid test. */
+    (void)flock(fd, LOCK_EX | LOCK_NB);
     int rc = write_all(fd, buf, (size_t)n);
     free(buf);
     if (rc == 0 && fchmod(fd, 0644) < 0)
@@ -75,74 +86,245 @@ int expert_block_save(expert_block *b, const char *path, int with_optim)
      * the data and a crash leaves an empty or torn file under path. */
     if (rc == 0 && fsync(fd) < 0)
         rc = -errno;
-    if (close(fd) < 0 && rc == 0)
-        rc = -errno;
     if (rc == 0 && rename(tmp, path) < 0)
         rc = -errno;
-    if (rc < 0) {
+    if (rc < 0)
         unlink(tmp);
+    /* Closing releases the lock, after the temp name is gone. */
+    if (close(fd) < 0 && rc == 0)
+        rc = -errno;
+    if (rc < 0)
         return rc;
-    }
     /* And the directory, so the rename itself is durable. */
     return fsync_dir_of(path);
 }
 
-int expert_block_load(expert_block *b, const char *path)
+static void say(char *msg, size_t msglen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void say(char *msg, size_t msglen, const char *fmt, ...)
 {
+    if (!msg || !msglen)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, msglen, fmt, ap);
+    va_end(ap);
+}
+
+/* "fmnist-mlp.2 (stage hash 1a2b...)" or what an unnamed state holds. */
+static void describe_file(char *out, size_t len, const struct expert_ckpt_info *h)
+{
+    if (h->stage[0])
+        snprintf(out, len, "%s (stage hash %016" PRIx64 ")", h->stage, h->stage_hash);
+    else
+        snprintf(out, len, "a block of config %016" PRIx64 " (kind %d, %d -> %d, hidden %d) that names no stage",
+                 h->config_hash, h->cfg.kind, h->cfg.in, h->cfg.out, h->cfg.hidden);
+}
+
+static void describe_block(char *out, size_t len, const expert_block *b)
+{
+    uint64_t sh;
+    const char *stage = expert_block_stage(b, &sh);
+    const struct expert_block_config *c = expert_block_config(b);
+    if (stage[0])
+        snprintf(out, len, "%s (stage hash %016" PRIx64 ")", stage, sh);
+    else
+        snprintf(out, len, "a block of config %016" PRIx64 " (kind %d, %d -> %d, hidden %d)",
+                 expert_block_config_hash(c), c->kind, c->in, c->out, c->hidden);
+}
+
+static void say_stale(char *msg, size_t msglen, const char *path, const expert_block *b,
+                      const struct expert_ckpt_info *h)
+{
+    char f[256], w[256];
+    describe_file(f, sizeof f, h);
+    describe_block(w, sizeof w, b);
+    say(msg, msglen, "%s holds %s, not %s", path, f, w);
+}
+
+int expert_block_load(expert_block *b, const char *path, char *msg, size_t msglen)
+{
+    if (msg && msglen)
+        msg[0] = '\0';
     if (!b || !path)
         return -EINVAL;
     int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return -errno;
+    if (fd < 0) {
+        int e = -errno;
+        say(msg, msglen, "cannot open %s: %s", path, strerror(-e));
+        return e;
+    }
     struct stat st;
     if (fstat(fd, &st) < 0) {
         int e = -errno;
         close(fd);
+        say(msg, msglen, "cannot read %s: %s", path, strerror(-e));
         return e;
     }
-    /* Only the two sizes a checkpoint of this block can have are read; a
-     * truncated, padded or foreign file is refused before any allocation. */
-    size_t size = (size_t)st.st_size;
     if (!S_ISREG(st.st_mode)) {
         close(fd);
+        say(msg, msglen, "%s is not a regular file", path);
         return -EBADMSG;
     }
-    if (size != expert_block_serialized_size(b, 0) &&
-        size != expert_block_serialized_size(b, 1)) {
-        /* Say "another block's checkpoint" when the header shows it, so the
-         * operator sees a mismatch rather than corruption. */
-        unsigned char hdr[64];
-        int rc = -EBADMSG;
-        if (size >= sizeof hdr && pread(fd, hdr, sizeof hdr, 0) == (ssize_t)sizeof hdr &&
-            expert_block_header_mismatch(b, hdr, sizeof hdr))
-            rc = -ESTALE;
+    /* The header first: another block's or stage's file is named as such,
+     * and only the one size the header implies is ever read. */
+    uint8_t hdr[256];
+    ssize_t got = pread(fd, hdr, sizeof hdr, 0);
+    struct expert_ckpt_info h;
+    int rc = expert_ckpt_peek(hdr, got > 0 ? (size_t)got : 0, &h);
+    if (rc == -EPROTONOSUPPORT) {
         close(fd);
+        say(msg, msglen, "%s is checkpoint format %" PRIu32 "; this build reads formats 1 to %d", path,
+            h.format, EXPERT_CKPT_FORMAT);
         return rc;
+    }
+    if (rc == 0 && expert_block_ckpt_fits(b, &h) != 0) {
+        close(fd);
+        say_stale(msg, msglen, path, b, &h);
+        return -ESTALE;
+    }
+    size_t size = (size_t)st.st_size;
+    if (rc != 0 || size != h.total_len) {
+        close(fd);
+        if (rc != 0)
+            say(msg, msglen, "%s is corrupt: not a checkpoint header", path);
+        else
+            say(msg, msglen, "%s is truncated or padded: %zu bytes, its header implies %zu", path, size,
+                h.total_len);
+        return -EBADMSG;
     }
     char *buf = malloc(size);
     if (!buf) {
         close(fd);
+        say(msg, msglen, "out of memory reading %s", path);
         return -ENOMEM;
     }
-    size_t got = 0;
-    int rc = 0;
-    while (got < size) {
-        ssize_t n = read(fd, buf + got, size - got);
+    size_t have = 0;
+    while (have < size) {
+        ssize_t n = read(fd, buf + have, size - have);
         if (n < 0 && errno == EINTR)
             continue;
         if (n < 0) {
             rc = -errno;
+            say(msg, msglen, "cannot read %s: %s", path, strerror(errno));
             break;
         }
         if (n == 0) {
             rc = -EBADMSG; /* shrank while we read */
+            say(msg, msglen, "%s shrank while it was read", path);
             break;
         }
-        got += (size_t)n;
+        have += (size_t)n;
     }
     close(fd);
-    if (rc == 0)
+    if (rc == 0) {
         rc = expert_block_deserialize(b, buf, size);
+        if (rc == -EBADMSG)
+            say(msg, msglen, "%s is corrupt: its checksum or contents do not verify", path);
+        else if (rc == -ESTALE)
+            say_stale(msg, msglen, path, b, &h);
+        else if (rc != 0)
+            say(msg, msglen, "cannot load %s: %s", path, strerror(-rc));
+    }
     free(buf);
+    const char *stage = expert_block_stage(b, NULL);
+    if (rc == 0 && stage[0] && !h.stage[0])
+        say(msg, msglen,
+            "%s records no stage (checkpoint format %" PRIu32 "): loaded into %s because its block config "
+            "%016" PRIx64 " matches, but it may be another stage's file of the same shape",
+            path, h.format, stage, h.config_hash);
     return rc;
+}
+
+/* ------------------------------------------------- stale temp files -- */
+
+/* The part of a temp name after "<basename>.tmp.": "<pid>.XXXXXX" (*pid_out
+ * set) or an older build's "XXXXXX" (*pid_out = 0); mkstemp's six letters
+ * are [A-Za-z0-9]. -1 for anything else. */
+static int parse_tmp_suffix(const char *s, long *pid_out)
+{
+    const char *dot = strchr(s, '.');
+    const char *x = s;
+    *pid_out = 0;
+    if (dot) {
+        if (dot == s || (s[0] == '0') || dot - s > 10)
+            return -1;
+        long pid = 0;
+        for (const char *c = s; c < dot; c++) {
+            if (*c < '0' || *c > '9')
+                return -1;
+            pid = pid * 10 + (*c - '0');
+        }
+        if (pid <= 0 || pid > INT_MAX)
+            return -1;
+        *pid_out = pid;
+        x = dot + 1;
+    }
+    if (strlen(x) != 6)
+        return -1;
+    for (; *x; x++)
+        if (!((*x >= 'A' && *x <= 'Z') || (*x >= 'a' && *x <= 'z') || (*x >= '0' && *x <= '9')))
+            return -1;
+    return 0;
+}
+
+int expert_ckpt_clean_tmp(const char *path, uint64_t *bytes_out)
+{
+    if (bytes_out)
+        *bytes_out = 0;
+    if (!path || !*path)
+        return -EINVAL;
+    char dbuf[PATH_MAX], bbuf[PATH_MAX];
+    if (strlen(path) >= sizeof dbuf)
+        return -ENAMETOOLONG;
+    strcpy(dbuf, path);
+    strcpy(bbuf, path);
+    const char *dir = dirname(dbuf), *base = basename(bbuf);
+    char prefix[NAME_MAX + 8];
+    if (snprintf(prefix, sizeof prefix, "%s.tmp.", base) >= (int)sizeof prefix)
+        return -ENAMETOOLONG;
+    size_t pl = strlen(prefix);
+    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0)
+        return -errno;
+    DIR *d = fdopendir(dfd);
+    if (!d) {
+        int e = -errno;
+        close(dfd);
+        return e;
+    }
+    long self = (long)getpid();
+    time_t now = time(NULL);
+    int removed = 0;
+    uint64_t bytes = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        long pid;
+        if (strncmp(e->d_name, prefix, pl) != 0 || parse_tmp_suffix(e->d_name + pl, &pid) != 0)
+            continue;
+        int fd = openat(dfd, e->d_name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+        if (fd < 0)
+            continue;
+        struct stat st;
+        if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+            close(fd);
+            continue;
+        }
+        int lock = flock(fd, LOCK_EX | LOCK_NB) == 0 ? 0 : errno == EWOULDBLOCK ? 1 : -1;
+        int old = now - st.st_mtime >= EXPERT_CKPT_TMP_STALE_S;
+        int gone = pid && (pid == self || (kill((pid_t)pid, 0) < 0 && errno == ESRCH));
+        /* Locked: a write in flight. Without a pid (an older build, which
+         * took no lock) only age says the file is abandoned; with a live
+         * pid, the lock free and age; where flock is unsupported, a dead pid
+         * and age together. */
+        int stale = lock == 1 ? 0 : !pid ? old : lock == 0 ? (gone || old) : (gone && old);
+        if (stale && unlinkat(dfd, e->d_name, 0) == 0) {
+            removed++;
+            bytes += (uint64_t)st.st_size;
+        }
+        close(fd); /* after the unlink: nobody can take the name's lock meanwhile */
+    }
+    closedir(d);
+    if (bytes_out)
+        *bytes_out = bytes;
+    return removed;
 }

@@ -106,21 +106,27 @@ static uint64_t fnv1a(uint64_t h, const void *data, size_t len)
     return h;
 }
 
+uint64_t expert_stage_hash_of(const char *model, int index, uint64_t block_hash)
+{
+    if (!model || index < 0)
+        return 0;
+    static const char tag[] = "starling.stage.v1";
+    unsigned char le[12];
+    for (int i = 0; i < 4; i++)
+        le[i] = (unsigned char)((uint32_t)index >> (8 * i));
+    for (int i = 0; i < 8; i++)
+        le[4 + i] = (unsigned char)(block_hash >> (8 * i));
+    uint64_t h = 0xcbf29ce484222325ULL;
+    h = fnv1a(h, tag, sizeof tag - 1);
+    h = fnv1a(h, model, strlen(model) + 1); /* with its NUL */
+    return fnv1a(h, le, sizeof le);
+}
+
 uint64_t expert_stage_hash(const struct expert_model_spec *m, int index)
 {
     if (!m || index < 0 || index >= m->n_stages)
         return 0;
-    static const char tag[] = "starling.stage.v1";
-    unsigned char le[12];
-    uint64_t ch = expert_block_config_hash(&m->stages[index]);
-    for (int i = 0; i < 4; i++)
-        le[i] = (unsigned char)((uint32_t)index >> (8 * i));
-    for (int i = 0; i < 8; i++)
-        le[4 + i] = (unsigned char)(ch >> (8 * i));
-    uint64_t h = 0xcbf29ce484222325ULL;
-    h = fnv1a(h, tag, sizeof tag - 1);
-    h = fnv1a(h, m->name, strlen(m->name) + 1); /* with its NUL */
-    return fnv1a(h, le, sizeof le);
+    return expert_stage_hash_of(m->name, index, expert_block_config_hash(&m->stages[index]));
 }
 
 uint64_t expert_stage_seed(uint64_t model_seed, int index)

@@ -50,6 +50,10 @@ int expert_stage_name(char *buf, size_t len, const struct expert_model_spec *m, 
  * the index as u32 LE, then the block config hash as u64 LE. Two peers that
  * agree on it run the same computation for the same stage. 0 if invalid. */
 uint64_t expert_stage_hash(const struct expert_model_spec *m, int index);
+/* The same hash from its parts: a model name, a stage index and that stage's
+ * expert_block_config_hash (checkpoints verify the stage they record with
+ * it, whether or not this build knows the model). 0 if invalid. */
+uint64_t expert_stage_hash_of(const char *model, int index, uint64_t block_hash);
 
 /* Per-stage init seed from a model seed (splitmix64 of seed and index), so a
  * whole model is reproducible from one number. */

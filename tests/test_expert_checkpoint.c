@@ -1,13 +1,20 @@
 /* tests/test_expert_checkpoint.c: checkpoint round trips (weights and
  * optimizer state), every byte flip, header fields with a valid checksum,
- * every truncation, garbage, mismatched configs, atomic replacement. */
+ * every truncation, garbage, mismatched configs, atomic replacement; the
+ * recorded stage (another stage's file is refused, a format-1 file loads
+ * with a warning), and removing the temp files of killed writers. */
 #include "test_expert_util.h"
 
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <zlib.h>
 
 #include "expert/block.h"
+#include "expert/model.h"
 
 #define SEED 4242u
 
@@ -70,7 +77,7 @@ static void test_round_trip(void **state)
     test_tmpdir(dir, sizeof dir, "ckpt");
     snprintf(path, sizeof path, "%s/stage.ckpt", dir);
     assert_int_equal(expert_block_save(a, path, 1), 0);
-    assert_int_equal(expert_block_load(b, path), 0);
+    assert_int_equal(expert_block_load(b, path, NULL, 0), 0);
     uint64_t va, vb;
     assert_int_equal(params_crc(a, &va), params_crc(b, &vb));
     assert_int_equal(va, 2);
@@ -91,7 +98,7 @@ static void test_round_trip(void **state)
     assert_int_equal(params_crc(a, &va), params_crc(b, &vb));
     /* Weights only: m/v/steps start afresh on the loading side. */
     assert_int_equal(expert_block_save(a, path, 0), 0);
-    assert_int_equal(expert_block_load(b, path), 0);
+    assert_int_equal(expert_block_load(b, path, NULL, 0), 0);
     assert_int_equal(params_crc(a, &va), params_crc(b, &vb));
     assert_int_equal(expert_block_steps(b), 0);
     /* Replacing leaves no temporary files behind. */
@@ -110,8 +117,8 @@ static void test_round_trip(void **state)
     char missing[700];
     snprintf(missing, sizeof missing, "%s/nodir/x.ckpt", dir);
     assert_int_equal(expert_block_save(a, missing, 1), -ENOENT);
-    assert_int_equal(expert_block_load(a, missing), -ENOENT);
-    assert_int_equal(expert_block_load(a, dir), -EBADMSG); /* a directory */
+    assert_int_equal(expert_block_load(a, missing, NULL, 0), -ENOENT);
+    assert_int_equal(expert_block_load(a, dir, NULL, 0), -EBADMSG); /* a directory */
     unsigned char small[16];
     assert_int_equal(expert_block_serialize(a, 1, small, sizeof small), -ENOSPC);
     expert_workspace_destroy(&ws);
@@ -155,20 +162,40 @@ static void test_every_byte_flip(void **state)
     expert_block_destroy(&b);
 }
 
+/* A small model of our own for the stage tests: stages 1 and 2 have the same
+ * block config, as fmnist-mlp's ResFFN stages do. */
+static const struct expert_block_config tiny_stages[4] = {
+    { EXPERT_BLOCK_LINEAR, 4, 8, 0 },
+    { EXPERT_BLOCK_RESFFN, 8, 8, 16 },
+    { EXPERT_BLOCK_RESFFN, 8, 8, 16 },
+    { EXPERT_BLOCK_HEAD, 8, 3, 0 },
+};
+static const struct expert_model_spec tiny = { "tiny", "test model", 4, tiny_stages, 4, 3 };
+
+static expert_block *tiny_block(int stage, int trained)
+{
+    expert_block *b = trained ? trained_block(&tiny_stages[stage], SEED + (uint64_t)stage)
+                              : expert_block_create(&tiny_stages[stage], 99);
+    assert_non_null(b);
+    assert_int_equal(expert_block_set_stage(b, &tiny, stage), 0);
+    return b;
+}
+
 /* Header and table bytes changed WITH a valid checksum: the structural checks
  * alone must refuse every one, except the free-valued weight version and
- * step count (bytes 24..39). Data bytes turned into NaN are refused too. */
-static void test_header_fields_validated(void **state)
+ * step count (bytes 24..39). Data bytes turned into NaN are refused too.
+ * Both for a block that records no stage and one that does (the stage hash
+ * and both names are then all checked against each other). */
+static void header_fields_case(int staged)
 {
-    (void)state;
-    struct expert_block_config cfg = { EXPERT_BLOCK_HEAD, 4, 3, 0 };
-    expert_block *a = trained_block(&cfg, SEED);
-    expert_block *b = expert_block_create(&cfg, 1);
+    struct expert_block_config cfg = staged ? tiny_stages[3] : (struct expert_block_config){ EXPERT_BLOCK_HEAD, 4, 3, 0 };
+    expert_block *a = staged ? tiny_block(3, 1) : trained_block(&cfg, SEED);
+    expert_block *b = staged ? tiny_block(3, 0) : expert_block_create(&cfg, 1);
     size_t len;
     unsigned char *buf = serialize(a, 1, &len);
     int nt;
     expert_block_tensors(a, &nt, NULL);
-    size_t data_off = 64 + 48 * (size_t)nt * 3;
+    size_t data_off = 200 + 48 * (size_t)nt * 3;
     unsigned char *mod = malloc(len);
     for (size_t i = 0; i < data_off; i++) {
         if (i >= 24 && i < 40)
@@ -179,18 +206,18 @@ static void test_header_fields_validated(void **state)
             fix_crc(mod, len);
             int rc = expert_block_deserialize(b, mod, len);
             if (rc == 0)
-                fprintf(stderr, "header byte %zu flip accepted\n", i);
+                fprintf(stderr, "header byte %zu flip accepted (staged %d)\n", i, staged);
             assert_true(rc == -EBADMSG || rc == -EPROTONOSUPPORT || rc == -ESTALE);
         }
     }
     /* Specific fields give specific errors. */
     memcpy(mod, buf, len);
-    mod[8] = 2;                        /* format version */
+    mod[8] = 3;                        /* format version */
     assert_int_equal(expert_block_deserialize(b, mod, len), -EPROTONOSUPPORT);
     memcpy(mod, buf, len);
-    mod[16] ^= 1;                      /* config hash */
+    mod[16] ^= 1;                      /* config hash: for a stage, no longer its stage hash's */
     fix_crc(mod, len);
-    assert_int_equal(expert_block_deserialize(b, mod, len), -ESTALE);
+    assert_int_equal(expert_block_deserialize(b, mod, len), staged ? -EBADMSG : -ESTALE);
     memcpy(mod, buf, len);
     mod[44] ^= 1;                      /* in */
     fix_crc(mod, len);
@@ -214,6 +241,13 @@ static void test_header_fields_validated(void **state)
     expert_block_destroy(&b);
 }
 
+static void test_header_fields_validated(void **state)
+{
+    (void)state;
+    header_fields_case(0);
+    header_fields_case(1);
+}
+
 static void test_truncation_and_garbage(void **state)
 {
     (void)state;
@@ -232,13 +266,36 @@ static void test_truncation_and_garbage(void **state)
     char dir[512], path[600];
     test_tmpdir(dir, sizeof dir, "ckpt-trunc");
     snprintf(path, sizeof path, "%s/t.ckpt", dir);
-    const size_t cuts[] = { 0, 1, 8, 63, 64, len / 2, len - 4, len - 1 };
+    const size_t cuts[] = { 0, 1, 8, 63, 64, 199, 200, len / 2, len - 4, len - 1 };
+    char msg[512];
     for (size_t i = 0; i < sizeof cuts / sizeof cuts[0]; i++) {
         test_write_file(path, buf, cuts[i], 0644);
-        assert_int_equal(expert_block_load(b, path), -EBADMSG);
+        assert_int_equal(expert_block_load(b, path, msg, sizeof msg), -EBADMSG);
+        /* The sentence names the file and says which: no header, or a
+         * header whose length the file does not have. */
+        assert_non_null(strstr(msg, path));
+        assert_non_null(strstr(msg, cuts[i] < 200 ? "corrupt: not a checkpoint header" : "truncated or padded"));
     }
     test_write_file(path, big, len + 1, 0644);
-    assert_int_equal(expert_block_load(b, path), -EBADMSG);
+    assert_int_equal(expert_block_load(b, path, msg, sizeof msg), -EBADMSG);
+    assert_non_null(strstr(msg, "truncated or padded"));
+    test_write_file(path, "garbage", 7, 0644);
+    assert_int_equal(expert_block_load(b, path, msg, sizeof msg), -EBADMSG);
+    assert_non_null(strstr(msg, "not a checkpoint header"));
+    /* Whole, but a data byte changed: the checksum says so. */
+    buf[len / 2] ^= 4;
+    test_write_file(path, buf, len, 0644);
+    buf[len / 2] ^= 4;
+    assert_int_equal(expert_block_load(b, path, msg, sizeof msg), -EBADMSG);
+    assert_non_null(strstr(msg, "checksum or contents do not verify"));
+    /* A future format. */
+    buf[8] = 9;
+    test_write_file(path, buf, len, 0644);
+    buf[8] = 2;
+    assert_int_equal(expert_block_load(b, path, msg, sizeof msg), -EPROTONOSUPPORT);
+    assert_non_null(strstr(msg, "format 9"));
+    assert_int_equal(expert_block_load(b, dir, msg, sizeof msg), -EBADMSG);
+    assert_non_null(strstr(msg, "not a regular file"));
     /* Garbage with our magic, version and a valid checksum, at random sizes:
      * never a crash, never accepted. */
     uint64_t s = SEED;
@@ -247,9 +304,10 @@ static void test_truncation_and_garbage(void **state)
         unsigned char *g = malloc(n);
         for (size_t i = 0; i < n; i++)
             g[i] = (unsigned char)tx_rng_next(&s);
-        memcpy(g, "STRLCKPT\x01\0\0\0", 12);
+        /* Formats 1 and 2, and a valid header on top of garbage. */
+        memcpy(g, (it & 2) ? "STRLCKPT\x02\0\0\0" : "STRLCKPT\x01\0\0\0", 12);
         if (it & 1)
-            memcpy(g + 12, buf + 12, 52); /* a valid header on top of garbage */
+            memcpy(g + 12, buf + 12, (it & 2) && n > 204 ? 188 : 52);
         fix_crc(g, n);
         int rc = expert_block_deserialize(b, g, n);
         if (rc == 0)
@@ -277,10 +335,280 @@ static void test_mismatched_config(void **state)
     test_tmpdir(dir, sizeof dir, "ckpt-mismatch");
     snprintf(path, sizeof path, "%s/a.ckpt", dir);
     assert_int_equal(expert_block_save(a, path, 1), 0);
-    assert_int_equal(expert_block_load(b, path), -ESTALE);
+    assert_int_equal(expert_block_load(b, path, NULL, 0), -ESTALE);
     free(buf);
     expert_block_destroy(&a);
     expert_block_destroy(&b);
+    test_rmtree(dir);
+}
+
+static uint32_t le32(const unsigned char *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static void put_le32(unsigned char *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (unsigned char)(v >> (8 * i));
+}
+
+/* The same state in format 1 (as the previous build wrote it): the first 64
+ * header bytes with version 1, the table with offsets 136 bytes lower (no
+ * stage fields), the data, a new CRC. */
+static unsigned char *to_format1(const unsigned char *v2, size_t len, size_t *len1)
+{
+    *len1 = len - 136;
+    unsigned char *o = malloc(*len1);
+    assert_non_null(o);
+    memcpy(o, v2, 64);
+    put_le32(o + 8, 1);
+    uint32_t ne = le32(v2 + 60);
+    for (uint32_t e = 0; e < ne; e++) {
+        unsigned char *q = o + 64 + 48 * (size_t)e;
+        memcpy(q, v2 + 200 + 48 * (size_t)e, 48);
+        uint64_t off = 0;
+        for (int i = 0; i < 8; i++)
+            off |= (uint64_t)q[32 + i] << (8 * i);
+        off -= 136;
+        for (int i = 0; i < 8; i++)
+            q[32 + i] = (unsigned char)(off >> (8 * i));
+    }
+    size_t data = 200 + 48 * (size_t)ne;
+    memcpy(o + 64 + 48 * (size_t)ne, v2 + data, len - 4 - data);
+    fix_crc(o, *len1);
+    return o;
+}
+
+/* Checkpoints record the model, the stage and its hash; a file of another
+ * stage (of the same shape, or not) is refused naming both, and the block
+ * is unchanged; the same stage and a block that was never told its stage
+ * load it. The same holds for state in memory (a download). */
+static void test_stage_recorded(void **state)
+{
+    (void)state;
+    char dir[512], p2[600], p0[600], msg[512];
+    test_tmpdir(dir, sizeof dir, "ckpt-stage");
+    snprintf(p2, sizeof p2, "%s/tiny.2.ckpt", dir);
+    snprintf(p0, sizeof p0, "%s/tiny.0.ckpt", dir);
+    expert_block *a = tiny_block(2, 1);
+    uint64_t sh;
+    assert_string_equal(expert_block_stage(a, &sh), "tiny.2");
+    assert_true(sh == expert_stage_hash(&tiny, 2) && sh != 0);
+    assert_int_equal(expert_block_save(a, p2, 1), 0);
+
+    /* The header says what the file holds. */
+    size_t len;
+    unsigned char *buf = serialize(a, 1, &len);
+    struct expert_ckpt_info h;
+    assert_int_equal(expert_ckpt_peek(buf, len, &h), 0);
+    assert_int_equal(h.format, 2);
+    assert_string_equal(h.model, "tiny");
+    assert_string_equal(h.stage, "tiny.2");
+    assert_true(h.stage_hash == expert_stage_hash(&tiny, 2));
+    assert_true(h.config_hash == expert_block_config_hash(&tiny_stages[2]));
+    assert_true(h.total_len == len && h.with_optim == 1 && h.version == 2 && h.steps == 2);
+    assert_int_equal(expert_ckpt_peek(buf, 199, &h), -EBADMSG); /* short of the header */
+
+    /* Stage 1 has the same block config: refused all the same. */
+    expert_block *b = tiny_block(1, 0);
+    uint64_t v0, v;
+    uint32_t c0 = params_crc(b, &v0);
+    assert_int_equal(expert_block_load(b, p2, msg, sizeof msg), -ESTALE);
+    fprintf(stderr, "refusal: %s\n", msg);
+    assert_non_null(strstr(msg, p2));
+    assert_non_null(strstr(msg, "holds tiny.2 (stage hash"));
+    assert_non_null(strstr(msg, "not tiny.1 (stage hash"));
+    assert_int_equal(expert_block_deserialize(b, buf, len), -ESTALE);
+    assert_int_equal(params_crc(b, &v), c0);
+    assert_true(v == v0);
+    /* A file of another shape (stage 0) under stage 2's name: named too. */
+    expert_block *z = tiny_block(0, 1);
+    assert_int_equal(expert_block_save(z, p0, 0), 0);
+    expert_block *b2 = tiny_block(2, 0);
+    assert_int_equal(expert_block_load(b2, p0, msg, sizeof msg), -ESTALE);
+    assert_non_null(strstr(msg, "holds tiny.0 (stage hash"));
+    assert_non_null(strstr(msg, "not tiny.2 (stage hash"));
+    /* The right stage loads, with no warning; so does an unnamed block. */
+    assert_int_equal(expert_block_load(b2, p2, msg, sizeof msg), 0);
+    assert_string_equal(msg, "");
+    assert_int_equal(params_crc(b2, &v), params_crc(a, &v0));
+    expert_block *anon = expert_block_create(&tiny_stages[2], 5);
+    assert_string_equal(expert_block_stage(anon, NULL), "");
+    assert_int_equal(expert_block_load(anon, p2, msg, sizeof msg), 0);
+    assert_string_equal(msg, "");
+
+    /* An unnamed block's state names no stage: it loads anywhere its config
+     * fits, with a warning. */
+    assert_int_equal(expert_block_save(anon, p2, 1), 0);
+    assert_int_equal(expert_block_load(b, p2, msg, sizeof msg), 0);
+    assert_non_null(strstr(msg, "records no stage"));
+
+    /* A stage name changed in the header with a valid checksum no longer
+     * matches its stage hash: corrupt, not silently another stage. */
+    unsigned char *mod = malloc(len);
+    memcpy(mod, buf, len);
+    assert_int_equal(memcmp(mod + 136, "tiny.2", 7), 0);
+    mod[136 + 5] = '1';
+    fix_crc(mod, len);
+    assert_int_equal(expert_block_deserialize(b, mod, len), -EBADMSG);
+    assert_int_equal(expert_block_deserialize(b2, mod, len), -EBADMSG);
+
+    /* Bad stages. */
+    assert_int_equal(expert_block_set_stage(anon, &tiny, 0), -EINVAL); /* another config */
+    assert_int_equal(expert_block_set_stage(anon, &tiny, 4), -EINVAL);
+    assert_int_equal(expert_block_set_stage(anon, NULL, 2), -EINVAL);
+    assert_int_equal(expert_block_set_stage(anon, &tiny, 1), 0);
+    assert_string_equal(expert_block_stage(anon, NULL), "tiny.1");
+
+    free(mod);
+    free(buf);
+    expert_block_destroy(&a);
+    expert_block_destroy(&b);
+    expert_block_destroy(&b2);
+    expert_block_destroy(&z);
+    expert_block_destroy(&anon);
+    test_rmtree(dir);
+}
+
+/* The previous format (1, no stage) is still read: into a block of its
+ * config with a warning that names the risk, refused for another config. */
+static void test_format1_read(void **state)
+{
+    (void)state;
+    char dir[512], path[600], msg[512];
+    test_tmpdir(dir, sizeof dir, "ckpt-v1");
+    snprintf(path, sizeof path, "%s/tiny.2.ckpt", dir);
+    expert_block *a = tiny_block(2, 1);
+    for (int with_optim = 0; with_optim < 2; with_optim++) {
+        size_t len, len1;
+        unsigned char *buf = serialize(a, with_optim, &len);
+        unsigned char *v1 = to_format1(buf, len, &len1);
+        struct expert_ckpt_info h;
+        assert_int_equal(expert_ckpt_peek(v1, len1, &h), 0);
+        assert_int_equal(h.format, 1);
+        assert_string_equal(h.stage, "");
+        assert_true(h.total_len == len1);
+        expert_block *b = tiny_block(2, 0);
+        assert_int_equal(expert_block_deserialize(b, v1, len1), 0);
+        uint64_t va, vb;
+        assert_int_equal(params_crc(b, &vb), params_crc(a, &va));
+        assert_true(va == vb);
+        assert_int_equal(expert_block_steps(b), with_optim ? 2 : 0);
+        expert_block_destroy(&b);
+        /* From a file: loads with a warning. */
+        test_write_file(path, v1, len1, 0644);
+        b = tiny_block(1, 0);
+        assert_int_equal(expert_block_load(b, path, msg, sizeof msg), 0);
+        fprintf(stderr, "warning: %s\n", msg);
+        assert_non_null(strstr(msg, "records no stage (checkpoint format 1)"));
+        assert_non_null(strstr(msg, "tiny.1"));
+        assert_int_equal(params_crc(b, &vb), params_crc(a, &va));
+        expert_block_destroy(&b);
+        /* Another config: refused, and said so. */
+        b = tiny_block(3, 0);
+        assert_int_equal(expert_block_load(b, path, msg, sizeof msg), -ESTALE);
+        assert_non_null(strstr(msg, "names no stage"));
+        assert_non_null(strstr(msg, "not tiny.3"));
+        assert_int_equal(expert_block_deserialize(b, v1, len1), -ESTALE);
+        expert_block_destroy(&b);
+        /* Every truncation and a flipped byte are still caught. */
+        b = tiny_block(2, 0);
+        for (size_t n = 0; n < len1; n += 7)
+            assert_int_equal(expert_block_deserialize(b, v1, n), -EBADMSG);
+        v1[len1 / 2] ^= 0x10;
+        assert_int_equal(expert_block_deserialize(b, v1, len1), -EBADMSG);
+        expert_block_destroy(&b);
+        free(v1);
+        free(buf);
+    }
+    expert_block_destroy(&a);
+    test_rmtree(dir);
+}
+
+static int exists_in(const char *dir, const char *name)
+{
+    char p[800];
+    struct stat st;
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    return stat(p, &st) == 0;
+}
+
+static void make_in(const char *dir, const char *name, size_t len, time_t age_s)
+{
+    char p[800];
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    char *junk = calloc(1, len + 1);
+    test_write_file(p, junk, len, 0644);
+    free(junk);
+    if (age_s) {
+        struct timespec ts[2];
+        clock_gettime(CLOCK_REALTIME, &ts[0]);
+        ts[0].tv_sec -= age_s;
+        ts[1] = ts[0];
+        assert_int_equal(utimensat(AT_FDCWD, p, ts, 0), 0);
+    }
+}
+
+/* Temp files of killed writers are removed: our pattern, our checkpoint,
+ * a writer that is gone; a live writer's (pid alive, or lock held), another
+ * checkpoint's and other names are kept. */
+static void test_clean_tmp(void **state)
+{
+    (void)state;
+    char dir[512], path[600];
+    test_tmpdir(dir, sizeof dir, "ckpt-tmp");
+    snprintf(path, sizeof path, "%s/s.ckpt", dir);
+    pid_t dead = fork();
+    assert_true(dead >= 0);
+    if (dead == 0)
+        _exit(0);
+    assert_int_equal(waitpid(dead, NULL, 0), dead);
+    char n_dead[64], n_self[64], n_live[64], n_live_old[64], n_locked[64], n_other[64];
+    snprintf(n_dead, sizeof n_dead, "s.ckpt.tmp.%d.aB3xYz", (int)dead);
+    snprintf(n_self, sizeof n_self, "s.ckpt.tmp.%d.Qq0000", (int)getpid());
+    snprintf(n_live, sizeof n_live, "s.ckpt.tmp.%d.Zz9999", (int)getppid());
+    snprintf(n_live_old, sizeof n_live_old, "s.ckpt.tmp.%d.Zz8888", (int)getppid());
+    snprintf(n_locked, sizeof n_locked, "s.ckpt.tmp.%d.Lk1234", (int)dead);
+    snprintf(n_other, sizeof n_other, "t.ckpt.tmp.%d.aB3xYz", (int)dead);
+    make_in(dir, n_dead, 1000, 0);
+    make_in(dir, n_self, 300, 0);
+    make_in(dir, n_live, 7, 0);
+    make_in(dir, n_live_old, 20, EXPERT_CKPT_TMP_STALE_S + 5); /* pid reused, lock free */
+    make_in(dir, n_locked, 7, EXPERT_CKPT_TMP_STALE_S + 5);
+    make_in(dir, n_other, 7, 0);
+    make_in(dir, "s.ckpt.tmp.OLDone", 4, EXPERT_CKPT_TMP_STALE_S + 5); /* an older build's */
+    make_in(dir, "s.ckpt.tmp.NEWone", 7, 0);
+    make_in(dir, "s.ckpt.tmp.12.toolong", 7, EXPERT_CKPT_TMP_STALE_S + 5);
+    make_in(dir, "s.ckpt.tmp.012.abcdef", 7, EXPERT_CKPT_TMP_STALE_S + 5);
+    make_in(dir, "s.ckpt.tmpx", 7, EXPERT_CKPT_TMP_STALE_S + 5);
+    make_in(dir, "s.ckpt", 7, EXPERT_CKPT_TMP_STALE_S + 5);
+    /* A write in flight holds its lock, whatever its pid looks like. */
+    char pl[800];
+    snprintf(pl, sizeof pl, "%s/%s", dir, n_locked);
+    int lfd = open(pl, O_RDWR | O_CLOEXEC);
+    assert_true(lfd >= 0);
+    assert_int_equal(flock(lfd, LOCK_EX), 0);
+
+    uint64_t bytes = 0;
+    assert_int_equal(expert_ckpt_clean_tmp(path, &bytes), 4);
+    assert_true(bytes == 1000 + 300 + 20 + 4);
+    assert_false(exists_in(dir, n_dead));
+    assert_false(exists_in(dir, n_self));
+    assert_false(exists_in(dir, n_live_old));
+    assert_false(exists_in(dir, "s.ckpt.tmp.OLDone"));
+    const char *kept[] = { n_live, n_locked, n_other, "s.ckpt.tmp.NEWone", "s.ckpt.tmp.12.toolong",
+                           "s.ckpt.tmp.012.abcdef", "s.ckpt.tmpx", "s.ckpt" };
+    for (size_t i = 0; i < sizeof kept / sizeof kept[0]; i++) {
+        if (!exists_in(dir, kept[i]))
+            fail_msg("%s was removed", kept[i]);
+    }
+    assert_int_equal(expert_ckpt_clean_tmp(path, &bytes), 0);
+    assert_true(bytes == 0);
+    close(lfd);
+    assert_int_equal(expert_ckpt_clean_tmp(path, NULL), 1); /* its writer is gone now */
+    snprintf(pl, sizeof pl, "%s/nodir/s.ckpt", dir);
+    assert_int_equal(expert_ckpt_clean_tmp(pl, NULL), -ENOENT);
     test_rmtree(dir);
 }
 
@@ -292,6 +620,9 @@ int main(void)
         cmocka_unit_test(test_header_fields_validated),
         cmocka_unit_test(test_truncation_and_garbage),
         cmocka_unit_test(test_mismatched_config),
+        cmocka_unit_test(test_stage_recorded),
+        cmocka_unit_test(test_format1_read),
+        cmocka_unit_test(test_clean_tmp),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
