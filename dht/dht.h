@@ -39,7 +39,12 @@ typedef struct dht dht;
 /* status: 0 (join), a count of nodes that stored the entry (put, >= 1: the
  * acknowledgements when the put reports, once the quorum nearest nodes have
  * stored it; the stores to the rest of the k nearest go on), or -errno:
- * -EHOSTUNREACH (nobody answered), -ECANCELED (closed). */
+ * -EHOSTUNREACH (nobody answered), -ECANCELED (closed), and for a join also
+ * -EADDRNOTAVAIL (an initial peer answered with another node ID than the
+ * one given), -EKEYREJECTED (a node answered that it is under another swarm
+ * key, or none), -EADDRINUSE (another node proved our own node ID from
+ * another address: it runs with our identity file; the join itself may have
+ * worked). dht_get_join_diag and dht_join_strerror give the details. */
 typedef void (*dht_done_cb)(dht *d, int status, void *ud);
 
 /* status 0 or -errno; entries[0..n) are every live entry of the key found on
@@ -80,7 +85,28 @@ int dht_peer_string(const dht *d, char *buf, size_t cap);
 
 const uint8_t *dht_self_id(const dht *d);
 
+/* Joins the swarm through peers (see dht_node_join for what is done and
+ * for every status). Returns 0 or -EINVAL, -ENOTCONN (not started),
+ * -ECANCELED (closing), -ENOMEM, -EAGAIN. */
 int dht_join(dht *d, const dht_peer_addr *peers, size_t n_peers, dht_done_cb cb, void *ud);
+
+/* The detail of the latest join that ended with -EADDRNOTAVAIL,
+ * -EKEYREJECTED or -EADDRINUSE: the address concerned and the IDs (see
+ * dht_join_diag in dht/node.h). Returns out->status, 0 if none has. */
+int dht_get_join_diag(const dht *d, dht_join_diag *out);
+
+/* "HOST:PORT" of the latest node that proved our own node ID from another
+ * address (during a join or any later lookup). Returns the length, or
+ * -ENOENT (none seen), -ENOSPC. */
+int dht_collision_addr(const dht *d, char *buf, size_t cap);
+
+/* A sentence (no trailing period) on a join's status for people, using the
+ * join's detail: "127.0.0.1:4000 answered as node <hex>, not <hex>",
+ * "127.0.0.1:4000 answers, but not under our swarm key", "another node is
+ * online with our node ID <hex> at 127.0.0.1:4000", "no initial peer
+ * answered", or strerror. Callers add the advice (which flag to check).
+ * Returns the length written (truncated to cap). */
+int dht_join_strerror(const dht *d, int status, char *buf, size_t cap);
 
 /* Stores (key, subkey) -> value until expires_ms (absolute, dht_now_ms clock,
  * at most 24 h ahead). With sign != 0 the subkey argument is ignored: the

@@ -42,7 +42,7 @@
 #define VCACHE_WAYS 4        /* 1,024 keyed 64-bit fingerprints, 8 KiB */
 #define PROOF_CTX "starling-dht-id-v1"
 
-enum rpc_kind { RPC_LOOKUP, RPC_PAGE, RPC_STORE, RPC_VERIFY, RPC_EVICT, RPC_HANDOVER };
+enum rpc_kind { RPC_LOOKUP, RPC_PAGE, RPC_STORE, RPC_VERIFY, RPC_EVICT, RPC_HANDOVER, RPC_SELF };
 enum cand_state { C_NEW, C_INFLIGHT, C_DONE, C_FAILED };
 enum store_state { S_NONE, S_SENT, S_OK, S_FAILED };
 enum op { OP_JOIN, OP_FIND, OP_GET, OP_PUT, OP_REFRESH, OP_REPUBLISH };
@@ -97,6 +97,10 @@ typedef struct lookup {
     size_t n_res, cap_res;
     unsigned msgs;
     int stored;
+    uint64_t started;
+    dht_join_diag why;      /* the first wrong-ID or foreign-swarm answer */
+    uint8_t collision;      /* join: a node proved our ID from collision_addr */
+    dht_addr collision_addr;
 } lookup;
 
 typedef struct outpkt {
@@ -135,6 +139,9 @@ struct dht_node {
     int joined;
     int closing;            /* destroy is cancelling: no new operations */
     int families;           /* bit 0: can send to IPv4, bit 1: to IPv6 */
+    dht_join_diag diag;     /* the latest join that failed for a known reason */
+    dht_addr collision;     /* the latest node that proved our ID (family 0: none) */
+    uint64_t collision_at;
     dht_node_stats st;
 };
 
@@ -218,10 +225,10 @@ static int rate_ok(dht_node *n, const dht_addr *a, uint64_t now)
 /* At most one verify ping per claimed ID (hashed) per timeout period, so a
  * burst of requests from an unknown node is not answered by a burst of pings
  * (fresh IDs from one address are bounded by that address's rate limit). */
-static int verify_due(dht_node *n, const uint8_t id[DHT_ID_LEN], uint64_t now)
+static int verify_due_key(dht_node *n, const uint8_t *key, size_t len, uint64_t now)
 {
     uint8_t h[crypto_shorthash_BYTES];
-    crypto_shorthash(h, id, DHT_ID_LEN, n->rl_key);
+    crypto_shorthash(h, key, len, n->rl_key);
     size_t slot = (size_t)(h[2] | h[3] << 8) % VERIFY_SLOTS;
     if (n->verify_at[slot] && now < n->verify_at[slot] + n->cfg.rpc_timeout_ms)
         return 0;
@@ -229,9 +236,17 @@ static int verify_due(dht_node *n, const uint8_t id[DHT_ID_LEN], uint64_t now)
     return 1;
 }
 
-static void emit(dht_node *n, const dht_addr *to, const uint8_t *body, size_t len)
+static int verify_due(dht_node *n, const uint8_t id[DHT_ID_LEN], uint64_t now)
 {
-    size_t total = len + (n->cfg.has_swarm_key ? DHT_TAG_LEN : 0);
+    return verify_due_key(n, id, DHT_ID_LEN, now);
+}
+
+/* Queues body for to, followed by our swarm tag when tagged (and we have a
+ * key). */
+static void emit_as(dht_node *n, const dht_addr *to, const uint8_t *body, size_t len, int tagged)
+{
+    tagged = tagged && n->cfg.has_swarm_key;
+    size_t total = len + (tagged ? DHT_TAG_LEN : 0);
     outpkt *p;
     if (n->n_out >= MAX_OUT || total > DHT_MAX_DATAGRAM || !(p = malloc(sizeof *p + total))) {
         n->st.drop_queue++;
@@ -241,7 +256,7 @@ static void emit(dht_node *n, const dht_addr *to, const uint8_t *body, size_t le
     p->to = *to;
     p->len = total;
     memcpy(p->data, body, len);
-    if (n->cfg.has_swarm_key)
+    if (tagged)
         dht_wire_tag(p->data + len, n->cfg.swarm_key, body, len);
     if (n->out_tail)
         n->out_tail->next = p;
@@ -251,6 +266,11 @@ static void emit(dht_node *n, const dht_addr *to, const uint8_t *body, size_t le
     n->n_out++;
     n->st.tx++;
     n->st.tx_bytes += total;
+}
+
+static void emit(dht_node *n, const dht_addr *to, const uint8_t *body, size_t len)
+{
+    emit_as(n, to, body, len, 1);
 }
 
 static int send_msg(dht_node *n, const dht_msg *m, const dht_addr *to)
@@ -303,9 +323,14 @@ static void proven(dht_node *n, const uint8_t id[DHT_ID_LEN], const dht_addr *ad
     set[0] = v;
 }
 
-/* Proof is needed unless id is known to be at addr. */
+/* Proof is needed unless id is known to be at addr. A node answering with
+ * our own ID always proves it: that answer is what tells another process
+ * running with our identity from a stale or false contact (and our own
+ * request looped back to us is recognised by its nonce). */
 static int need_proof(dht_node *n, const uint8_t *id, const dht_addr *addr)
 {
+    if (id && memcmp(id, n->ident.id, DHT_ID_LEN) == 0)
+        return 1;
     if (!n->cfg.verify_ids)
         return 0;
     return !id || !known_at(n, id, addr);
@@ -365,6 +390,60 @@ static void send_ping(dht_node *n, const dht_addr *to, const uint8_t *id, int ki
     memset(&m, 0, sizeof m);
     m.type = DHT_MSG_PING;
     (void)send_request(n, &m, to, id, kind, 0, now);
+}
+
+/* A request to id at addr failed. Only a failure at the address the table
+ * holds counts against the entry: a node list naming the ID at another
+ * (dead, or someone else's) address must not wear down a live entry, or a
+ * second address could take the ID over once it is dropped. */
+static void table_failed_at(dht_node *n, const uint8_t id[DHT_ID_LEN], const dht_addr *addr, int force)
+{
+    dht_table_entry *e = dht_table_find(n->table, id);
+    if (e && dht_addr_equal(&e->addr, addr))
+        dht_table_failed(n->table, id, force);
+}
+
+static lookup *lookup_by_id(dht_node *n, uint32_t id);
+
+/* Remembers in r's join why it may fail: r's node answered with another ID
+ * (got) or is under another swarm key. The first such answer is kept. */
+static void note_problem(dht_node *n, const rpc *r, int status, const uint8_t *got)
+{
+    lookup *l = r->kind == RPC_LOOKUP && r->lookup_id ? lookup_by_id(n, r->lookup_id) : NULL;
+    if (!l || l->op != OP_JOIN || l->why.status)
+        return;
+    l->why.status = status;
+    l->why.addr = r->addr;
+    l->why.have_swarm_key = n->cfg.has_swarm_key;
+    if (r->has_id)
+        memcpy(l->why.expected, r->id, DHT_ID_LEN);
+    if (got)
+        memcpy(l->why.got, got, DHT_ID_LEN);
+}
+
+/* Someone's node list (or the command line) names our own ID at addr. If
+ * the node there proves the ID, it holds our secret key: another process
+ * runs with our identity. Asked at most once per address per timeout
+ * period; a join waits for the answer (rpc_done, RPC_SELF). Our own
+ * address listed by a node that sees us there is harmless: we drop our
+ * own ping (recognised by its nonce) and it times out. */
+static void self_check(dht_node *n, lookup *l, const dht_addr *addr, uint64_t now)
+{
+    uint8_t key[1 + 18];
+    dht_msg m;
+    int len = dht_wire_addr_pack(key + 1, addr);
+    if (len < 0 || !addr->port || !(n->families & (addr->family == 6 ? 2 : 1)))
+        return;
+    key[0] = 0xa5; /* not an ID: its own throttle slot */
+    if (!verify_due_key(n, key, 1 + (size_t)len, now))
+        return;
+    int join = l && l->op == OP_JOIN;
+    memset(&m, 0, sizeof m);
+    m.type = DHT_MSG_PING;
+    if (send_request(n, &m, addr, n->ident.id, RPC_SELF, join ? l->id : 0, now) == 0 && join) {
+        l->other_inflight++;
+        l->msgs++;
+    }
 }
 
 static void own_from(own_entry *o, const dht_entry *e)
@@ -815,8 +894,19 @@ again:
     }
     int status = 0;
     switch (l->op) {
-    case OP_JOIN:
+    case OP_JOIN: {
+        int coll = l->collision || (n->collision_at && n->collision_at >= l->started);
         status = any_done && dht_table_size(n->table) ? 0 : -EHOSTUNREACH;
+        if (status < 0 && l->why.status) {
+            status = l->why.status; /* the nodes that answered told us why */
+            n->diag = l->why;
+        }
+        if (coll) {
+            memset(&n->diag, 0, sizeof n->diag);
+            n->diag.status = -EADDRINUSE;
+            n->diag.addr = l->collision ? l->collision_addr : n->collision;
+            memcpy(n->diag.expected, n->ident.id, DHT_ID_LEN);
+        }
         if (status == 0) {
             /* A join through a node that was itself still joining sees
              * few nodes: look ourselves up again soon, when the swarm has
@@ -838,7 +928,12 @@ again:
             }
             n->joined = 1;
         }
+        /* Reported even when the join worked: the caller must not go on as
+         * a second copy of another node. */
+        if (coll)
+            status = -EADDRINUSE;
         break;
+    }
     case OP_GET: {
         dht_entry local[32];
         size_t off = 0, total = 0, got;
@@ -979,14 +1074,17 @@ static void start_refresh(dht_node *n, int b, uint64_t now)
 
 /* ---- requests ---- */
 
+/* Fills r's node list. The requester (exclude at from) is left out; an
+ * entry with the requester's ID at ANOTHER address is not the requester but
+ * a second node with its identity, and is listed so that it can tell. */
 static void reply_nodes(dht_node *n, dht_msg *r, const uint8_t target[DHT_ID_LEN],
-                        const uint8_t *exclude, size_t max, uint8_t family)
+                        const uint8_t *exclude, const dht_addr *from, size_t max, uint8_t family)
 {
     dht_table_entry e[DHT_WIRE_MAX_NODES + 1];
     size_t ne = dht_table_closest(n->table, target, max + 1, e);
     r->n_nodes = 0;
     for (size_t i = 0; i < ne && r->n_nodes < max; i++) {
-        if (exclude && memcmp(e[i].id, exclude, DHT_ID_LEN) == 0)
+        if (exclude && memcmp(e[i].id, exclude, DHT_ID_LEN) == 0 && dht_addr_equal(&e[i].addr, from))
             continue;
         /* Only nodes the requester can reach: it asked over this family.
          * (Entries whose last request failed are still handed out: with
@@ -1037,8 +1135,8 @@ static void handle_request(dht_node *n, const dht_msg *m, const dht_addr *from, 
     case DHT_MSG_PING:
         break;
     case DHT_MSG_FIND_NODE:
-        reply_nodes(n, &r, m->target, m->id, n->cfg.k < DHT_WIRE_MAX_NODES ? n->cfg.k : DHT_WIRE_MAX_NODES,
-                    from->family);
+        reply_nodes(n, &r, m->target, m->id, from,
+                    n->cfg.k < DHT_WIRE_MAX_NODES ? n->cfg.k : DHT_WIRE_MAX_NODES, from->family);
         break;
     case DHT_MSG_STORE: {
         int rc;
@@ -1059,7 +1157,7 @@ static void handle_request(dht_node *n, const dht_msg *m, const dht_addr *from, 
         size_t total = 0, avail;
         avail = dht_store_get(n->store, m->target, now, m->offset, ents, DHT_WIRE_MAX_ENTRIES, &total);
         if (m->offset == 0)
-            reply_nodes(n, &r, m->target, m->id,
+            reply_nodes(n, &r, m->target, m->id, from,
                         n->cfg.k < DHT_WIRE_MAX_NODES ? n->cfg.k : DHT_WIRE_MAX_NODES, from->family);
         /* As many entries as fit; the first page gives up nodes, farthest
          * first, rather than carry no entry at all. */
@@ -1101,7 +1199,23 @@ static void rpc_done(dht_node *n, rpc *r, const dht_msg *m, int timeout, uint64_
         return;
     case RPC_EVICT:
         if (!m)
-            dht_table_failed(n->table, r->id, 1);
+            table_failed_at(n, r->id, &r->addr, 1);
+        return;
+    case RPC_SELF:
+        if (m) {
+            /* It signed our nonce with our key, from another address. */
+            n->st.id_collisions++;
+            n->collision = r->addr;
+            n->collision_at = now ? now : 1;
+            if (l) {
+                l->collision = 1;
+                l->collision_addr = r->addr;
+            }
+        }
+        if (l) {
+            l->other_inflight--;
+            lookup_step(n, l, now, 1);
+        }
         return;
     case RPC_STORE: {
         if (!l)
@@ -1143,8 +1257,12 @@ static void rpc_done(dht_node *n, rpc *r, const dht_msg *m, int timeout, uint64_
                     memcpy(c->token, m->token, DHT_TOKEN_LEN);
                 }
                 unsigned depth = c->depth + 1u;
-                for (size_t i = 0; i < m->n_nodes; i++)
-                    cand_add(n, l, m->nodes[i].id, &m->nodes[i].addr, depth);
+                for (size_t i = 0; i < m->n_nodes; i++) {
+                    if (memcmp(m->nodes[i].id, n->ident.id, DHT_ID_LEN) == 0)
+                        self_check(n, l, &m->nodes[i].addr, now);
+                    else
+                        cand_add(n, l, m->nodes[i].id, &m->nodes[i].addr, depth);
+                }
                 cand_sort(l);
                 c = cand_find(l, m->id, &r->addr);
             }
@@ -1207,22 +1325,27 @@ static void handle_reply(dht_node *n, const dht_msg *m, const dht_addr *from, ui
     HASH_DEL(n->rpcs, r);
     n->n_rpcs--;
     int ok = 1;
-    if (r->has_id && memcmp(r->id, m->id, DHT_ID_LEN) != 0)
+    if (r->has_id && memcmp(r->id, m->id, DHT_ID_LEN) != 0) {
         ok = 0; /* someone else answers at that address */
-    else if (r->has_nonce && !check_proof(m, r->nonce))
+        n->st.wrong_id++;
+        note_problem(n, r, -EADDRNOTAVAIL, m->id);
+    } else if (r->has_nonce && !check_proof(m, r->nonce)) {
         ok = 0;
+    }
     if (!ok) {
         n->st.drop_bad_proof++;
         if (r->has_id)
-            dht_table_failed(n->table, r->id, r->kind == RPC_EVICT);
+            table_failed_at(n, r->id, &r->addr, r->kind == RPC_EVICT);
         rpc_done(n, r, NULL, 0, now);
         free(r);
         return;
     }
-    if (r->has_nonce)
-        proven(n, m->id, from);
-    if (r->has_nonce || !n->cfg.verify_ids || known_at(n, m->id, from))
-        node_seen(n, m->id, from, m->has_token ? m->token : NULL, now);
+    if (memcmp(m->id, n->ident.id, DHT_ID_LEN) != 0) { /* (our ID: RPC_SELF) */
+        if (r->has_nonce)
+            proven(n, m->id, from);
+        if (r->has_nonce || !n->cfg.verify_ids || known_at(n, m->id, from))
+            node_seen(n, m->id, from, m->has_token ? m->token : NULL, now);
+    }
     rpc_done(n, r, m, 0, now);
     free(r);
 }
@@ -1342,6 +1465,65 @@ const uint8_t *dht_node_id(const dht_node *n)
     return n->ident.id;
 }
 
+/* A datagram that does not authenticate under our swarm key (or, without
+ * a key, has 16 bytes after its map): a node under another key, or none.
+ * If it is a "not in this swarm" notice answering a request of ours, that
+ * request failed for that reason; if it is a request, we send the notice
+ * back (untagged, rate-limited like requests, never in answer to a
+ * notice), so that its sender can tell a wrong swarm key from a dead
+ * address. Nothing else is revealed: no ID, no nodes. */
+static void foreign_datagram(dht_node *n, const uint8_t *buf, size_t len, const dht_addr *from,
+                             uint64_t now)
+{
+    uint32_t tid;
+    dht_msg m;
+    rpc *r;
+    if (from->family == 0 || from->port == 0 || len > DHT_MAX_DATAGRAM)
+        return;
+    if (dht_wire_decode_reject(buf, len, &tid) == 0) {
+        HASH_FIND_INT(n->rpcs, &tid, r);
+        if (!r || !dht_addr_equal(&r->addr, from))
+            return;
+        HASH_DEL(n->rpcs, r);
+        n->n_rpcs--;
+        n->st.swarm_rejects++;
+        note_problem(n, r, -EKEYREJECTED, NULL);
+        if (r->has_id)
+            table_failed_at(n, r->id, &r->addr, r->kind == RPC_EVICT);
+        rpc_done(n, r, NULL, 0, now);
+        free(r);
+        return;
+    }
+    /* Sent without a tag (when we have a key), or with one under a key that
+     * is not ours. */
+    int req = (n->cfg.has_swarm_key && dht_wire_decode(&m, buf, len) == 0) ||
+              (len > DHT_TAG_LEN && dht_wire_decode(&m, buf, len - DHT_TAG_LEN) == 0);
+    if (!req || (m.type & DHT_MSG_REPLY) || !rate_ok(n, from, now))
+        return;
+    uint8_t out[32];
+    int ol = dht_wire_encode_reject(m.tid, out, sizeof out);
+    if (ol > 0) {
+        emit_as(n, from, out, (size_t)ol, 0);
+        n->st.rejects_sent++;
+    }
+}
+
+/* 1 if m, carrying our own ID, may go on: a ping from another node with
+ * our identity (answered, so that it can find out: self_check), or the
+ * answer to such a ping of ours. Our own ping looped back to us (we were
+ * listed at our own address) has the nonce of one of our requests. */
+static int own_id_ok(dht_node *n, const dht_msg *m)
+{
+    rpc *r;
+    uint32_t tid = m->tid;
+    HASH_FIND_INT(n->rpcs, &tid, r);
+    if (m->type & DHT_MSG_REPLY)
+        return r && r->kind == RPC_SELF;
+    if (m->type != DHT_MSG_PING)
+        return 0;
+    return !(r && r->has_nonce && m->has_nonce && memcmp(r->nonce, m->nonce, DHT_NONCE_LEN) == 0);
+}
+
 int dht_node_input(dht_node *n, const uint8_t *buf, size_t len, const dht_addr *from,
                    uint64_t now)
 {
@@ -1354,18 +1536,23 @@ int dht_node_input(dht_node *n, const uint8_t *buf, size_t len, const dht_addr *
         uint8_t tag[DHT_TAG_LEN];
         if (len < DHT_TAG_LEN + 1 || len > DHT_MAX_DATAGRAM) {
             n->st.drop_tag++;
+            foreign_datagram(n, buf, len, from, now);
+            return -EPERM;
+        }
+        dht_wire_tag(tag, n->cfg.swarm_key, buf, len - DHT_TAG_LEN);
+        if (crypto_verify_16(tag, buf + len - DHT_TAG_LEN) != 0) {
+            n->st.drop_tag++;
+            foreign_datagram(n, buf, len, from, now);
             return -EPERM;
         }
         len -= DHT_TAG_LEN;
-        dht_wire_tag(tag, n->cfg.swarm_key, buf, len);
-        if (crypto_verify_16(tag, buf + len) != 0) {
-            n->st.drop_tag++;
-            return -EPERM;
-        }
     }
-    if (dht_wire_decode(&m, buf, len) != 0 || memcmp(m.id, n->ident.id, DHT_ID_LEN) == 0 ||
-        from->family == 0 || from->port == 0) {
+    int undecodable = dht_wire_decode(&m, buf, len) != 0;
+    if (undecodable || from->family == 0 || from->port == 0 ||
+        (memcmp(m.id, n->ident.id, DHT_ID_LEN) == 0 && !own_id_ok(n, &m))) {
         n->st.drop_malformed++;
+        if (undecodable && !n->cfg.has_swarm_key)
+            foreign_datagram(n, buf, len, from, now);
         return -EBADMSG;
     }
     if (!(m.type & DHT_MSG_REPLY)) {
@@ -1423,8 +1610,10 @@ static void maintain(dht_node *n, uint64_t now)
     }
     if (n->joined && n->next_selfcheck && now >= n->next_selfcheck) {
         lookup *l = lookup_new(n, OP_JOIN, n->ident.id, NULL, NULL);
-        if (l)
+        if (l) {
+            l->started = now;
             lookup_step(n, l, now, 0);
+        }
         n->next_selfcheck = now + (dht_table_size(n->table) < n->cfg.k ? 10ull * n->cfg.maint_ms
                                                                         : n->cfg.refresh_ms);
     }
@@ -1470,7 +1659,7 @@ void dht_node_tick(dht_node *n, uint64_t now)
              * lookup's retry may have been answered meanwhile. */
             dht_table_entry *e = dht_table_find(n->table, r->id);
             if (e && e->last_seen < r->deadline - n->cfg.rpc_timeout_ms)
-                dht_table_failed(n->table, r->id, 0);
+                table_failed_at(n, r->id, &r->addr, 0);
         }
         rpc_done(n, r, NULL, 1, now);
         free(r);
@@ -1529,8 +1718,11 @@ int dht_node_join(dht_node *n, const dht_peer_addr *peers, size_t n_peers, dht_n
     int rc = start_op(n, OP_JOIN, n->ident.id, cb, ud, now, &l);
     if (rc)
         return rc;
+    l->started = now;
     for (size_t i = 0; i < n_peers && l->n < LOOKUP_MAX; i++) {
-        if (peers[i].has_id) {
+        if (peers[i].has_id && memcmp(peers[i].id, n->ident.id, DHT_ID_LEN) == 0) {
+            self_check(n, l, &peers[i].addr, now); /* our ID: a second copy of us? */
+        } else if (peers[i].has_id) {
             cand_add(n, l, peers[i].id, &peers[i].addr, 1);
         } else {
             cand x;
@@ -1607,6 +1799,20 @@ int dht_node_put(dht_node *n, const uint8_t key[DHT_ID_LEN], const uint8_t *subk
         return -ENOMEM;
     }
     lookup_step(n, l, now, 0);
+    return 0;
+}
+
+int dht_node_join_diag(const dht_node *n, dht_join_diag *out)
+{
+    *out = n->diag;
+    return out->status;
+}
+
+int dht_node_collision(const dht_node *n, dht_addr *out)
+{
+    if (!n->collision_at)
+        return -ENOENT;
+    *out = n->collision;
     return 0;
 }
 

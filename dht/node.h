@@ -75,6 +75,13 @@ typedef struct dht_node_stats {
     uint64_t store_rejected;    /* store requests refused (token, signature, ...) */
     uint64_t timeouts;
     uint64_t req_sent[5];       /* requests sent by type (index = enum dht_msg_type) */
+    uint64_t wrong_id;          /* replies from the address asked with another node's ID
+                                   (also counted in drop_bad_proof) */
+    uint64_t swarm_rejects;     /* "not in this swarm" notices received: a node
+                                   answered a request of ours but is under another
+                                   swarm key (or none) */
+    uint64_t rejects_sent;      /* notices we sent to requests under another key */
+    uint64_t id_collisions;     /* another node proved our own ID from another address */
     int table_depth;            /* deepest non-empty bucket, -1 if empty */
     size_t table_size, store_keys, store_entries, store_bytes;
     size_t pending_rpcs, lookups;
@@ -95,6 +102,17 @@ typedef struct dht_result {
 } dht_result;
 
 typedef void (*dht_node_cb)(void *ud, const dht_result *r);
+
+/* Why a join failed, beyond "nobody answered" (dht_node_join_diag). */
+typedef struct dht_join_diag {
+    int status;                    /* -EADDRNOTAVAIL, -EKEYREJECTED, -EADDRINUSE, or
+                                      0 when no join has ended with one of them */
+    dht_addr addr;                 /* the node concerned */
+    uint8_t expected[DHT_ID_LEN];  /* -EADDRNOTAVAIL: the ID we were given for addr;
+                                      -EADDRINUSE: our own ID */
+    uint8_t got[DHT_ID_LEN];       /* -EADDRNOTAVAIL: the ID addr answered with */
+    int have_swarm_key;            /* -EKEYREJECTED: whether we have a key */
+} dht_join_diag;
 
 /* Fills cfg with the defaults above. */
 void dht_config_default(dht_config *cfg);
@@ -130,10 +148,33 @@ void dht_node_tick(dht_node *n, uint64_t now);
 
 /* Joins through the given peers (n_peers >= 1): a lookup of our own ID
  * seeded with them, then a refresh of the farther buckets. A peer with an ID
- * that answers with another ID is ignored. status 0 once some node is in the
- * table, else -EHOSTUNREACH. Returns 0 or -EINVAL/-ENOMEM/-EAGAIN. */
+ * that answers with another ID is ignored. status:
+ *   0              some node is in the table;
+ *   -EADDRINUSE    another node proved OUR ID from another address during
+ *                  the join (it runs with our identity file): someone's node
+ *                  list named our ID at an address, and the node there
+ *                  signed our challenge with our key. The join is otherwise
+ *                  complete (the node works) but the caller should not go on;
+ *   -EADDRNOTAVAIL nobody answered usefully, and an initial peer given as
+ *                  HOST:PORT/ID answered from HOST:PORT with another ID;
+ *   -EKEYREJECTED  nobody answered usefully, and a node told us it is under
+ *                  another swarm key (or none, or we have none): see
+ *                  docs/protocol.md, "Private swarms";
+ *   -EHOSTUNREACH  nobody answered.
+ * dht_node_join_diag then tells which address (and IDs). A join that meets
+ * our ID in a node list waits for that node's answer (at most
+ * rpc_timeout_ms). Returns 0 or -EINVAL/-ENOMEM/-EAGAIN. */
 int dht_node_join(dht_node *n, const dht_peer_addr *peers, size_t n_peers, dht_node_cb cb,
                   void *ud, uint64_t now);
+
+/* The detail of the latest join that ended with -EADDRNOTAVAIL,
+ * -EKEYREJECTED or -EADDRINUSE (out->status 0: none yet). Returns
+ * out->status. */
+int dht_node_join_diag(const dht_node *n, dht_join_diag *out);
+
+/* The address of the latest node that proved our own ID from elsewhere (in
+ * a join or in any later lookup). Returns 0, or -ENOENT if none has. */
+int dht_node_collision(const dht_node *n, dht_addr *out);
 
 /* Iterative find_node for target (result nodes, nearest first). */
 int dht_node_find(dht_node *n, const uint8_t target[DHT_ID_LEN], dht_node_cb cb, void *ud,

@@ -1,6 +1,7 @@
 /* The libuv binding: one uv_udp_t and one uv_timer_t around a dht_node. */
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -323,6 +324,45 @@ int dht_join(dht *d, const dht_peer_addr *peers, size_t n_peers, dht_done_cb cb,
         free(o);
     leave(d);
     return rc;
+}
+
+int dht_get_join_diag(const dht *d, dht_join_diag *out)
+{
+    return dht_node_join_diag(d->node, out);
+}
+
+int dht_collision_addr(const dht *d, char *buf, size_t cap)
+{
+    dht_addr a;
+    if (dht_node_collision(d->node, &a) != 0)
+        return -ENOENT;
+    return dht_addr_format(buf, cap, &a);
+}
+
+int dht_join_strerror(const dht *d, int status, char *buf, size_t cap)
+{
+    dht_join_diag g;
+    char addr[DHT_ADDR_STRLEN] = "?", got[DHT_ID_HEX_LEN + 1], want[DHT_ID_HEX_LEN + 1];
+    int n;
+    if (!buf || !cap)
+        return 0;
+    dht_node_join_diag(d->node, &g);
+    if (g.status == status && status < 0) {
+        if (dht_addr_format(addr, sizeof addr, &g.addr) < 0)
+            snprintf(addr, sizeof addr, "?");
+        dht_id_to_hex(got, g.got);
+        dht_id_to_hex(want, g.expected);
+    }
+    if (g.status != status || status >= 0)
+        n = snprintf(buf, cap, "%s", status == -EHOSTUNREACH ? "no initial peer answered" : strerror(-status));
+    else if (status == -EADDRNOTAVAIL)
+        n = snprintf(buf, cap, "%s answered as node %s, not %s", addr, got, want);
+    else if (status == -EKEYREJECTED)
+        n = snprintf(buf, cap, "%s answers, but not under our swarm key%s", addr,
+                     g.have_swarm_key ? "" : " (we have none)");
+    else
+        n = snprintf(buf, cap, "another node is online with our node ID %s at %s", want, addr);
+    return n < 0 ? 0 : (size_t)n >= cap ? (int)cap - 1 : n;
 }
 
 int dht_put(dht *d, const uint8_t key[DHT_ID_LEN], const uint8_t *subkey, size_t subkey_len,

@@ -421,6 +421,51 @@ int dht_wire_decode(dht_msg *m, const uint8_t *buf, size_t len)
     return decode(m, &r) ? -EBADMSG : 0;
 }
 
+int dht_wire_encode_reject(uint32_t tid, uint8_t *buf, size_t cap)
+{
+    wr w = {buf, buf + cap, 0};
+    w_map(&w, 3);
+    w_str(&w, "v");
+    w_uint(&w, DHT_WIRE_VERSION);
+    w_str(&w, "t");
+    w_uint(&w, DHT_MSG_SWARM_REJECT);
+    w_str(&w, "x");
+    w_uint(&w, tid);
+    return w.err ? -EMSGSIZE : (int)(w.p - buf);
+}
+
+int dht_wire_decode_reject(const uint8_t *buf, size_t len, uint32_t *tid_out)
+{
+    rd r;
+    uint64_t n, u;
+    char key[8];
+    int have_v = 0, have_t = 0, have_x = 0;
+    if (!buf || len == 0 || len > DHT_MAX_DATAGRAM)
+        return -EBADMSG;
+    dht_mp_reader_init(&r, buf, len);
+    if (dht_mp_container(&r, 'm', &n))
+        return -EBADMSG;
+    for (uint64_t i = 0; i < n; i++) {
+        if (dht_mp_key(&r, key, sizeof key))
+            return -EBADMSG;
+        if (!strcmp(key, "v")) {
+            if (have_v++ || dht_mp_uint(&r, &u) || u != DHT_WIRE_VERSION)
+                return -EBADMSG;
+        } else if (!strcmp(key, "t")) {
+            if (have_t++ || dht_mp_uint(&r, &u) || u != DHT_MSG_SWARM_REJECT)
+                return -EBADMSG;
+        } else if (!strcmp(key, "x")) {
+            if (have_x++ || dht_mp_uint(&r, &u) || u > 0xffffffffu)
+                return -EBADMSG;
+            if (tid_out)
+                *tid_out = (uint32_t)u;
+        } else if (dht_mp_skip(&r, 1)) {
+            return -EBADMSG;
+        }
+    }
+    return dht_mp_at_end(&r) && have_v && have_t && have_x ? 0 : -EBADMSG;
+}
+
 void dht_wire_tag(uint8_t tag[DHT_TAG_LEN], const uint8_t swarm_key[32], const uint8_t *body,
                   size_t len)
 {

@@ -36,6 +36,10 @@ enum dht_msg_type {
     DHT_MSG_REPLY = 0x80, /* a reply's type is the request's type | DHT_MSG_REPLY */
 };
 
+/* "Not in this swarm": the untagged notice a node sends back to a request
+ * it cannot authenticate under its swarm key (docs/protocol.md). */
+#define DHT_MSG_SWARM_REJECT 0xff
+
 /* Store statuses carried in a store reply ("st"). */
 enum dht_store_status {
     DHT_ST_OK = 0,        /* stored or refreshed */
@@ -98,6 +102,13 @@ int dht_wire_encode(const dht_msg *m, uint8_t *buf, size_t cap);
 /* Decodes a datagram body (without tag). Returns 0, or -EBADMSG for anything
  * malformed (m is then unspecified). Never reads outside buf[0..len). */
 int dht_wire_decode(dht_msg *m, const uint8_t *buf, size_t len);
+
+/* The "not in this swarm" notice {v: 1, t: 0xff, x: tid}: encode returns
+ * its length or -EMSGSIZE; decode returns 0 with the request's transaction
+ * ID in *tid_out, or -EBADMSG for anything else (unknown keys are skipped,
+ * trailing bytes are not). Never reads outside buf[0..len). */
+int dht_wire_encode_reject(uint32_t tid, uint8_t *buf, size_t cap);
+int dht_wire_decode_reject(const uint8_t *buf, size_t len, uint32_t *tid_out);
 
 /* tag = BLAKE2b-128 keyed by swarm_key over body[0..len). */
 void dht_wire_tag(uint8_t tag[DHT_TAG_LEN], const uint8_t swarm_key[32], const uint8_t *body,

@@ -156,10 +156,17 @@ static void test_join_refuses_wrong_id_and_foreign_swarm(void **state)
     assert_int_equal(join_called, 0); /* never from the starting call */
     sim_run(s, s->now + 5000, NULL);
     assert_int_equal(join_called, 1);
-    assert_int_equal(join_status, -EHOSTUNREACH);
+    /* Node 0 answered, as node 0: the join says so (not "unreachable"). */
+    assert_int_equal(join_status, -EADDRNOTAVAIL);
+    dht_join_diag why;
+    assert_int_equal(dht_node_join_diag(s->n[2].node, &why), -EADDRNOTAVAIL);
+    assert_true(dht_addr_equal(&why.addr, &pa.addr));
+    assert_memory_equal(why.expected, s->n[1].id, 20);
+    assert_memory_equal(why.got, s->n[0].id, 20);
     dht_node_stats st;
     dht_node_get_stats(s->n[2].node, &st);
     assert_true(st.drop_bad_proof >= 1);
+    assert_true(st.wrong_id >= 1);
     /* Node 1's ID was never accepted at node 0's address (node 0 may be in
      * the table under its own, proven, ID). */
     dht_wire_node near[1];
@@ -194,14 +201,46 @@ static void test_join_refuses_wrong_id_and_foreign_swarm(void **state)
     }
     memcpy(pa.id, s->n[0].id, 20);
     for (uint32_t i = 1; i < 4; i++) {
+        uint64_t t0 = s->now;
+        join_called = 0;
         assert_int_equal(dht_node_join(s->n[i].node, &pa, 1, on_join, NULL, s->now), 0);
         sim_after(s, i);
-        sim_run(s, s->now + 5000, NULL);
-        assert_int_equal(join_status, i == 1 ? 0 : -EHOSTUNREACH);
+        while (!join_called && s->now < t0 + 5000)
+            sim_run(s, s->now + 10, NULL);
+        assert_int_equal(join_called, 1);
+        /* Node 0 tells foreign nodes it is under another key: the join
+         * says so at once (no retry rounds, no timeouts). */
+        assert_int_equal(join_status, i == 1 ? 0 : -EKEYREJECTED);
+        if (i > 1) {
+            assert_true(s->now - t0 < 200);
+            assert_int_equal(dht_node_join_diag(s->n[i].node, &why), -EKEYREJECTED);
+            assert_true(dht_addr_equal(&why.addr, &pa.addr));
+            assert_int_equal(why.have_swarm_key, i == 3);
+            dht_node_get_stats(s->n[i].node, &st);
+            assert_int_equal(st.swarm_rejects, 1);
+            assert_int_equal(st.table_size, 0);
+        }
     }
     dht_node_get_stats(s->n[0].node, &st);
-    assert_true(st.drop_tag >= 4); /* node 2's and node 3's tries */
+    assert_true(st.drop_tag >= 2); /* node 2's and node 3's requests */
+    assert_int_equal(st.rejects_sent, 2);
     assert_int_equal(st.table_size, 1);
+
+    /* The other way round: a node without a key answers a keyed one. */
+    sim_run(s, s->now + 2000, NULL);
+    dht_peer_addr p2;
+    memset(&p2, 0, sizeof p2);
+    sim_addr(&p2.addr, 2);
+    p2.has_id = 1;
+    memcpy(p2.id, s->n[2].id, 20);
+    join_called = 0;
+    assert_int_equal(dht_node_join(s->n[3].node, &p2, 1, on_join, NULL, s->now), 0);
+    sim_after(s, 3);
+    sim_run(s, s->now + 3000, NULL);
+    assert_int_equal(join_called, 1);
+    assert_int_equal(join_status, -EKEYREJECTED);
+    assert_int_equal(dht_node_join_diag(s->n[3].node, &why), -EKEYREJECTED);
+    assert_true(dht_addr_equal(&why.addr, &p2.addr));
     sim_destroy(&s);
 }
 
@@ -750,6 +789,194 @@ static void test_join_retries_silent_peer(void **state)
     sim_destroy(&s);
 }
 
+/* Two nodes with one identity (two processes started with the same
+ * identity file): the second one's join meets our ID at the first one's
+ * address in node 0's answer, asks it, gets a valid proof, and reports
+ * -EADDRINUSE with that address. Node 0 keeps the ID at the first address.
+ * A restart at the same address, or at a new one while the old process is
+ * gone, is no collision. */
+static void test_identity_collision(void **state)
+{
+    (void)state;
+    simnet *s = sim_create(6, 31, 0.0, NULL);
+    join_first(s, 3); /* nodes 1 and 2 join through node 0 */
+    dht_identity twin;
+    uint8_t seed[32] = {0x77};
+    assert_int_equal(dht_identity_from_seed(&twin, seed), 0);
+    /* Node 3 runs with identity "twin" and joins; then node 4 with the same. */
+    for (uint32_t i = 3; i <= 4; i++) {
+        dht_node_destroy(&s->n[i].node);
+        s->n[i].node = dht_node_create(&twin, NULL, s->now);
+        assert_non_null(s->n[i].node);
+        memcpy(s->n[i].id, twin.id, 20);
+    }
+    dht_peer_addr pa;
+    memset(&pa, 0, sizeof pa);
+    sim_addr(&pa.addr, 0);
+    pa.has_id = 1;
+    memcpy(pa.id, s->n[0].id, 20);
+    join_called = 0;
+    assert_int_equal(dht_node_join(s->n[3].node, &pa, 1, on_join, NULL, s->now), 0);
+    sim_after(s, 3);
+    sim_run(s, s->now + 5000, &join_called);
+    assert_int_equal(join_called, 1);
+    assert_int_equal(join_status, 0);
+    sim_run(s, s->now + 3000, NULL);
+
+    uint64_t t0 = s->now;
+    join_called = 0;
+    assert_int_equal(dht_node_join(s->n[4].node, &pa, 1, on_join, NULL, s->now), 0);
+    sim_after(s, 4);
+    sim_run(s, s->now + 5000, &join_called);
+    assert_int_equal(join_called, 1);
+    assert_int_equal(join_status, -EADDRINUSE);
+    assert_true(s->now - t0 < 1500);
+    dht_join_diag why;
+    dht_addr a3, got;
+    sim_addr(&a3, 3);
+    assert_int_equal(dht_node_join_diag(s->n[4].node, &why), -EADDRINUSE);
+    assert_true(dht_addr_equal(&why.addr, &a3));
+    assert_memory_equal(why.expected, twin.id, 20);
+    assert_int_equal(dht_node_collision(s->n[4].node, &got), 0);
+    assert_true(dht_addr_equal(&got, &a3));
+    dht_node_stats st;
+    dht_node_get_stats(s->n[4].node, &st);
+    assert_int_equal(st.id_collisions, 1);
+    /* The first one saw nothing of its own and is still known at its
+     * address. */
+    assert_int_equal(dht_node_collision(s->n[3].node, &got), -ENOENT);
+    dht_wire_node near[1];
+    assert_int_equal(dht_node_closest(s->n[0].node, twin.id, near, 1), 1);
+    assert_memory_equal(near[0].id, twin.id, 20);
+    assert_true(dht_addr_equal(&near[0].addr, &a3));
+
+    /* The first one restarts at its own address: no collision. */
+    sim_run(s, s->now + 2000, NULL);
+    dht_node_destroy(&s->n[3].node);
+    s->n[3].node = dht_node_create(&twin, NULL, s->now);
+    join_called = 0;
+    assert_int_equal(dht_node_join(s->n[3].node, &pa, 1, on_join, NULL, s->now), 0);
+    sim_after(s, 3);
+    sim_run(s, s->now + 5000, &join_called);
+    assert_int_equal(join_called, 1);
+    assert_int_equal(join_status, 0);
+    assert_int_equal(dht_node_collision(s->n[3].node, &got), -ENOENT);
+
+    /* ... or at another address once the old process is gone (node 5
+     * takes the identity; node 3 is dead): no collision either. */
+    sim_kill(s, 3);
+    sim_run(s, s->now + 2000, NULL);
+    dht_node_destroy(&s->n[5].node);
+    s->n[5].node = dht_node_create(&twin, NULL, s->now);
+    join_called = 0;
+    assert_int_equal(dht_node_join(s->n[5].node, &pa, 1, on_join, NULL, s->now), 0);
+    sim_after(s, 5);
+    sim_run(s, s->now + 5000, &join_called);
+    assert_int_equal(join_called, 1);
+    assert_int_equal(join_status, 0);
+    assert_int_equal(dht_node_collision(s->n[5].node, &got), -ENOENT);
+    sim_destroy(&s);
+}
+
+/* A routing-table entry that is alive at its address is not worn down by
+ * requests to the same ID at another address (a node list naming it there:
+ * stale, false, or a second process with that identity): a silent or
+ * wrong-ID answer there counts against nobody, so the other address can
+ * never take the ID over. */
+static void test_table_keeps_live_id_at_its_address(void **state)
+{
+    (void)state;
+    dht_config cfg;
+    dht_config_default(&cfg);
+    cfg.verify_ids = 0; /* trust IDs: the table fills from requests */
+    cfg.k = 2;
+    dht_node *n = make_node(9, &cfg);
+    const uint8_t *self = dht_node_id(n);
+    uint8_t x[20], y1[20], y2[20], z[20];
+    /* x in bucket 0, y1 in bucket 1, y2 in bucket 2: a lookup for y1 with
+     * k = 2 starts from y1 and y2, not x. */
+    memcpy(x, self, 20);
+    x[0] ^= 0x80;
+    memcpy(y1, self, 20);
+    y1[0] ^= 0x40;
+    memcpy(y2, self, 20);
+    y2[0] ^= 0x20;
+    memset(z, 0x5a, 20);
+    dht_addr ax, ay1, ay2, elsewhere;
+    peer_addr(&ax, 1, 5000);
+    peer_addr(&ay1, 2, 5000);
+    peer_addr(&ay2, 3, 5000);
+    peer_addr(&elsewhere, 4, 5000);
+    uint64_t now = T0;
+    const uint8_t *ids[3] = {x, y1, y2};
+    const dht_addr *addrs[3] = {&ax, &ay1, &ay2};
+    for (int i = 0; i < 3; i++) {
+        dht_msg m, r;
+        uint8_t rbuf[DHT_MAX_DATAGRAM];
+        memset(&m, 0, sizeof m);
+        m.type = DHT_MSG_PING;
+        m.tid = (uint32_t)(100 + i);
+        memcpy(m.id, ids[i], 20);
+        assert_true(exchange(n, &m, addrs[i], now, &r, rbuf));
+    }
+    dht_node_stats st;
+    dht_node_get_stats(n, &st);
+    assert_int_equal(st.table_size, 3);
+    /* Two lookups; in each, y1 names x at another address, and y2 answers
+     * with a wrong ID (so x is among the k nearest left and is asked there).
+     * x's other address answers with another ID (first) or not at all
+     * (second). */
+    for (int round = 0; round < 2; round++) {
+        assert_int_equal(dht_node_find(n, y1, NULL, NULL, now), 0);
+        uint8_t buf[DHT_MAX_DATAGRAM];
+        dht_addr dst;
+        int len, asked = 0;
+        dht_msg q, r;
+        while ((len = dht_node_pop_output(n, buf, sizeof buf, &dst)) > 0) {
+            assert_int_equal(dht_wire_decode(&q, buf, (size_t)len), 0);
+            if (q.type & DHT_MSG_REPLY)
+                continue;
+            memset(&r, 0, sizeof r);
+            r.type = (uint8_t)(q.type | DHT_MSG_REPLY);
+            r.tid = q.tid;
+            if (dht_addr_equal(&dst, &ay1)) {
+                memcpy(r.id, y1, 20);
+                r.n_nodes = 1;
+                memcpy(r.nodes[0].id, x, 20);
+                r.nodes[0].addr = elsewhere;
+            } else if (dht_addr_equal(&dst, &ay2)) {
+                memcpy(r.id, z, 20);
+            } else if (dht_addr_equal(&dst, &elsewhere)) {
+                asked++;
+                if (round == 1)
+                    continue; /* silent */
+                memcpy(r.id, z, 20);
+            } else {
+                fail_msg("round %d: unexpected request", round);
+            }
+            uint8_t out[DHT_MAX_DATAGRAM];
+            int ol = dht_wire_encode(&r, out, sizeof out);
+            assert_true(ol > 0);
+            dht_node_input(n, out, (size_t)ol, &dst, now + 20);
+        }
+        assert_true(asked >= 1);
+        for (int i = 0; i < 40; i++) {
+            now += 100;
+            dht_node_tick(n, now);
+            while (dht_node_pop_output(n, buf, sizeof buf, &dst) > 0)
+                ; /* retries to the silent address, lost */
+        }
+        dht_node_get_stats(n, &st);
+        assert_int_equal(st.lookups, 0);
+    }
+    /* x is still in the table, at its own address. */
+    dht_wire_node near[1];
+    assert_int_equal(dht_node_closest(n, x, near, 1), 1);
+    assert_memory_equal(near[0].id, x, 20);
+    assert_true(dht_addr_equal(&near[0].addr, &ax));
+    dht_node_destroy(&n);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -764,6 +991,8 @@ int main(void)
         cmocka_unit_test(test_quorum_get_merges_holders),
         cmocka_unit_test(test_join_retries_silent_peer),
         cmocka_unit_test(test_get_replaces_silent_holder),
+        cmocka_unit_test(test_identity_collision),
+        cmocka_unit_test(test_table_keeps_live_id_at_its_address),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -185,10 +185,127 @@ static void test_udp_swarm(void **state)
     assert_int_equal(uv_loop_close(&C.loop), 0);
 }
 
+typedef struct diag_wait {
+    int done, status;
+} diag_wait;
+
+static void on_diag_join(dht *d, int status, void *ud)
+{
+    (void)d;
+    diag_wait *w = ud;
+    w->done = 1;
+    w->status = status;
+}
+
+static dht *start_with(const dht_identity *id, const dht_config *cfg)
+{
+    dht *d = dht_create(&C.loop, id, cfg);
+    assert_non_null(d);
+    assert_int_equal(dht_start(d, "127.0.0.1:0"), 0);
+    return d;
+}
+
+/* Joins d through peer; returns the status (bounded wait). */
+static int join_status_of(dht *d, const dht_peer_addr *peer)
+{
+    diag_wait w = {0, 0};
+    assert_int_equal(dht_join(d, peer, 1, on_diag_join, &w), 0);
+    run_until(&w.done, 1, 8000);
+    assert_int_equal(w.done, 1);
+    return w.status;
+}
+
+/* A join that fails says why when the node answered: a wrong node ID, a
+ * swarm key mismatch (either way round), or a second node with our
+ * identity; dht_join_strerror words it. */
+static void test_udp_join_diagnostics(void **state)
+{
+    (void)state;
+    memset(&C, 0, sizeof C);
+    assert_int_equal(uv_loop_init(&C.loop), 0);
+    dht_identity boot_id, twin, other;
+    assert_int_equal(dht_identity_generate(&boot_id), 0);
+    assert_int_equal(dht_identity_generate(&twin), 0);
+    assert_int_equal(dht_identity_generate(&other), 0);
+    dht *boot = start_with(&boot_id, NULL);
+    char bs[DHT_ADDR_STRLEN], addr[DHT_ADDR_STRLEN], msg[256], hex[DHT_ID_HEX_LEN + 1];
+    dht_peer_addr pa, wrong;
+    assert_true(dht_peer_string(boot, bs, sizeof bs) > 0);
+    assert_int_equal(dht_peer_addr_parse(&pa, bs), 0);
+    dht_addr ba;
+    assert_int_equal(dht_local_addr(boot, &ba), 0);
+    assert_true(dht_addr_format(addr, sizeof addr, &ba) > 0);
+
+    /* The right address with another node's ID. */
+    wrong = pa;
+    memcpy(wrong.id, other.id, 20);
+    dht_identity a_id;
+    assert_int_equal(dht_identity_generate(&a_id), 0);
+    dht *a = start_with(&a_id, NULL);
+    assert_int_equal(join_status_of(a, &wrong), -EADDRNOTAVAIL);
+    dht_join_strerror(a, -EADDRNOTAVAIL, msg, sizeof msg);
+    dht_id_to_hex(hex, boot_id.id);
+    assert_non_null(strstr(msg, addr));
+    assert_non_null(strstr(msg, "answered as node"));
+    assert_non_null(strstr(msg, hex));
+    dht_id_to_hex(hex, other.id);
+    assert_non_null(strstr(msg, hex));
+    dht_close(a, NULL, NULL);
+
+    /* A keyed node joining a keyless one, and the other way round. */
+    dht_config keyed;
+    dht_config_default(&keyed);
+    keyed.has_swarm_key = 1;
+    memset(keyed.swarm_key, 0x3c, 32);
+    dht *k = start_with(&other, &keyed);
+    assert_int_equal(join_status_of(k, &pa), -EKEYREJECTED);
+    dht_join_strerror(k, -EKEYREJECTED, msg, sizeof msg);
+    assert_non_null(strstr(msg, addr));
+    assert_non_null(strstr(msg, "not under our swarm key"));
+    dht_peer_addr kp;
+    assert_true(dht_peer_string(k, addr, sizeof addr) > 0);
+    assert_int_equal(dht_peer_addr_parse(&kp, addr), 0);
+    dht_identity plain_id;
+    assert_int_equal(dht_identity_generate(&plain_id), 0);
+    dht *plain = start_with(&plain_id, NULL);
+    assert_int_equal(join_status_of(plain, &kp), -EKEYREJECTED);
+    dht_join_strerror(plain, -EKEYREJECTED, msg, sizeof msg);
+    assert_non_null(strstr(msg, "(we have none)"));
+    dht_node_stats st;
+    dht_get_stats(k, &st);
+    assert_true(st.rejects_sent >= 1);
+    dht_close(k, NULL, NULL);
+    dht_close(plain, NULL, NULL);
+
+    /* Two nodes with one identity: the second one's join reports the
+     * first one's address. */
+    dht *t1 = start_with(&twin, NULL);
+    assert_int_equal(join_status_of(t1, &pa), 0);
+    dht *t2 = start_with(&twin, NULL);
+    assert_int_equal(join_status_of(t2, &pa), -EADDRINUSE);
+    dht_addr t1a;
+    char want[DHT_ADDR_STRLEN];
+    assert_int_equal(dht_local_addr(t1, &t1a), 0);
+    assert_true(dht_addr_format(want, sizeof want, &t1a) > 0);
+    assert_true(dht_collision_addr(t2, addr, sizeof addr) > 0);
+    assert_string_equal(addr, want);
+    assert_int_equal(dht_collision_addr(t1, addr, sizeof addr), -ENOENT);
+    dht_join_strerror(t2, -EADDRINUSE, msg, sizeof msg);
+    dht_id_to_hex(hex, twin.id);
+    assert_non_null(strstr(msg, hex));
+    assert_non_null(strstr(msg, want));
+    dht_close(t1, NULL, NULL);
+    dht_close(t2, NULL, NULL);
+    dht_close(boot, NULL, NULL);
+    assert_int_equal(uv_run(&C.loop, UV_RUN_DEFAULT), 0);
+    assert_int_equal(uv_loop_close(&C.loop), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_udp_swarm),
+        cmocka_unit_test(test_udp_join_diagnostics),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

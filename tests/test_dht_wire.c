@@ -350,6 +350,39 @@ static void test_addr_pack_and_tag(void **state)
     assert_memory_not_equal(t1, t2, 16);
 }
 
+/* The "not in this swarm" notice: round trip, strictness, and it is never
+ * taken for a message (nor a message for it). */
+static void test_swarm_reject_notice(void **state)
+{
+    (void)state;
+    uint8_t buf[64], big[DHT_MAX_DATAGRAM];
+    uint32_t tid = 0;
+    int len = dht_wire_encode_reject(0xdeadbeefu, buf, sizeof buf);
+    assert_true(len > 0 && len < 24);
+    assert_int_equal(dht_wire_decode_reject(buf, (size_t)len, &tid), 0);
+    assert_int_equal(tid, 0xdeadbeefu);
+    dht_msg m;
+    assert_int_equal(dht_wire_decode(&m, buf, (size_t)len), -EBADMSG);
+    for (int i = 0; i < len; i++)
+        assert_int_equal(dht_wire_decode_reject(buf, (size_t)i, &tid), -EBADMSG);
+    buf[len] = 0;
+    assert_int_equal(dht_wire_decode_reject(buf, (size_t)len + 1, &tid), -EBADMSG); /* trailing */
+    assert_int_equal(dht_wire_encode_reject(1, buf, 4), -EMSGSIZE);
+    /* A ping is not a notice. */
+    memset(&m, 0, sizeof m);
+    m.type = DHT_MSG_PING;
+    m.tid = 7;
+    len = dht_wire_encode(&m, big, sizeof big);
+    assert_true(len > 0);
+    assert_int_equal(dht_wire_decode_reject(big, (size_t)len, &tid), -EBADMSG);
+    /* {v:1, t:0xff, x:5} with an unknown key is still one; v:2 is not. */
+    const uint8_t extra[] = {0x84, 0xa1, 'v', 1, 0xa1, 't', 0xcc, 0xff, 0xa1, 'x', 5, 0xa1, 'q', 0xc0};
+    assert_int_equal(dht_wire_decode_reject(extra, sizeof extra, &tid), 0);
+    assert_int_equal(tid, 5);
+    const uint8_t v2[] = {0x83, 0xa1, 'v', 2, 0xa1, 't', 0xcc, 0xff, 0xa1, 'x', 5};
+    assert_int_equal(dht_wire_decode_reject(v2, sizeof v2, &tid), -EBADMSG);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -359,6 +392,7 @@ int main(void)
         cmocka_unit_test(test_random_garbage_and_mutations),
         cmocka_unit_test(test_hand_built_inputs),
         cmocka_unit_test(test_addr_pack_and_tag),
+        cmocka_unit_test(test_swarm_reject_notice),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -114,6 +114,20 @@ int tools_client_open(tools_client *c, const char *cmd, const char *initial, con
     uv_close((uv_handle_t *)&c->join_timer, on_timer_closed);
     while (!timer_closed) /* w and the flag live on this stack frame */
         uv_run(&c->loop, UV_RUN_ONCE);
+    if (w.done && w.status == -EADDRINUSE) {
+        /* The join worked; a client is kept out of routing tables, so a
+         * twin hurts nobody, but the user may have meant another file. */
+        char msg[256];
+        tools_join_error(c->d, w.status, msg, sizeof msg);
+        fprintf(stderr, "starling %s: warning: %s\n", cmd, msg);
+        w.status = 0;
+    }
+    if (w.done && (w.status == -EADDRNOTAVAIL || w.status == -EKEYREJECTED)) {
+        char msg[256];
+        tools_join_error(c->d, w.status, msg, sizeof msg);
+        tools_client_close(c);
+        return cli_fail(cmd, "%s", msg);
+    }
     if (!w.done || w.status < 0) {
         tools_client_close(c);
         return cli_fail(cmd, "cannot reach any initial peer (%s)%s", initial,
@@ -122,6 +136,17 @@ int tools_client_open(tools_client *c, const char *cmd, const char *initial, con
                             : "; check the address, or whether the swarm needs --swarm-key");
     }
     return CLI_EXIT_OK;
+}
+
+int tools_join_error(const dht *d, int status, char *buf, size_t cap)
+{
+    int n = dht_join_strerror(d, status, buf, cap);
+    const char *hint = status == -EADDRNOTAVAIL ? ": check the node ID in --initial-peers"
+                     : status == -EKEYREJECTED  ? ": check --swarm-key"
+                     : status == -EADDRINUSE    ? ": use another --identity"
+                                                : "";
+    int m = snprintf(buf + n, cap - (size_t)n, "%s", hint);
+    return m < 0 ? n : (size_t)m >= cap - (size_t)n ? (int)cap - 1 : n + m;
 }
 
 static void on_closed(dht *d, void *ud)

@@ -28,10 +28,19 @@ typedef struct tools_client {
  * joins through `initial` (a comma-separated peer address list), waiting at
  * most timeout_s. Messages go to stderr as "starling CMD: ...". Returns
  * CLI_EXIT_OK, CLI_EXIT_USAGE (bad flags) or CLI_EXIT_FAIL (cannot load a
- * file, or no initial peer answered: "cannot reach ..."). On failure
+ * file; no initial peer answered: "cannot reach ..."; an initial peer
+ * answered with another node ID, or under another swarm key: the message
+ * says which, tools_join_error). Another node online with our identity is
+ * a warning only (a client stays out of routing tables). On failure
  * everything is already closed. */
 int tools_client_open(tools_client *c, const char *cmd, const char *initial, const char *listen,
                       const char *identity, const char *swarm_key_file, double timeout_s);
+
+/* A join's failure for people: dht_join_strerror's sentence followed by
+ * what to check (": check the node ID in --initial-peers", ": check
+ * --swarm-key", ": use another --identity"); for other statuses just the
+ * sentence. Returns the length written. */
+int tools_join_error(const dht *d, int status, char *buf, size_t cap);
 
 /* Closes the DHT and the loop, wiping the keys. */
 void tools_client_close(tools_client *c);

@@ -8,6 +8,7 @@
 
 #include "dht/dht.h"
 #include "tools/cli.h"
+#include "tools/client.h"
 
 static const char bootstrap_help[] =
     "Usage: starling bootstrap --listen HOST:PORT [--identity FILE] [--swarm-key FILE]\n"
@@ -53,8 +54,15 @@ static void on_join(dht *d, int status, void *ud)
     (void)d;
     if (status == -ECANCELED || s->stopping)
         return;
-    if (status < 0) {
-        fprintf(stderr, "starling bootstrap: join failed (%s), retrying in 2 s\n", strerror(-status));
+    if (status == -EADDRINUSE) {
+        /* Joined, but a node with our identity is online elsewhere. */
+        char msg[256];
+        tools_join_error(d, status, msg, sizeof msg);
+        fprintf(stderr, "starling bootstrap: warning: %s\n", msg);
+    } else if (status < 0) {
+        char msg[256];
+        tools_join_error(d, status, msg, sizeof msg);
+        fprintf(stderr, "starling bootstrap: join failed (%s), retrying in 2 s\n", msg);
         uv_timer_start(&s->retry, on_retry, 2000, 0);
     }
 }

@@ -8,6 +8,7 @@
 
 #include "dht/dht.h"
 #include "tools/cli.h"
+#include "tools/client.h"
 
 static const char dht_help[] =
     "Usage: starling dht get KEY --initial-peers LIST [OPTIONS]\n"
@@ -123,8 +124,11 @@ static void on_join(dht *d, int status, void *ud)
     dht_cli *c = ud;
     int rc;
     if (status < 0) {
-        if (status != -ECANCELED)
-            fprintf(stderr, "starling dht: cannot join: %s\n", strerror(-status));
+        if (status != -ECANCELED) {
+            char msg[256];
+            tools_join_error(d, status, msg, sizeof msg);
+            fprintf(stderr, "starling dht: cannot join: %s\n", msg);
+        }
         cli_stop(c, CLI_EXIT_FAIL);
         return;
     }

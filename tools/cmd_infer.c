@@ -155,9 +155,17 @@ int cmd_infer(int argc, char **argv)
         return cli_fail("infer", "%s", err);
     }
     if (ds.rows * ds.cols != spec->n_in) {
+        /* The shape is read before route_data_free, which zeroes it. */
+        int rows = ds.rows, cols = ds.cols, side = 1;
         route_data_free(&ds);
-        return cli_fail("infer", "inputs have %d values each, model %s takes %d", ds.rows * ds.cols,
-                        spec->name, spec->n_in);
+        while ((side + 1) * (side + 1) <= spec->n_in)
+            side++;
+        const char *what = input ? input : "the test set";
+        if (side * side == spec->n_in)
+            return cli_fail("infer", "%s: images are %dx%d (%d values); %s expects %dx%d (%d)", what, rows,
+                            cols, rows * cols, spec->name, side, side, spec->n_in);
+        return cli_fail("infer", "%s: images are %dx%d (%d values); %s expects %d values", what, rows, cols,
+                        rows * cols, spec->name, spec->n_in);
     }
     int n = samples > 0 && samples < ds.n ? (int)samples : ds.n;
 

@@ -1,6 +1,8 @@
 /* starling keygen: create (or inspect) an ed25519 identity file. */
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "dht/dht.h"
 #include "tools/cli.h"
@@ -14,7 +16,9 @@ static const char keygen_help[] =
     "Creates an ed25519 identity (libsodium) and writes it to FILE with mode 0600,\n"
     "then prints the node ID: the BLAKE2b-160 hash of the public key, as 40 hex\n"
     "digits. Peers and bootstrap nodes take the file with --identity FILE, so\n"
-    "their node ID stays the same across restarts.\n"
+    "their node ID stays the same across restarts. Missing parent directories of\n"
+    "FILE are created with mode 0700 (only the missing ones; existing ones are\n"
+    "left as they are), so --out ~/.starling/identity.key works on a fresh machine.\n"
     "\n"
     "Options:\n"
     "  -o, --out FILE    write a new identity to FILE (refuses to replace one)\n"
@@ -24,6 +28,39 @@ static const char keygen_help[] =
     "\n"
     "Exit status: 0 on success, 1 if the file cannot be written or read\n"
     "(exists, corrupt, readable by others), 2 on usage errors.\n";
+
+/* Creates the missing parent directories of path, each with mode 0700;
+ * existing ones are left alone. Returns 0 or -errno, with the directory that
+ * failed in dir (cap bytes). */
+static int make_parents(const char *path, char *dir, size_t cap)
+{
+    size_t len = strlen(path);
+    if (len >= cap) {
+        snprintf(dir, cap, "%s", "(too long)");
+        return -ENAMETOOLONG;
+    }
+    memcpy(dir, path, len + 1);
+    char *slash = strrchr(dir, '/');
+    if (!slash || slash == dir)
+        return 0; /* in the current directory, or directly under / */
+    *slash = '\0';
+    /* Each prefix ending before a '/', shortest first ("a", "a/b", ...). */
+    for (char *p = dir + 1;; p++) {
+        if (*p != '/' && *p != '\0')
+            continue;
+        char saved = *p;
+        *p = '\0';
+        if (mkdir(dir, 0700) == 0) {
+            if (chmod(dir, 0700) != 0) /* whatever the umask took away */
+                return -errno;
+        } else if (errno != EEXIST) {
+            return -errno;
+        }
+        if (saved == '\0')
+            return 0;
+        *p = saved;
+    }
+}
 
 int cmd_keygen(int argc, char **argv)
 {
@@ -62,6 +99,10 @@ int cmd_keygen(int argc, char **argv)
         if (rc != 0)
             return cli_fail("keygen", "cannot load identity '%s': %s", show, dht_identity_strerror(rc));
     } else {
+        char dir[4096];
+        rc = make_parents(out, dir, sizeof dir);
+        if (rc != 0)
+            return cli_fail("keygen", "cannot create directory '%s' for '%s': %s", dir, out, strerror(-rc));
         rc = dht_identity_generate(&ident);
         if (rc == 0)
             rc = dht_identity_save(&ident, out, force);

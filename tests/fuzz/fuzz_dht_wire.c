@@ -45,6 +45,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 abort();
         }
     }
+    uint32_t tid;
+    if (dht_wire_decode_reject(data, size, &tid) == 0) {
+        int len = dht_wire_encode_reject(tid, buf, sizeof buf);
+        uint32_t tid2 = 0;
+        if (len <= 0 || dht_wire_decode_reject(buf, (size_t)len, &tid2) != 0 || tid2 != tid)
+            abort();
+    }
     dht_addr from;
     const uint8_t ip[4] = {10, 0, 0, 1};
     dht_addr_v4(&from, ip, 4000);
