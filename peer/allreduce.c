@@ -122,6 +122,11 @@ static void pull(ar_link *l);
 
 static void start_phase2(peer_allreduce *ar)
 {
+    if (!(ar->wsum > 0)) {
+        /* Every member still has its initial weights: nothing to average. */
+        finish(ar, -ENODATA);
+        return;
+    }
     float inv = (float)(1.0 / ar->wsum);
     for (size_t k = 0; k < ar->part_len; k++)
         ar->acc[k] *= inv;
@@ -204,7 +209,7 @@ static void on_reply(void *arg, int status, const peer_msg *m)
         uint64_t bits = peer_get_le64((const uint8_t *)m->meta + 8);
         double w;
         memcpy(&w, &bits, sizeof w);
-        if (!(w >= 1.0) || !isfinite(w) || (l->pos > 0 && w != l->weight)) {
+        if (!(w >= 0.0) || !isfinite(w) || (l->pos > 0 && w != l->weight)) {
             finish(ar, -EBADMSG);
             return;
         }

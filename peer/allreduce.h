@@ -6,12 +6,16 @@
  * m, v; peer_service_avg_begin) and split it into n parts. Member j pulls
  * part j of every other member's base (PEER_METHOD_AVG kind 0), forms the
  * average weighted by each member's weight (training samples since its last
- * round, plus one), publishes it, then pulls every other member's reduced
+ * round, plus one; 0 for initial weights), publishes it, then pulls every other member's reduced
  * part (kind 1). Each member receives and sends 2 (n-1)/n of the state.
  * With the whole average in hand it applies it as one new weight version,
  * keeping the updates made during the round (expert_block_flat_apply).
  *
- * Failure: any error (a member gone, a timeout, another group) abandons the
+ * A member in another group for the same round answers EAGAIN and is asked
+ * again until the deadline (the daemon regroups meanwhile). A group whose
+ * weights are all 0 fails with -ENODATA.
+ *
+ * Failure: any other error (a member gone, a timeout) abandons the
  * round here and leaves the block unchanged; a member that fails before its
  * part is reduced answers ECANCELED, so the others abandon too. So every
  * member ends with its own weights either unchanged or replaced by the

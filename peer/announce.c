@@ -39,7 +39,8 @@ long peer_announce_encode(const peer_announce *a, uint8_t *buf, size_t cap)
     dht_mp_writer w;
     dht_mp_writer_init(&w, buf, cap < PEER_ANNOUNCE_MAX_BYTES ? cap : PEER_ANNOUNCE_MAX_BYTES);
     msgpack_packer *pk = &w.pk;
-    msgpack_pack_map(pk, 12);
+    int lost = a->lost_from > a->lost_to;
+    msgpack_pack_map(pk, 13 + 2 * lost);
     dht_mp_pack_cstr(pk, "v");
     msgpack_pack_uint64(pk, PEER_ANNOUNCE_VERSION);
     dht_mp_pack_cstr(pk, "b");
@@ -64,6 +65,14 @@ long peer_announce_encode(const peer_announce *a, uint8_t *buf, size_t cap)
     msgpack_pack_uint64(pk, a->avg_rounds);
     dht_mp_pack_cstr(pk, "ag");
     msgpack_pack_uint64(pk, a->avg_group);
+    dht_mp_pack_cstr(pk, "af");
+    msgpack_pack_uint64(pk, a->avg_abandoned);
+    if (lost) {
+        dht_mp_pack_cstr(pk, "lf");
+        msgpack_pack_uint64(pk, a->lost_from);
+        dht_mp_pack_cstr(pk, "lt");
+        msgpack_pack_uint64(pk, a->lost_to);
+    }
     return dht_mp_writer_finish(&w);
 }
 
@@ -163,6 +172,15 @@ static int announce_field(dht_mp_reader *r, const char *key, void *outp, int *ha
         if (dht_mp_uint(r, &u) || u > 4096)
             return -1;
         out->avg_group = (int)u;
+    } else if (!strcmp(key, "af")) {
+        if (dht_mp_uint(r, &out->avg_abandoned))
+            return -1;
+    } else if (!strcmp(key, "lf")) {
+        if (dht_mp_uint(r, &out->lost_from))
+            return -1;
+    } else if (!strcmp(key, "lt")) {
+        if (dht_mp_uint(r, &out->lost_to))
+            return -1;
     } else {
         return 1;
     }
@@ -229,7 +247,7 @@ long peer_avg_record_encode(const peer_avg_record *m, uint8_t *buf, size_t cap)
         return -EINVAL;
     dht_mp_writer w;
     dht_mp_writer_init(&w, buf, cap);
-    msgpack_pack_map(&w.pk, 4);
+    msgpack_pack_map(&w.pk, 4 + (m->period_ms > 0));
     dht_mp_pack_cstr(&w.pk, "v");
     msgpack_pack_uint64(&w.pk, PEER_ANNOUNCE_VERSION);
     dht_mp_pack_cstr(&w.pk, "r");
@@ -238,6 +256,10 @@ long peer_avg_record_encode(const peer_avg_record *m, uint8_t *buf, size_t cap)
     dht_mp_pack_cstr(&w.pk, m->addr);
     dht_mp_pack_cstr(&w.pk, "o");
     msgpack_pack_uint64(&w.pk, (uint64_t)m->optim);
+    if (m->period_ms > 0) {
+        dht_mp_pack_cstr(&w.pk, "p");
+        msgpack_pack_uint64(&w.pk, m->period_ms);
+    }
     return dht_mp_writer_finish(&w);
 }
 
@@ -258,6 +280,9 @@ static int avg_field(dht_mp_reader *r, const char *key, void *outp, int *have)
             return -1;
         out->optim = (int)u;
         *have |= 8;
+    } else if (!strcmp(key, "p")) {
+        if (dht_mp_uint(r, &out->period_ms))
+            return -1;
     } else {
         return 1;
     }
@@ -267,4 +292,54 @@ static int avg_field(dht_mp_reader *r, const char *key, void *outp, int *have)
 int peer_avg_record_decode(peer_avg_record *out, const uint8_t *buf, size_t len)
 {
     return record_decode_into(out, sizeof *out, buf, len, avg_field, 15);
+}
+
+void peer_keep_key(uint8_t key[DHT_ID_LEN], const char *block, uint64_t stage_hash)
+{
+    char name[128];
+    int n = snprintf(name, sizeof name, "starling.keep:%.64s:%016" PRIx64, block, stage_hash);
+    dht_id_of_bytes(key, name, (size_t)n);
+}
+
+long peer_keep_record_encode(const peer_keep_record *m, uint8_t *buf, size_t cap)
+{
+    if (!m || !buf || !m->addr[0] || !printable(m->addr, 64))
+        return -EINVAL;
+    dht_mp_writer w;
+    dht_mp_writer_init(&w, buf, cap < PEER_ANNOUNCE_MAX_BYTES ? cap : PEER_ANNOUNCE_MAX_BYTES);
+    msgpack_pack_map(&w.pk, 4);
+    dht_mp_pack_cstr(&w.pk, "v");
+    msgpack_pack_uint64(&w.pk, PEER_ANNOUNCE_VERSION);
+    dht_mp_pack_cstr(&w.pk, "a");
+    dht_mp_pack_cstr(&w.pk, m->addr);
+    dht_mp_pack_cstr(&w.pk, "wv");
+    msgpack_pack_uint64(&w.pk, m->weight_version);
+    dht_mp_pack_cstr(&w.pk, "t");
+    msgpack_pack_uint64(&w.pk, m->time_ms);
+    return dht_mp_writer_finish(&w);
+}
+
+static int keep_field(dht_mp_reader *r, const char *key, void *outp, int *have)
+{
+    peer_keep_record *out = outp;
+    if (!strcmp(key, "a")) {
+        if (dht_mp_cstr(r, out->addr, sizeof out->addr, 64) || !out->addr[0])
+            return -1;
+        *have |= 2;
+    } else if (!strcmp(key, "wv")) {
+        if (dht_mp_uint(r, &out->weight_version))
+            return -1;
+        *have |= 4;
+    } else if (!strcmp(key, "t")) {
+        if (dht_mp_uint(r, &out->time_ms))
+            return -1;
+    } else {
+        return 1;
+    }
+    return 0;
+}
+
+int peer_keep_record_decode(peer_keep_record *out, const uint8_t *buf, size_t len)
+{
+    return record_decode_into(out, sizeof *out, buf, len, keep_field, 7);
 }

@@ -15,6 +15,10 @@
  *     "t"  u   when this value was made, ms since the epoch
  *     "ar" u   group averaging rounds completed (optional)
  *     "ag" u   size of the group of the last completed round (optional)
+ *     "af" u   group averaging rounds abandoned (optional)
+ *     "lf" u   state lost: the weight version this holder had before it
+ *              restarted with older weights (optional; with "lt")
+ *     "lt" u   the weight version it restarted from (optional)
  * It expires about a minute after it is written and is renewed every ~20 s,
  * so a peer that dies disappears within a minute. Unknown keys are skipped
  * (newer peers may add fields); missing required keys ("v", "b", "a", "st",
@@ -29,8 +33,16 @@
  * BLAKE2b-160("starling.avg:<block>:<stage hash, 16 hex digits>"): at the
  * start of each round every holder stores a signed entry (subkey = its node
  * ID) that expires a few seconds after the round's gathering window:
- *     "v" u 1, "r" u round number (ms since the epoch / period),
- *     "a" str tensor RPC address, "o" u optimizer kind (expert_optim_kind).
+ *     "v" u 1, "r" u round: its start, ms since the epoch (a multiple of the
+ *     period, so peers with periods that are multiples of each other meet),
+ *     "a" str tensor RPC address, "o" u optimizer kind (expert_optim_kind),
+ *     "p" u the holder's averaging period in ms (optional).
+ *
+ * Cold copies (peer/keeper.h): a peer that keeps a copy of a stage it does
+ * not serve stores, under BLAKE2b-160("starling.keep:<block>:<stage hash,
+ * 16 hex digits>"), a signed entry (subkey = its node ID):
+ *     "v" u 1, "a" str tensor RPC address it serves the copy from,
+ *     "wv" u weight version of the copy, "t" u when it was taken (ms).
  */
 #ifndef PEER_ANNOUNCE_H
 #define PEER_ANNOUNCE_H
@@ -60,6 +72,8 @@ typedef struct peer_announce {
     uint64_t time_ms;
     uint64_t avg_rounds;
     int avg_group;
+    uint64_t avg_abandoned;
+    uint64_t lost_from, lost_to;  /* lost_from > lost_to: state went back */
 } peer_announce;
 
 typedef struct peer_model_record {
@@ -83,6 +97,7 @@ typedef struct peer_avg_record {
     uint64_t round;
     char addr[65];
     int optim;                    /* 0..255 */
+    uint64_t period_ms;           /* 0: not given */
 } peer_avg_record;
 
 /* The matchmaking key of a block (see above). */
@@ -90,6 +105,18 @@ void peer_avg_key(uint8_t key[20], const char *block, uint64_t stage_hash);
 long peer_avg_record_encode(const peer_avg_record *m, uint8_t *buf, size_t cap);
 /* Decodes an untrusted value: 0 or -EBADMSG (out zeroed). */
 int peer_avg_record_decode(peer_avg_record *out, const uint8_t *buf, size_t len);
+
+typedef struct peer_keep_record {
+    char addr[65];
+    uint64_t weight_version;
+    uint64_t time_ms;
+} peer_keep_record;
+
+/* The cold-copy key of a block (see above). */
+void peer_keep_key(uint8_t key[20], const char *block, uint64_t stage_hash);
+long peer_keep_record_encode(const peer_keep_record *m, uint8_t *buf, size_t cap);
+/* Decodes an untrusted value: 0 or -EBADMSG (out zeroed). */
+int peer_keep_record_decode(peer_keep_record *out, const uint8_t *buf, size_t len);
 
 /* "joining" / "online" / "offline" / "unknown". */
 const char *peer_state_name(int state);

@@ -11,8 +11,9 @@
 #include "expert/model.h"
 #include <sodium.h>
 
-#include "peer/allreduce.h"
 #include "peer/announce.h"
+#include "peer/averaging.h"
+#include "peer/keeper.h"
 #include "peer/metrics.h"
 #include "peer/statesync.h"
 #include "peer/timeslice.h"
@@ -22,19 +23,15 @@
 #define MAX_INITIAL 64
 #define STOP_ANNOUNCE_WAIT_MS 3000
 
-typedef struct avg_ctx {
-    struct peer_daemon *d;
-    int block;
-    uint64_t round;
-    int putting, getting;        /* matchmaking entry stored / group lookup in flight */
-    int regets;                  /* group lookups repeated this round while alone */
-    peer_allreduce *ar;          /* the round running, or NULL */
-} avg_ctx;
-
-/* A replica that finds no other entry looks again this many times while the
- * round lasts: the others' entries can be late (a put that meets dead
- * contacts waits a stale period per hop, more on a loaded machine). */
-#define AVG_REGETS 3
+/* The block being joined: where its newest state is. The online holders
+ * first (on_holders), then the keepers of cold copies (on_keepers). */
+typedef struct sync_view {
+    peer_announce cand[16];
+    uint8_t ids[16][DHT_ID_LEN];
+    int nc, found;
+    uint64_t best;               /* newest online version */
+    uint64_t prev;               /* what this node ID announced before it restarted (0: nothing) */
+} sync_view;
 
 struct peer_daemon {
     uv_loop_t *loop;
@@ -54,19 +51,22 @@ struct peer_daemon {
     dht *dht;
     peer_service *svc;
     peer_metrics *metrics;
-    uv_timer_t announce_timer, join_timer, ckpt_timer, stop_timer, avg_timer, avg_gather_timer;
+    uv_timer_t announce_timer, join_timer, ckpt_timer, stop_timer;
     double average_every_s;
     int optim_kind;
-    avg_ctx avg[PEER_SERVICE_MAX_BLOCKS];
-    int avg_inflight;            /* all-reduce rounds whose callback is still to come */
-    uint64_t avg_rounds[PEER_SERVICE_MAX_BLOCKS]; /* averaging rounds completed per block (announced) */
-    int avg_group[PEER_SERVICE_MAX_BLOCKS];       /* size of the last completed round's group */
-    int avg_alone[PEER_SERVICE_MAX_BLOCKS];       /* "alone" said since the last completed round */
+    peer_averaging *avg;         /* NULL: no averaging */
+    int avg_running;             /* its stop callback is still to come */
+    peer_keeper *keeper;         /* NULL: no cold copies */
+    int keeper_running;
     int timers_open;
 
     int joined;
     int syncing;                 /* index of the block whose state is being fetched, or -1 */
     int sync_inflight;           /* a download's callback is still to come */
+    sync_view view;
+    uint64_t sync_expect;        /* the version a lost download would have kept (0: nothing at stake) */
+    char sync_from[96];
+    uint64_t lost_from[PEER_SERVICE_MAX_BLOCKS], lost_to[PEER_SERVICE_MAX_BLOCKS];
     int no_state_download;
     uint64_t sync_rng;
     double sync_t0;
@@ -85,7 +85,6 @@ struct peer_daemon {
 
 static void say(peer_daemon *d, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void maybe_free(peer_daemon *d);
-static void on_avg_timer(uv_timer_t *t);
 static void say(peer_daemon *d, const char *fmt, ...)
 {
     va_list ap;
@@ -130,47 +129,63 @@ static void on_offline_put(dht *dh, int status, void *ud)
         continue_stop(d);
 }
 
+/* Announcements expire strictly later each time: a new state (joining ->
+ * online -> offline) must never tie with or lose to the previous one, even
+ * within a millisecond or with a shorter TTL. */
+static uint64_t next_expiry(peer_daemon *d, peer_state state)
+{
+    double ttl = state == PEER_STATE_OFFLINE ? 15.0 : d->ttl_s;
+    uint64_t expiry = dht_now_ms() + (uint64_t)(ttl * 1000);
+    if (expiry <= d->last_expiry)
+        expiry = d->last_expiry + 1;
+    d->last_expiry = expiry;
+    return expiry;
+}
+
+/* Puts block i's announcement with the given state. Returns 1 when the put
+ * started, else 0. */
+static int announce_block(peer_daemon *d, int i, peer_state state, uint64_t expiry, dht_done_cb cb)
+{
+    uint8_t val[PEER_ANNOUNCE_MAX_BYTES], key[DHT_ID_LEN];
+    peer_block_info info;
+    if (peer_service_block_info(d->svc, i, &info) != 0)
+        return 0;
+    peer_announce a;
+    memset(&a, 0, sizeof a);
+    snprintf(a.block, sizeof a.block, "%s", info.name);
+    snprintf(a.addr, sizeof a.addr, "%s", d->announce_addr);
+    a.state = state;
+    a.stage_hash = info.stage_hash;
+    a.weight_version = info.version;
+    a.throughput = peer_batcher_train_throughput(&info.stats);
+    a.load = (double)info.stats.queued_rows / (double)d->max_queue_rows;
+    if (a.load > 1)
+        a.load = 1;
+    snprintf(a.device, sizeof a.device, "%s", d->device);
+    a.time_ms = dht_now_ms();
+    peer_averaging_stats as;
+    peer_averaging_get_stats(d->avg, i, &as);
+    a.avg_rounds = as.rounds;
+    a.avg_group = as.group;
+    a.avg_abandoned = as.abandoned;
+    a.lost_from = d->lost_from[i];
+    a.lost_to = d->lost_to[i];
+    long n = peer_announce_encode(&a, val, sizeof val);
+    if (n < 0)
+        return 0;
+    dht_id_of_bytes(key, info.name, strlen(info.name));
+    return dht_put(d->dht, key, NULL, 0, val, (size_t)n, expiry, 1, cb, d) == 0;
+}
+
 /* Puts every block's announcement (and the model record) with the given
  * state. Returns the number of puts started. */
 static int announce(peer_daemon *d, peer_state state, dht_done_cb cb)
 {
     uint8_t val[PEER_ANNOUNCE_MAX_BYTES], key[DHT_ID_LEN];
-    uint64_t now = dht_now_ms();
-    double ttl = state == PEER_STATE_OFFLINE ? 15.0 : d->ttl_s;
-    /* The DHT keeps the entry with the latest expiration: a new state
-     * (joining -> online -> offline) must never tie with or lose to the
-     * previous one, even within a millisecond or with a shorter TTL. */
-    uint64_t expiry = now + (uint64_t)(ttl * 1000);
-    if (expiry <= d->last_expiry)
-        expiry = d->last_expiry + 1;
-    d->last_expiry = expiry;
+    uint64_t now = dht_now_ms(), expiry = next_expiry(d, state);
     int started = 0;
-    for (int i = 0; i < peer_service_n_blocks(d->svc); i++) {
-        peer_block_info info;
-        if (peer_service_block_info(d->svc, i, &info) != 0)
-            continue;
-        peer_announce a;
-        memset(&a, 0, sizeof a);
-        snprintf(a.block, sizeof a.block, "%s", info.name);
-        snprintf(a.addr, sizeof a.addr, "%s", d->announce_addr);
-        a.state = state;
-        a.stage_hash = info.stage_hash;
-        a.weight_version = info.version;
-        a.throughput = peer_batcher_train_throughput(&info.stats);
-        a.load = (double)info.stats.queued_rows / (double)d->max_queue_rows;
-        if (a.load > 1)
-            a.load = 1;
-        snprintf(a.device, sizeof a.device, "%s", d->device);
-        a.time_ms = now;
-        a.avg_rounds = d->avg_rounds[i];
-        a.avg_group = d->avg_group[i];
-        long n = peer_announce_encode(&a, val, sizeof val);
-        if (n < 0)
-            continue;
-        dht_id_of_bytes(key, info.name, strlen(info.name));
-        if (dht_put(d->dht, key, NULL, 0, val, (size_t)n, expiry, 1, cb, d) == 0)
-            started++;
-    }
+    for (int i = 0; i < peer_service_n_blocks(d->svc); i++)
+        started += announce_block(d, i, state, expiry, cb);
     if (state != PEER_STATE_OFFLINE) {
         peer_model_record m;
         memset(&m, 0, sizeof m);
@@ -216,6 +231,7 @@ static void go_online(peer_daemon *d)
 }
 
 static void sync_next(peer_daemon *d);
+static void note_lost(peer_daemon *d, int i, uint64_t from, uint64_t to, const char *why);
 
 static void maybe_free(peer_daemon *d);
 
@@ -229,21 +245,123 @@ static void on_state(void *arg, int status, const uint8_t *buf, size_t len, uint
     }
     peer_block_info info;
     peer_service_block_info(d->svc, d->syncing, &info);
+    uint64_t now_version = info.version;
     if (status == 0) {
         int rc = peer_service_install_state(d->svc, d->syncing, buf, len);
-        if (rc == 0)
-            say(d, "%s: downloaded the current state (weight version %llu, %.1f MB in %.2f s)", info.name,
-                (unsigned long long)version, (double)len / 1e6, (double)uv_now(d->loop) / 1000.0 - d->sync_t0);
-        else
-            say(d, "%s: the downloaded state was refused (%s); keeping ours", info.name, strerror(-rc));
+        if (rc == 0) {
+            now_version = version;
+            say(d, "%s: downloaded the current state (weight version %llu, %.1f MB in %.2f s) from %s", info.name,
+                (unsigned long long)version, (double)len / 1e6, (double)uv_now(d->loop) / 1000.0 - d->sync_t0,
+                d->sync_from);
+        } else {
+            say(d, "%s: the downloaded state was refused (%s); keeping ours", info.name,
+                rc == -ESTALE ? "it is the state of another stage or configuration" : strerror(-rc));
+        }
     } else {
         say(d, "%s: state download failed (%s); keeping ours", info.name, strerror(-status));
     }
+    if (d->sync_expect > now_version)
+        note_lost(d, d->syncing, d->sync_expect, now_version,
+                  status == 0 ? "the newest copy in the swarm was older" : "the download failed");
     sync_next(d);
 }
 
-/* Picks a donor among the online holders with the newest weights; a random
- * one of the near-newest, so newcomers spread over donors. */
+/* Says (and announces) that block i went back: this peer, or a keeper,
+ * had a newer version than the one it serves from now on. */
+static void note_lost(peer_daemon *d, int i, uint64_t from, uint64_t to, const char *why)
+{
+    peer_block_info info;
+    peer_service_block_info(d->svc, i, &info);
+    d->lost_from[i] = from;
+    d->lost_to[i] = to;
+    say(d, "%s: STATE LOST: weight version %" PRIu64 " existed, this peer serves version %" PRIu64 " (%s)",
+        info.name, from, to, why);
+}
+
+static void start_download(peer_daemon *d, const uint8_t *id, const char *addr, const char *what)
+{
+    peer_block_info info;
+    peer_service_block_info(d->svc, d->syncing, &info);
+    d->sync_t0 = (double)uv_now(d->loop) / 1000.0;
+    snprintf(d->sync_from, sizeof d->sync_from, "%s", what);
+    int rc = peer_statesync_start(d->loop, &d->ident, d->has_swarm_key ? d->swarm_key : NULL, id, addr,
+                                  info.name, 30.0, on_state, d);
+    if (rc == 0) {
+        d->sync_inflight = 1;
+        return;
+    }
+    say(d, "%s: cannot start the state download (%s); keeping ours", info.name, strerror(-rc));
+    if (d->sync_expect > info.version)
+        note_lost(d, d->syncing, d->sync_expect, info.version, "the download could not start");
+    sync_next(d);
+}
+
+static void on_keepers(dht *dh, int status, const dht_entry *e, size_t n, void *ud)
+{
+    (void)dh;
+    peer_daemon *d = ud;
+    if (d->stopping)
+        return;
+    sync_view *v = &d->view;
+    peer_block_info info;
+    peer_service_block_info(d->svc, d->syncing, &info);
+    uint64_t cold = 0;
+    int ck = -1;
+    peer_keep_record kr[16];
+    uint8_t kid[16][DHT_ID_LEN];
+    int nk = 0;
+    for (size_t i = 0; status == 0 && i < n && nk < 16; i++) {
+        if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN || !memcmp(e[i].subkey, d->ident.id, DHT_ID_LEN) ||
+            peer_keep_record_decode(&kr[nk], e[i].value, e[i].value_len) != 0)
+            continue;
+        memcpy(kid[nk], e[i].subkey, DHT_ID_LEN);
+        if (ck < 0 || kr[nk].weight_version > cold) {
+            cold = kr[nk].weight_version;
+            ck = nk;
+        }
+        nk++;
+    }
+    /* The newest state anyone is known to have had. */
+    uint64_t known = v->prev > cold ? v->prev : cold;
+    int fresh = !info.restored && info.version == 0;
+    /* Online holders first: they are at least as new as any copy of them. */
+    int pick = -1, seen = 0;
+    for (int i = 0; i < v->nc; i++) {
+        if (v->cand[i].weight_version + 1 < v->best)
+            continue;
+        d->sync_rng = d->sync_rng * 6364136223846793005ULL + 1442695040888963407ULL;
+        if ((int)((d->sync_rng >> 33) % (uint64_t)(++seen)) == 0)
+            pick = i;
+    }
+    if (d->no_state_download) {
+        if (known > info.version && !v->found)
+            note_lost(d, d->syncing, known, info.version, "--no-state-download");
+        sync_next(d);
+        return;
+    }
+    if (pick >= 0 && v->best >= cold && (v->best > info.version || fresh)) {
+        d->sync_expect = 0; /* another replica holds the newest: nothing is lost if this fails */
+        start_download(d, v->ids[pick], v->cand[pick].addr, "an online holder");
+        return;
+    }
+    if (ck >= 0 && cold > info.version) {
+        char what[96], hex[DHT_ID_HEX_LEN + 1];
+        dht_id_to_hex(hex, kid[ck]);
+        snprintf(what, sizeof what, "a cold copy kept by %.8s", hex);
+        d->sync_expect = known;
+        start_download(d, kid[ck], kr[ck].addr, what);
+        return;
+    }
+    if (!v->found)
+        say(d, "%s: no other holder; starting from our %s (weight version %" PRIu64 ")", info.name,
+            info.restored ? "checkpoint" : "initial weights", info.version);
+    if (!v->found && known > info.version)
+        note_lost(d, d->syncing, known, info.version,
+                  info.restored ? "the checkpoint is older and no newer copy is in the swarm"
+                                : "no checkpoint and no copy in the swarm");
+    sync_next(d);
+}
+
 static void on_holders(dht *dh, int status, const dht_entry *e, size_t n, void *ud)
 {
     (void)dh;
@@ -252,52 +370,39 @@ static void on_holders(dht *dh, int status, const dht_entry *e, size_t n, void *
         return;
     peer_block_info info;
     peer_service_block_info(d->svc, d->syncing, &info);
-    uint64_t best = 0;
-    int found = 0;
-    peer_announce cand[16];
-    uint8_t ids[16][DHT_ID_LEN];
-    int nc = 0;
+    sync_view *v = &d->view;
+    memset(v, 0, sizeof *v);
     for (size_t i = 0; status == 0 && i < n; i++) {
         peer_announce a;
-        if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN || !memcmp(e[i].subkey, d->ident.id, DHT_ID_LEN) ||
-            peer_announce_decode(&a, e[i].value, e[i].value_len) != 0 || a.state != PEER_STATE_ONLINE ||
-            a.stage_hash != info.stage_hash || strcmp(a.block, info.name) != 0)
+        if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN ||
+            peer_announce_decode(&a, e[i].value, e[i].value_len) != 0 || a.stage_hash != info.stage_hash ||
+            strcmp(a.block, info.name) != 0)
             continue;
-        if (!found || a.weight_version > best)
-            best = a.weight_version;
-        found = 1;
-        if (nc < 16) {
-            cand[nc] = a;
-            memcpy(ids[nc], e[i].subkey, DHT_ID_LEN);
-            nc++;
+        if (!memcmp(e[i].subkey, d->ident.id, DHT_ID_LEN)) {
+            /* Our own entry from before a restart (it outlives a crash by
+             * up to a TTL): the version we had. */
+            if (a.state != PEER_STATE_JOINING)
+                v->prev = a.weight_version;
+            continue;
+        }
+        if (a.state != PEER_STATE_ONLINE)
+            continue;
+        if (!v->found || a.weight_version > v->best)
+            v->best = a.weight_version;
+        v->found = 1;
+        if (v->nc < 16) {
+            v->cand[v->nc] = a;
+            memcpy(v->ids[v->nc], e[i].subkey, DHT_ID_LEN);
+            v->nc++;
         }
     }
-    int pick = -1, seen = 0;
-    for (int i = 0; i < nc; i++) {
-        if (cand[i].weight_version + 1 < best)
-            continue;
-        d->sync_rng = d->sync_rng * 6364136223846793005ULL + 1442695040888963407ULL;
-        if ((int)((d->sync_rng >> 33) % (uint64_t)(++seen)) == 0)
-            pick = i;
-    }
-    int want = pick >= 0 && !d->no_state_download &&
-               (best > info.version || (!info.restored && info.version == 0));
-    if (!want) {
-        if (!found)
-            say(d, "%s: no other holder; starting from our %s", info.name,
-                info.restored ? "checkpoint" : "initial weights");
-        sync_next(d);
-        return;
-    }
-    d->sync_t0 = (double)uv_now(d->loop) / 1000.0;
-    int rc = peer_statesync_start(d->loop, &d->ident, d->has_swarm_key ? d->swarm_key : NULL, ids[pick],
-                                  cand[pick].addr, info.name, 30.0, on_state, d);
-    if (rc == 0)
-        d->sync_inflight = 1;
-    else {
-        say(d, "%s: cannot start the state download (%s); keeping ours", info.name, strerror(-rc));
-        sync_next(d);
-    }
+    /* Only now, with our previous entry read, does the joining one replace
+     * it. */
+    announce_block(d, d->syncing, PEER_STATE_JOINING, next_expiry(d, PEER_STATE_JOINING), on_put);
+    uint8_t key[DHT_ID_LEN];
+    peer_keep_key(key, info.name, info.stage_hash);
+    if (dht_get(d->dht, key, on_keepers, d) != 0)
+        on_keepers(d->dht, -EAGAIN, NULL, 0, d);
 }
 
 static void sync_next(peer_daemon *d)
@@ -319,246 +424,29 @@ static void sync_next(peer_daemon *d)
     }
 }
 
-/* ---- replica averaging (group rounds; peer/allreduce.h) ---- */
+/* ---- replica averaging (peer/averaging.h) ---- */
 
-/* Rounds start on wall-clock multiples of the period, so replicas agree on
- * the round number without talking; each holder then stores a matchmaking
- * entry for each of its blocks, waits a gathering window, reads who else
- * did, and runs the all-reduce with that group. */
-static uint64_t avg_period_ms(const peer_daemon *d)
+static int avg_ready(void *arg)
 {
-    uint64_t ms = (uint64_t)(d->average_every_s * 1000);
-    return ms ? ms : 1;
-}
-
-static uint64_t avg_gather_ms(const peer_daemon *d)
-{
-    uint64_t g = avg_period_ms(d) / 4;
-    return g < 300 ? 300 : g > 2000 ? 2000 : g;
-}
-
-static void avg_schedule(peer_daemon *d)
-{
-    uint64_t p = avg_period_ms(d), now = dht_now_ms();
-    uv_timer_start(&d->avg_timer, on_avg_timer, p - now % p, 0);
-}
-
-static void on_avg_done(void *arg, int status, const peer_allreduce_result *res)
-{
-    avg_ctx *c = arg;
-    peer_daemon *d = c->d;
-    c->ar = NULL;
-    d->avg_inflight--;
-    if (d->stopping) {
-        maybe_free(d);
-        return;
-    }
-    peer_block_info info;
-    peer_service_block_info(d->svc, c->block, &info);
-    if (status == 0) {
-        d->avg_rounds[c->block]++;
-        d->avg_group[c->block] = res->n;
-        d->avg_alone[c->block] = 0;
-        say(d,
-            "%s: averaged in a group of %d (round %llu, our weight %.3f, %.1f MB in %.2f s; distance to the "
-            "group average %.6g -> %.6g)",
-            info.name, res->n, (unsigned long long)c->round, res->weight_self, (double)res->bytes_in / 1e6,
-            res->seconds, res->dist_before, res->dist_after);
-    } else {
-        say(d, "%s: averaging round %llu in a group of %d abandoned (%s); weights unchanged", info.name,
-            (unsigned long long)c->round, res->n, strerror(-status));
-    }
-}
-
-static void on_avg_gather(uv_timer_t *t);
-
-static int cmp_member(const void *a, const void *b)
-{
-    return memcmp(((const peer_allreduce_member *)a)->id, ((const peer_allreduce_member *)b)->id, DHT_ID_LEN);
-}
-
-typedef struct avg_cand {
-    peer_allreduce_member m;
-    uint8_t optim;
-    uint8_t order[8];    /* BLAKE2b(id, round): splits large groups the same way everywhere */
-} avg_cand;
-
-static int cmp_order(const void *a, const void *b)
-{
-    return memcmp(((const avg_cand *)a)->order, ((const avg_cand *)b)->order, 8);
-}
-
-static void on_avg_group(dht *dh, int status, const dht_entry *e, size_t n, void *ud)
-{
-    (void)dh;
-    avg_ctx *c = ud;
-    peer_daemon *d = c->d;
-    c->getting = 0;
-    if (d->stopping) {
-        maybe_free(d);
-        return;
-    }
-    peer_block_info info;
-    peer_service_block_info(d->svc, c->block, &info);
-    avg_cand cand[256];
-    int nc = 0;
-    for (size_t i = 0; status == 0 && i < n && nc < 255; i++) {
-        peer_avg_record r;
-        if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN ||
-            peer_avg_record_decode(&r, e[i].value, e[i].value_len) != 0 || r.round != c->round)
-            continue;
-        if (!memcmp(e[i].subkey, d->ident.id, DHT_ID_LEN))
-            continue; /* we are a member whether or not our own entry came back */
-        memcpy(cand[nc].m.id, e[i].subkey, DHT_ID_LEN);
-        snprintf(cand[nc].m.addr, sizeof cand[nc].m.addr, "%s", r.addr);
-        cand[nc].optim = (uint8_t)r.optim;
-        nc++;
-    }
-    memcpy(cand[nc].m.id, d->ident.id, DHT_ID_LEN);
-    snprintf(cand[nc].m.addr, sizeof cand[nc].m.addr, "%s", d->announce_addr);
-    cand[nc].optim = (uint8_t)d->optim_kind;
-    nc++;
-    if (nc < 2) {
-        /* No other replica's entry (yet). */
-        uint64_t gather = avg_gather_ms(d), end = (c->round + 1) * avg_period_ms(d);
-        if (c->regets < AVG_REGETS && dht_now_ms() + gather / 2 + gather < end) {
-            c->regets++;
-            c->putting = 1;
-            uv_timer_start(&d->avg_gather_timer, on_avg_gather, gather / 2, 0);
-        } else if (d->avg_group[c->block] >= 2 && !d->avg_alone[c->block]) {
-            /* Said once when a block that had a group finds itself alone. */
-            say(d, "%s: no other replica joined averaging round %llu", info.name, (unsigned long long)c->round);
-            d->avg_alone[c->block] = 1;
-        }
-        return;
-    }
-    /* More than PEER_ALLREDUCE_MAX_MEMBERS: split into near-equal groups by
-     * a per-round hash of the IDs, which every member computes alike. */
-    int lo = 0, hi = nc;
-    if (nc > PEER_ALLREDUCE_MAX_MEMBERS) {
-        uint8_t rb[8];
-        peer_put_le64(rb, c->round);
-        for (int i = 0; i < nc; i++) {
-            crypto_generichash_state st;
-            crypto_generichash_init(&st, NULL, 0, 8);
-            crypto_generichash_update(&st, cand[i].m.id, DHT_ID_LEN);
-            crypto_generichash_update(&st, rb, sizeof rb);
-            crypto_generichash_final(&st, cand[i].order, 8);
-        }
-        qsort(cand, (size_t)nc, sizeof cand[0], cmp_order);
-        int groups = (nc + PEER_ALLREDUCE_MAX_MEMBERS - 1) / PEER_ALLREDUCE_MAX_MEMBERS;
-        for (int g = 0; g < groups; g++) {
-            int a = nc * g / groups, b = nc * (g + 1) / groups;
-            for (int i = a; i < b; i++)
-                if (!memcmp(cand[i].m.id, d->ident.id, DHT_ID_LEN)) {
-                    lo = a;
-                    hi = b;
-                }
-        }
-    }
-    int gn = hi - lo;
-    if (gn < 2)
-        return;
-    peer_allreduce_member mem[PEER_ALLREDUCE_MAX_MEMBERS];
-    avg_cand grp[PEER_ALLREDUCE_MAX_MEMBERS];
-    memcpy(grp, cand + lo, (size_t)gn * sizeof grp[0]);
-    qsort(grp, (size_t)gn, sizeof grp[0], cmp_member); /* the member is the first field */
-    uint8_t ids[PEER_ALLREDUCE_MAX_MEMBERS][DHT_ID_LEN], tags[PEER_ALLREDUCE_MAX_MEMBERS];
-    int me = 0, same_optim = 1;
-    for (int i = 0; i < gn; i++) {
-        mem[i] = grp[i].m;
-        memcpy(ids[i], grp[i].m.id, DHT_ID_LEN);
-        tags[i] = grp[i].optim;
-        same_optim &= grp[i].optim == grp[0].optim;
-        if (!memcmp(grp[i].m.id, d->ident.id, DHT_ID_LEN))
-            me = i;
-    }
-    uint8_t digest[PEER_AVG_DIGEST_LEN];
-    peer_allreduce_digest(digest, c->round, (const uint8_t(*)[DHT_ID_LEN])ids, tags, gn);
-    peer_allreduce_config ac = {0};
-    ac.loop = d->loop;
-    ac.self = &d->ident;
-    ac.swarm_key = d->has_swarm_key ? d->swarm_key : NULL;
-    ac.svc = d->svc;
-    ac.block = c->block;
-    ac.block_name = info.name;
-    ac.round = c->round;
-    ac.digest = digest;
-    ac.members = mem;
-    ac.n = gn;
-    ac.me = me;
-    ac.with_optim = same_optim;
-    ac.timeout_s = 30.0;
-    ac.cb = on_avg_done;
-    ac.arg = c;
-    int rc = peer_allreduce_start(&ac, &c->ar);
-    if (rc == 0)
-        d->avg_inflight++;
-    else
-        say(d, "%s: cannot begin averaging round %llu: %s", info.name, (unsigned long long)c->round,
-            strerror(-rc));
-}
-
-static void on_avg_gather(uv_timer_t *t)
-{
-    peer_daemon *d = t->data;
-    if (d->stopping)
-        return;
-    for (int i = 0; i < peer_service_n_blocks(d->svc); i++) {
-        avg_ctx *c = &d->avg[i];
-        if (!c->putting || c->ar || c->getting)
-            continue;
-        c->putting = 0;
-        peer_block_info info;
-        uint8_t key[DHT_ID_LEN];
-        peer_service_block_info(d->svc, i, &info);
-        peer_avg_key(key, info.name, info.stage_hash);
-        if (dht_get(d->dht, key, on_avg_group, c) == 0)
-            c->getting = 1;
-    }
-}
-
-static void on_avg_timer(uv_timer_t *t)
-{
-    peer_daemon *d = t->data;
-    if (d->stopping)
-        return;
-    avg_schedule(d);
+    peer_daemon *d = arg;
     /* Only once online (not while fetching state). */
-    if (!d->joined || d->syncing >= 0 || d->sync_inflight)
-        return;
-    uint64_t now = dht_now_ms(), round = now / avg_period_ms(d);
-    uint8_t val[PEER_ANNOUNCE_MAX_BYTES], key[DHT_ID_LEN];
-    int started = 0;
-    for (int i = 0; i < peer_service_n_blocks(d->svc); i++) {
-        avg_ctx *c = &d->avg[i];
-        c->d = d;
-        c->block = i;
-        if (c->ar || c->getting)
-            continue; /* the last round of this block is still running */
-        /* The last round's buffers were kept a period for slower members. */
-        peer_service_avg_release(d->svc, i);
-        peer_block_info info;
-        peer_service_block_info(d->svc, i, &info);
-        peer_avg_record r = {0};
-        r.round = round;
-        snprintf(r.addr, sizeof r.addr, "%s", d->announce_addr);
-        r.optim = d->optim_kind;
-        long n = peer_avg_record_encode(&r, val, sizeof val);
-        if (n < 0)
-            continue;
-        peer_avg_key(key, info.name, info.stage_hash);
-        /* Expires strictly later each round (a constant TTL after now). */
-        if (dht_put(d->dht, key, NULL, 0, val, (size_t)n, now + 2 * avg_gather_ms(d) + 5000, 1, NULL, NULL) ==
-            0) {
-            c->round = round;
-            c->regets = 0;
-            c->putting = 1;
-            started++;
-        }
-    }
-    if (started)
-        uv_timer_start(&d->avg_gather_timer, on_avg_gather, avg_gather_ms(d), 0);
+    return d->joined && d->syncing < 0 && !d->sync_inflight;
+}
+
+static void on_avg_stopped(void *arg)
+{
+    peer_daemon *d = arg;
+    d->avg_running = 0;
+    if (d->stop_phase == 2)
+        continue_stop(d);
+}
+
+static void on_keeper_stopped(void *arg)
+{
+    peer_daemon *d = arg;
+    d->keeper_running = 0;
+    if (d->stop_phase == 2)
+        continue_stop(d);
 }
 
 /* ---- joining ---- */
@@ -574,10 +462,33 @@ static void on_join_timer(uv_timer_t *t)
 
 static void on_join(dht *dh, int status, void *ud)
 {
-    (void)dh;
     peer_daemon *d = ud;
     if (d->stopping)
         return;
+    if (status == -EADDRINUSE) {
+        /* Another process runs with our identity file (it proved our node
+         * ID from another address): two peers with one ID would displace
+         * each other in routing tables and announcements. Refuse: no
+         * retry, and the loop goes back to our owner (uv_stop), which
+         * stops the daemon and exits with failure (tools/cmd_peer.c). */
+        char hex[DHT_ID_HEX_LEN + 1], at[DHT_ADDR_STRLEN];
+        dht_id_to_hex(hex, dht_self_id(dh));
+        if (dht_collision_addr(dh, at, sizeof at) < 0)
+            snprintf(at, sizeof at, "another address");
+        say(d, "another peer is online with this identity (node ID %s) at %s; refusing to start: "
+               "use another --identity", hex, at);
+        uv_stop(d->loop);
+        return;
+    }
+    if (status == -EADDRNOTAVAIL || status == -EKEYREJECTED) {
+        /* The initial peer answered: say what is wrong, not "unreachable". */
+        char why[256];
+        dht_join_strerror(dh, status, why, sizeof why);
+        say(d, "%s: check %s; retrying in %d s", why,
+            status == -EADDRNOTAVAIL ? "the node ID in --initial-peers" : "--swarm-key", JOIN_RETRY_MS / 1000);
+        uv_timer_start(&d->join_timer, on_join_timer, JOIN_RETRY_MS, 0);
+        return;
+    }
     if (status < 0) {
         say(d, "cannot reach any initial peer (%s); retrying in %d s", strerror(-status),
             JOIN_RETRY_MS / 1000);
@@ -587,7 +498,9 @@ static void on_join(dht *dh, int status, void *ud)
     d->joined = 1;
     say(d, "joined the swarm; fetching the current state of %d block%s from holders",
         peer_service_n_blocks(d->svc), peer_service_n_blocks(d->svc) == 1 ? "" : "s");
-    announce(d, PEER_STATE_JOINING, on_put);
+    /* Each block is announced joining once its holders are read
+     * (on_holders), so that a restarted peer still finds its own entry
+     * from before, with the version it had. */
     d->syncing = -1;
     sync_next(d);
 }
@@ -709,6 +622,19 @@ static size_t render_metrics(char *buf, size_t cap, void *arg)
             EMIT("%s{block=\"%s\"} %.6g\n", per_block[m].name, info.name, v);
         }
     }
+    if (d->avg) {
+        EMIT("# HELP starling_avg_rounds_total Replica averaging rounds, by block and result "
+             "(abandoned: weights unchanged).\n# TYPE starling_avg_rounds_total counter\n");
+        for (int i = 0; i < nb; i++) {
+            if (peer_service_block_info(d->svc, i, &info) != 0)
+                continue;
+            peer_averaging_stats as;
+            peer_averaging_get_stats(d->avg, i, &as);
+            EMIT("starling_avg_rounds_total{block=\"%s\",result=\"completed\"} %" PRIu64 "\n"
+                 "starling_avg_rounds_total{block=\"%s\",result=\"abandoned\"} %" PRIu64 "\n",
+                 info.name, as.rounds, info.name, as.abandoned);
+        }
+    }
     dht_node_stats ds;
     dht_get_stats(d->dht, &ds);
     EMIT("# HELP starling_dht_datagrams_total DHT datagrams, by direction.\n"
@@ -816,6 +742,7 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
     }
     int rc;
     peer_service_config sc = cfg->svc;
+    sc.log = d->log;
     sc.self = &d->ident;
     sc.swarm_key = cfg->swarm_key;
     d->svc = peer_service_create(loop, &sc, err, errlen);
@@ -908,9 +835,8 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
                  strerror(-rc));
         goto fail_metrics;
     }
-    uv_timer_t *timers[] = {&d->announce_timer, &d->join_timer, &d->ckpt_timer, &d->stop_timer,
-                            &d->avg_timer, &d->avg_gather_timer};
-    for (size_t i = 0; i < 6; i++) {
+    uv_timer_t *timers[] = {&d->announce_timer, &d->join_timer, &d->ckpt_timer, &d->stop_timer};
+    for (size_t i = 0; i < 4; i++) {
         uv_timer_init(loop, timers[i]);
         timers[i]->data = d;
         d->timers_open++;
@@ -919,8 +845,43 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
         uint64_t ms = (uint64_t)(d->checkpoint_every_s * 1000);
         uv_timer_start(&d->ckpt_timer, on_ckpt_timer, ms, ms);
     }
-    if (d->average_every_s > 0)
-        avg_schedule(d);
+    if (d->average_every_s > 0) {
+        peer_averaging_config ac = {0};
+        ac.loop = loop;
+        ac.dht = d->dht;
+        ac.self = &d->ident;
+        ac.swarm_key = d->has_swarm_key ? d->swarm_key : NULL;
+        ac.svc = d->svc;
+        ac.addr = d->announce_addr;
+        ac.optim_kind = d->optim_kind;
+        ac.every_s = d->average_every_s;
+        ac.ready = avg_ready;
+        ac.ready_arg = d;
+        ac.log = d->log;
+        if (!(d->avg = peer_averaging_start(&ac)))
+            say(d, "cannot start replica averaging (out of memory); serving without it");
+        d->avg_running = d->avg != NULL;
+    }
+    if (cfg->keep_every_s > 0) {
+        peer_keeper_config kc = {0};
+        kc.loop = loop;
+        kc.dht = d->dht;
+        kc.self = &d->ident;
+        kc.swarm_key = d->has_swarm_key ? d->swarm_key : NULL;
+        kc.svc = d->svc;
+        kc.model = d->model;
+        kc.addr = d->announce_addr;
+        kc.every_s = cfg->keep_every_s;
+        kc.replicas = cfg->keep_copies > 0 ? cfg->keep_copies : 2;
+        kc.max_bytes = cfg->keep_max_bytes ? cfg->keep_max_bytes : (size_t)2 << 30;
+        kc.ready = avg_ready;
+        kc.ready_arg = d;
+        kc.log = d->log;
+        char kerr[160];
+        if (!(d->keeper = peer_keeper_start(&kc, kerr, sizeof kerr)))
+            say(d, "%s; serving without cold copies", kerr);
+        d->keeper_running = d->keeper != NULL;
+    }
     if (d->n_initial > 0) {
         start_join(d);
     } else {
@@ -969,8 +930,10 @@ int peer_daemon_peer_string(const peer_daemon *d, char *buf, size_t cap)
  * can still call back into it. */
 static void maybe_free(peer_daemon *d)
 {
-    if (d->timers_open > 0 || d->sync_inflight || d->avg_inflight > 0 || d->stop_phase < 4)
+    if (d->timers_open > 0 || d->sync_inflight || d->avg_running || d->keeper_running || d->stop_phase < 4)
         return;
+    peer_averaging_destroy(&d->avg);
+    peer_keeper_destroy(&d->keeper);
     void (*cb)(int, void *) = d->stop_cb;
     void *arg = d->stop_arg;
     int status = d->final_status;
@@ -995,8 +958,6 @@ static void on_dht_closed(dht *dh, void *ud)
     uv_close((uv_handle_t *)&d->join_timer, on_timer_closed);
     uv_close((uv_handle_t *)&d->ckpt_timer, on_timer_closed);
     uv_close((uv_handle_t *)&d->stop_timer, on_timer_closed);
-    uv_close((uv_handle_t *)&d->avg_timer, on_timer_closed);
-    uv_close((uv_handle_t *)&d->avg_gather_timer, on_timer_closed);
 }
 
 static void on_svc_closed(peer_service *s, int ckpt_status, void *arg)
@@ -1028,8 +989,8 @@ static void continue_stop(peer_daemon *d)
         d->stop_phase = 2;
     }
     if (d->stop_phase == 2) {
-        if (d->ckpt_busy)
-            return; /* ckpt_after_cb calls us again */
+        if (d->ckpt_busy || d->avg_running || d->keeper_running)
+            return; /* ckpt_after_cb / on_avg_stopped / on_keeper_stopped call us again */
         d->stop_phase = 3;
         peer_service_close(d->svc, on_svc_closed, d);
     }
@@ -1045,12 +1006,11 @@ void peer_daemon_stop(peer_daemon *d, void (*cb)(int status, void *arg), void *a
     uv_timer_stop(&d->announce_timer);
     uv_timer_stop(&d->join_timer);
     uv_timer_stop(&d->ckpt_timer);
-    uv_timer_stop(&d->avg_timer);
-    uv_timer_stop(&d->avg_gather_timer);
     /* Rounds in flight are abandoned while the service still stands. */
-    for (int i = 0; i < PEER_SERVICE_MAX_BLOCKS; i++)
-        if (d->avg[i].ar)
-            peer_allreduce_cancel(d->avg[i].ar);
+    if (d->avg_running)
+        peer_averaging_stop(d->avg, on_avg_stopped, d);
+    if (d->keeper_running)
+        peer_keeper_stop(d->keeper, on_keeper_stopped, d);
     d->stop_phase = 1;
     d->offline_puts = d->joined ? announce(d, PEER_STATE_OFFLINE, on_offline_put) : 0;
     if (d->offline_puts == 0) {

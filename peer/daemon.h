@@ -9,10 +9,13 @@
  * spread over donors) unless its own is as new, then announces each hosted
  * block online under its key (peer/announce.h) and the model under the
  * models index, signed, expiring ttl_s ahead and renewed every
- * announce_every_s. Every average_every_s seconds it averages each block's
- * parameters with one other online replica chosen at random (pairwise
- * gossip averaging over the state download; weighted by the samples each
- * trained on since its last round).
+ * announce_every_s. Every average_every_s seconds it averages each block
+ * with its other replicas (peer/averaging.h), and every keep_every_s it
+ * refreshes the cold copies it keeps of other stages (peer/keeper.h). A
+ * joining block takes the newest of its checkpoint, the online holders'
+ * state and the cold copies; when a newer version existed (this node's own
+ * announcement from before a crash, or a copy it could not fetch) it says
+ * STATE LOST and announces from which version to which it went back.
  * A stop announces the blocks offline, closes the service (which writes
  * checkpoints), and closes the DHT.
  *
@@ -43,6 +46,9 @@ typedef struct peer_daemon_config {
     const char *metrics_listen;        /* "HOST:PORT" or NULL */
     int no_state_download;             /* keep our own state even if holders have newer */
     double average_every_s;            /* replica averaging period; 0 = off */
+    double keep_every_s;               /* cold copies of other stages (peer/keeper.h); 0 = off */
+    int keep_copies;                   /* keepers per stage; 0 = 2 */
+    size_t keep_max_bytes;             /* memory for cold copies; 0 = 2 GiB */
     FILE *log;                         /* status lines; NULL = stderr */
 } peer_daemon_config;
 

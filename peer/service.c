@@ -4,6 +4,7 @@
 #include <inttypes.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,6 +36,7 @@ struct svc_block {
     char name[65];
     char ckpt_path[PATH_MAX];
     int restored;
+    int has_state;             /* restored, downloaded, averaged or trained: not initial weights */
     uint64_t stage_hash;
     struct expert_block_config cfg;
     expert_block *block;
@@ -60,6 +62,15 @@ struct svc_block {
         float *reduced;        /* our part, averaged */
         int reduced_state;     /* 0 pending, 1 ready, < 0 failed (negative errno) */
     } avg;
+    /* The previous round's reduced part, still served to members that
+     * finish later than we do (we may begin the next round meanwhile). */
+    struct {
+        uint64_t round;
+        uint8_t digest[PEER_AVG_DIGEST_LEN];
+        double weight;
+        size_t nflat, part_off, part_len;
+        float *reduced;        /* NULL: none */
+    } avg_prev;
 };
 
 struct peer_service {
@@ -72,6 +83,10 @@ struct peer_service {
     int n_blocks;
     svc_block blocks[PEER_SERVICE_MAX_BLOCKS];
     peer_rpc_server *rpc;
+    peer_service_avg_hook avg_hook;
+    void *avg_hook_arg;
+    peer_service_cold_fn cold_fn;
+    void *cold_arg;
     int closing;
     void (*close_cb)(peer_service *, int, void *);
     void *close_arg;
@@ -230,6 +245,9 @@ static uint64_t samples_since_avg(svc_block *b)
 /* A chunk of block b's serialized state (see service.h). Runs on the loop
  * thread; serialising a snapshot copies the parameters and optimizer state
  * once per download, not per chunk. */
+static void serve_state_chunk(peer_service *s, peer_rpc_request *req, const uint8_t *state, size_t state_len,
+                              uint64_t state_id, uint64_t version, uint64_t off);
+
 static void handle_state(peer_service *s, svc_block *b, peer_rpc_request *req, const peer_msg *msg)
 {
     if (!msg->meta || msg->meta_len != 16) {
@@ -259,11 +277,41 @@ static void handle_state(peer_service *s, svc_block *b, peer_rpc_request *req, c
         peer_rpc_respond_error(req, ESTALE, "the state snapshot was replaced; start again");
         return;
     }
-    if (off > b->state_len) {
+    serve_state_chunk(s, req, b->state, b->state_len, b->state_id, b->state_version, off);
+}
+
+/* A state request for a block we do not host: served from a cold copy
+ * (peer_service_set_cold_source) when there is one. Returns 0 when it
+ * answered. */
+static int handle_cold_state(peer_service *s, peer_rpc_request *req, const peer_msg *msg)
+{
+    const uint8_t *buf;
+    size_t len;
+    uint64_t cid, version;
+    if (!s->cold_fn || s->cold_fn(s->cold_arg, msg->block, &buf, &len, &cid, &version) != 0)
+        return -ENOENT;
+    if (!msg->meta || msg->meta_len != 16) {
+        peer_rpc_respond_error(req, EINVAL, "state takes meta = snapshot id and offset (16 bytes)");
+        return 0;
+    }
+    uint64_t id = peer_get_le64(msg->meta), off = peer_get_le64((const uint8_t *)msg->meta + 8);
+    if (id != 0 && id != cid) {
+        peer_rpc_respond_error(req, ESTALE, "the state snapshot was replaced; start again");
+        return 0;
+    }
+    serve_state_chunk(s, req, buf, len, cid, version, id == 0 ? 0 : off);
+    return 0;
+}
+
+/* Answers one chunk of a serialized state (buf, len) at off. */
+static void serve_state_chunk(peer_service *s, peer_rpc_request *req, const uint8_t *state, size_t state_len,
+                              uint64_t state_id, uint64_t version, uint64_t off)
+{
+    if (off > state_len) {
         peer_rpc_respond_error(req, EINVAL, "offset past the end of the state");
         return;
     }
-    size_t len = b->state_len - off < PEER_STATE_CHUNK ? b->state_len - (size_t)off : PEER_STATE_CHUNK;
+    size_t len = state_len - off < PEER_STATE_CHUNK ? state_len - (size_t)off : PEER_STATE_CHUNK;
     if (!s->chunk && !(s->chunk = malloc(PEER_STATE_CHUNK + 4))) {
         peer_rpc_respond_error(req, ENOMEM, "out of memory");
         return;
@@ -271,11 +319,11 @@ static void handle_state(peer_service *s, svc_block *b, peer_rpc_request *req, c
     float *chunk = s->chunk;
     size_t nf = (len + 3) / 4;
     chunk[nf ? nf - 1 : 0] = 0.0f; /* zero the padding */
-    memcpy(chunk, b->state + off, len);
+    memcpy(chunk, state + off, len);
     uint8_t meta[24];
-    peer_put_le64(meta, b->state_id);
-    peer_put_le64(meta + 8, b->state_len);
-    peer_put_le64(meta + 16, b->state_version);
+    peer_put_le64(meta, state_id);
+    peer_put_le64(meta + 8, state_len);
+    peer_put_le64(meta + 16, version);
     peer_msg reply;
     peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_STATE, 0);
     reply.meta = meta;
@@ -284,6 +332,25 @@ static void handle_state(peer_service *s, svc_block *b, peer_rpc_request *req, c
     reply.n_tensors = nf ? 1 : 0;
     if (nf)
         peer_tensor_f32(&reply.t[0], chunk, 2, shape);
+    peer_rpc_respond(req, &reply);
+}
+
+static void avg_reply(peer_rpc_request *req, uint64_t round, double weight, size_t nflat, const float *src,
+                      uint64_t count)
+{
+    uint8_t meta[24];
+    uint64_t wbits;
+    memcpy(&wbits, &weight, sizeof wbits);
+    peer_put_le64(meta, round);
+    peer_put_le64(meta + 8, wbits);
+    peer_put_le64(meta + 16, nflat);
+    peer_msg reply;
+    peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_AVG, 0);
+    reply.meta = meta;
+    reply.meta_len = sizeof meta;
+    uint64_t shape[2] = {1, count};
+    reply.n_tensors = 1;
+    peer_tensor_f32(&reply.t[0], (float *)(uintptr_t)src, 2, shape);
     peer_rpc_respond(req, &reply);
 }
 
@@ -298,11 +365,36 @@ static void handle_avg(peer_service *s, svc_block *b, peer_rpc_request *req, con
     uint64_t round = peer_get_le64(m), kind = peer_get_le64(m + 24), off = peer_get_le64(m + 32),
              count = peer_get_le64(m + 40);
     if (!b->avg.active || b->avg.round < round) {
+        /* A member counts us in a round we have not begun: our view of the
+         * group may lack it. */
+        if (s->avg_hook)
+            s->avg_hook(s->avg_hook_arg, (int)(b - s->blocks), round);
         peer_rpc_respond_error(req, EAGAIN, "that averaging round has not begun here yet");
         return;
     }
-    if (b->avg.round != round || memcmp(b->avg.digest, m + 8, PEER_AVG_DIGEST_LEN) != 0) {
-        peer_rpc_respond_error(req, ESTALE, "another averaging round or group");
+    if (b->avg.round != round && b->avg_prev.reduced && b->avg_prev.round == round && kind == 1 &&
+        !memcmp(b->avg_prev.digest, m + 8, PEER_AVG_DIGEST_LEN)) {
+        /* A slower member of our last round fetching our reduced part. */
+        if (off < b->avg_prev.part_off || count < 1 || count > PEER_AVG_MAX_COUNT ||
+            off > b->avg_prev.part_off + b->avg_prev.part_len ||
+            count > b->avg_prev.part_off + b->avg_prev.part_len - off) {
+            peer_rpc_respond_error(req, EINVAL, "avg range outside this member's part");
+            return;
+        }
+        avg_reply(req, round, b->avg_prev.weight, b->avg_prev.nflat,
+                  b->avg_prev.reduced + (off - b->avg_prev.part_off), count);
+        return;
+    }
+    if (b->avg.round != round) {
+        peer_rpc_respond_error(req, ESTALE, "another averaging round");
+        return;
+    }
+    if (memcmp(b->avg.digest, m + 8, PEER_AVG_DIGEST_LEN) != 0) {
+        /* The same round, another group: the members' views of who is in
+         * it differ. Both sides look again; the asker waits meanwhile. */
+        if (s->avg_hook)
+            s->avg_hook(s->avg_hook_arg, (int)(b - s->blocks), round);
+        peer_rpc_respond_error(req, EAGAIN, "another group for this averaging round; looking again");
         return;
     }
     if (kind > 1 || count < 1 || count > PEER_AVG_MAX_COUNT || off > b->avg.nflat || count > b->avg.nflat - off) {
@@ -325,20 +417,7 @@ static void handle_avg(peer_service *s, svc_block *b, peer_rpc_request *req, con
         }
         src = b->avg.reduced + (off - b->avg.part_off);
     }
-    uint8_t meta[24];
-    uint64_t wbits;
-    memcpy(&wbits, &b->avg.weight, sizeof wbits);
-    peer_put_le64(meta, round);
-    peer_put_le64(meta + 8, wbits);
-    peer_put_le64(meta + 16, b->avg.nflat);
-    peer_msg reply;
-    peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_AVG, 0);
-    reply.meta = meta;
-    reply.meta_len = sizeof meta;
-    uint64_t shape[2] = {1, count};
-    reply.n_tensors = 1;
-    peer_tensor_f32(&reply.t[0], (float *)(uintptr_t)src, 2, shape);
-    peer_rpc_respond(req, &reply);
+    avg_reply(req, round, b->avg.weight, b->avg.nflat, src, count);
 }
 
 static int is_f32_2d(const peer_tensor *t, int cols, int max_rows, uint64_t *rows_out)
@@ -377,6 +456,8 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
     for (int i = 0; i < s->n_blocks; i++)
         if (strcmp(s->blocks[i].name, msg->block) == 0)
             b = &s->blocks[i];
+    if (!b && msg->method == PEER_METHOD_STATE && handle_cold_state(s, req, msg) == 0)
+        return;
     if (!b) {
         snprintf(why, sizeof why, "block '%.80s' is not hosted by this peer", msg->block);
         peer_rpc_respond_error(req, ENOENT, why);
@@ -547,9 +628,41 @@ static void free_blocks(peer_service *s)
         free(b->avg.base);
         free(b->avg.reduced);
         memset(&b->avg, 0, sizeof b->avg);
+        free(b->avg_prev.reduced);
+        b->avg_prev.reduced = NULL;
         expert_block_destroy(&b->block);
     }
     s->n_blocks = 0;
+}
+
+/* A line in the service's log (config log, else stderr); any thread. */
+static void svc_log(peer_service *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void svc_log(peer_service *s, const char *fmt, ...)
+{
+    FILE *f = s->cfg.log ? s->cfg.log : stderr;
+    va_list ap;
+    va_start(ap, fmt);
+    flockfile(f);
+    fprintf(f, "starling peer: ");
+    vfprintf(f, fmt, ap);
+    fputc('\n', f);
+    fflush(f);
+    funlockfile(f);
+    va_end(ap);
+}
+
+/* Removes the temporary files that killed checkpoint writes of block b left
+ * (expert_ckpt_clean_tmp: only a writer that is gone, never a write in
+ * flight) and says how much they held. */
+static void clean_stale_tmp(peer_service *s, svc_block *b)
+{
+    uint64_t bytes = 0;
+    int n = expert_ckpt_clean_tmp(b->ckpt_path, &bytes);
+    if (n > 0)
+        svc_log(s, "%s: removed %d stale temporary checkpoint file%s (%" PRIu64 " bytes)", b->name, n,
+                n == 1 ? "" : "s", bytes);
+    else if (n < 0)
+        svc_log(s, "%s: cannot look for stale temporary checkpoint files: %s", b->name, strerror(-n));
 }
 
 peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cfg, char *err,
@@ -625,23 +738,33 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
             snprintf(err, errlen, "out of memory for block %s", b->name);
             goto fail;
         }
+        /* Checkpoints and downloaded state then record and check the stage. */
+        if (expert_block_set_stage(b->block, spec, idx) != 0) {
+            snprintf(err, errlen, "cannot name block %s", b->name);
+            goto fail;
+        }
         if (cfg->checkpoint_dir) {
             char name[sizeof b->name];
             memcpy(name, b->name, sizeof name); /* a copy: gcc's -Wrestrict sees b->name in *b */
             snprintf(b->ckpt_path, sizeof b->ckpt_path, "%s/%s.ckpt", cfg->checkpoint_dir, name);
+            clean_stale_tmp(s, b);
             struct stat st;
             if (stat(b->ckpt_path, &st) == 0) {
-                int rc = expert_block_load(b->block, b->ckpt_path);
+                char why[PATH_MAX + 512];
+                int rc = expert_block_load(b->block, b->ckpt_path, why, sizeof why);
                 if (rc != 0) {
+                    /* Not started, so the file is not overwritten by our
+                     * next checkpoint: it may be the only copy of a stage. */
                     snprintf(err, errlen,
-                             "cannot restore %s from %s: %s (move the file away to start fresh)",
-                             b->name, b->ckpt_path,
-                             rc == -ESTALE ? "it belongs to another block configuration"
-                             : rc == -EBADMSG ? "the file is corrupt or truncated"
-                                              : strerror(-rc));
+                             "cannot restore %s: %s. The file is left as it is: give it the name of the "
+                             "stage it holds, or move it away to start %s fresh",
+                             b->name, why, b->name);
                     goto fail;
                 }
+                if (why[0])
+                    svc_log(s, "warning: %s", why);
                 b->restored = 1;
+                b->has_state = 1;
             }
         }
         peer_batcher_config bc = {cfg->threads, cfg->max_batch, cfg->max_queue_rows, cfg->optim, 1,
@@ -721,8 +844,29 @@ int peer_service_install_state(peer_service *s, int i, const void *buf, size_t l
 {
     if (!s || i < 0 || i >= s->n_blocks || !buf)
         return -EINVAL;
-    return expert_block_deserialize(s->blocks[i].block, buf, len);
+    int rc = expert_block_deserialize(s->blocks[i].block, buf, len);
+    if (rc == 0)
+        s->blocks[i].has_state = 1;
+    return rc;
 }
+
+void peer_service_set_avg_hook(peer_service *s, peer_service_avg_hook fn, void *arg)
+{
+    if (!s)
+        return;
+    s->avg_hook = fn;
+    s->avg_hook_arg = arg;
+}
+
+void peer_service_set_cold_source(peer_service *s, peer_service_cold_fn fn, void *arg)
+{
+    if (!s)
+        return;
+    s->cold_fn = fn;
+    s->cold_arg = arg;
+}
+
+static void avg_retire(svc_block *b);
 
 int peer_service_avg_begin(peer_service *s, int i, uint64_t round, const uint8_t digest[PEER_AVG_DIGEST_LEN],
                            int n, int me, double *weight_out, size_t *nflat_out)
@@ -731,6 +875,8 @@ int peer_service_avg_begin(peer_service *s, int i, uint64_t round, const uint8_t
         return -EINVAL;
     svc_block *b = &s->blocks[i];
     size_t nflat = expert_block_flat_len(b->block);
+    if (b->avg.active && b->avg.reduced_state == 1)
+        avg_retire(b); /* a finished round: keep its part for slower members */
     if (!b->avg.base || b->avg.nflat != nflat) {
         free(b->avg.base);
         b->avg.nflat = 0;
@@ -750,7 +896,10 @@ int peer_service_avg_begin(peer_service *s, int i, uint64_t round, const uint8_t
     peer_batcher_stats st;
     peer_batcher_get_stats(b->batcher, &st);
     b->avg.mark = st.rows[PEER_TASK_BACKWARD];
-    b->avg.weight = (double)samples_since_avg(b) + 1.0;
+    /* Initial weights carry no information: such a member takes the
+     * group's average and gives nothing to it. */
+    int has_state = b->has_state || expert_block_version(b->block) > 0;
+    b->avg.weight = has_state ? (double)samples_since_avg(b) + 1.0 : 0.0;
     expert_block_flat_export(b->block, b->avg.base);
     b->avg.nflat = nflat;
     b->avg.round = round;
@@ -797,19 +946,38 @@ int peer_service_avg_apply(peer_service *s, int i, const float *avg, int with_op
         return -EINVAL;
     svc_block *b = &s->blocks[i];
     int rc = expert_block_flat_apply(b->block, avg, b->avg.base, with_optim, dist_before, dist_after);
-    if (rc == 0)
+    if (rc == 0) {
         b->avg_mark = b->avg.mark;
+        b->has_state = 1;
+    }
     return rc;
+}
+
+/* Moves a finished round's reduced part to avg_prev (slower members may
+ * still fetch it) and frees the rest. */
+static void avg_retire(svc_block *b)
+{
+    if (b->avg.active && b->avg.reduced_state == 1 && b->avg.reduced) {
+        free(b->avg_prev.reduced);
+        b->avg_prev.round = b->avg.round;
+        memcpy(b->avg_prev.digest, b->avg.digest, PEER_AVG_DIGEST_LEN);
+        b->avg_prev.weight = b->avg.weight;
+        b->avg_prev.nflat = b->avg.nflat;
+        b->avg_prev.part_off = b->avg.part_off;
+        b->avg_prev.part_len = b->avg.part_len;
+        b->avg_prev.reduced = b->avg.reduced;
+        b->avg.reduced = NULL;
+    }
+    free(b->avg.base);
+    free(b->avg.reduced);
+    memset(&b->avg, 0, sizeof b->avg);
 }
 
 void peer_service_avg_release(peer_service *s, int i)
 {
     if (!s || i < 0 || i >= s->n_blocks)
         return;
-    svc_block *b = &s->blocks[i];
-    free(b->avg.base);
-    free(b->avg.reduced);
-    memset(&b->avg, 0, sizeof b->avg);
+    avg_retire(&s->blocks[i]);
 }
 
 int peer_service_checkpoint(peer_service *s)
@@ -824,6 +992,7 @@ int peer_service_checkpoint(peer_service *s)
         int rc = expert_block_save(b->block, b->ckpt_path, 1);
         if (rc != 0 && first == 0)
             first = rc;
+        clean_stale_tmp(s, b);
     }
     return first;
 }

@@ -36,6 +36,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include <uv.h>
 
@@ -65,6 +66,9 @@ typedef struct peer_service_config {
     struct expert_optim optim;    /* optimizer, incl. target_batch */
     uint64_t seed;                /* init seed when no checkpoint exists */
     const char *checkpoint_dir;   /* NULL: no checkpoints */
+    FILE *log;                    /* warnings and notes about checkpoints (stale temp
+                                     files removed, a file that records no stage);
+                                     NULL: stderr. Borrowed; must outlive the service */
 } peer_service_config;
 
 /* What a service reports about one hosted block (for announcements and
@@ -84,7 +88,12 @@ typedef struct peer_service peer_service;
 /* Creates blocks (from checkpoints in checkpoint_dir when present), their
  * batchers and the RPC server. Returns NULL on failure with a sentence in
  * err (unknown model or stage, duplicate stage, corrupt or mismatched
- * checkpoint, out of memory). */
+ * checkpoint, out of memory). A checkpoint that cannot be loaded (corrupt,
+ * or another stage's: "<file> holds fmnist-mlp.2 (..), not fmnist-mlp.3
+ * (..)") is left untouched and the service is not created, so a running
+ * peer never overwrites it (docs/expert.md). Before loading, the temporary
+ * files that killed checkpoint writes of the hosted blocks left are removed
+ * (expert_ckpt_clean_tmp), and logged with their size. */
 peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cfg, char *err,
                                   size_t errlen);
 
@@ -100,8 +109,9 @@ int peer_service_block_info(peer_service *s, int i, peer_block_info *info);
 
 /* Installs serialized state (from a donor's PEER_METHOD_STATE download) into
  * hosted block i. Returns 0, -EINVAL, or expert_block_deserialize's error
- * (-EBADMSG corrupt, -ESTALE another configuration); the block is unchanged
- * on error. Loop thread. */
+ * (-EBADMSG corrupt, -ESTALE another configuration or another stage: the
+ * state records its stage, checkpoint format 2); the block is unchanged on
+ * error. Loop thread. */
 int peer_service_install_state(peer_service *s, int i, const void *buf, size_t len);
 
 /* ---- Group averaging, the serving side (peer/allreduce.h drives it) ----
@@ -115,8 +125,9 @@ int peer_service_install_state(peer_service *s, int i, const void *buf, size_t l
  *                               kind u64 (0 base, 1 reduced) | offset u64 | count u64
  *   reply meta (24 bytes LE):   round u64 | weight f64 | flat length u64,
  *                               one (1, count) f32 tensor.
- * Errors: EAGAIN (that round has not begun here yet, or our part is not
- * reduced yet: ask again), ESTALE (another round or another group), ECANCELED
+ * Errors: EAGAIN (that round has not begun here yet, our part is not
+ * reduced yet, or we are in another group for this round and look again:
+ * ask again), ESTALE (another round), ECANCELED
  * (the round failed here), EINVAL (a range outside the state or our part). */
 #define PEER_AVG_MAX_COUNT (PEER_STATE_CHUNK / 4)
 #define PEER_AVG_DIGEST_LEN 16
@@ -132,7 +143,9 @@ static inline void peer_avg_part(size_t nflat, int n, int j, size_t *off, size_t
 /* Begins round `round` of block i in the group named by digest (n members,
  * we are member me): freezes the base and our weight (training samples
  * since the last applied round, plus one, so a group where nobody trained
- * averages with equal weights). Replaces any earlier round. Returns 0,
+ * averages with equal weights; 0 while the block still has its initial
+ * weights: never restored, downloaded, averaged or stepped, so it takes
+ * the group's average without pulling it toward noise). Replaces any earlier round. Returns 0,
  * -EINVAL or -ENOMEM. Loop thread. */
 int peer_service_avg_begin(peer_service *s, int i, uint64_t round, const uint8_t digest[PEER_AVG_DIGEST_LEN],
                            int n, int me, double *weight_out, size_t *nflat_out);
@@ -152,8 +165,26 @@ int peer_service_avg_apply(peer_service *s, int i, const float *avg, int with_op
 /* Frees the round's buffers (others still asking then get ESTALE). */
 void peer_service_avg_release(peer_service *s, int i);
 
+/* Called on the loop thread when another member asks block i about
+ * averaging round `round` that has not begun here, or names another group
+ * for the round we are in (the answer is EAGAIN): the members' views of
+ * the group differ, so the owner should look at the group again. */
+typedef void (*peer_service_avg_hook)(void *arg, int block, uint64_t round);
+void peer_service_set_avg_hook(peer_service *s, peer_service_avg_hook fn, void *arg);
+
+/* Cold copies (peer/keeper.h): a state request naming a block this
+ * service does not host asks fn, which returns 0 with the serialized state
+ * (borrowed: valid until control returns to the loop), its id (non-zero,
+ * new whenever the copy is replaced) and weight version, or a negative
+ * errno when it keeps no copy (the request then gets ENOENT). Loop thread. */
+typedef int (*peer_service_cold_fn)(void *arg, const char *block, const uint8_t **buf, size_t *len,
+                                    uint64_t *id, uint64_t *version);
+void peer_service_set_cold_source(peer_service *s, peer_service_cold_fn fn, void *arg);
+
 /* Writes every block's checkpoint now (atomically; blocks the caller for the
- * time of the writes). Returns 0 or the first error. */
+ * time of the writes), then removes any temporary file of the blocks' that a
+ * write in this process or a killed one left. Returns 0 or the first error.
+ * Runs on a worker thread too (periodic checkpoints), never two at once. */
 int peer_service_checkpoint(peer_service *s);
 
 /* Graceful stop: closes the RPC server (requests already queued are

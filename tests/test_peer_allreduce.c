@@ -232,14 +232,15 @@ static void test_weighted_average(void **state)
     start_all();
     /* Different initial weights (seeds) and different amounts of training:
      * member 0 trains 4 batches (weight 65), member 1 one (17), member 2
-     * none (1). */
+     * none: it still has its initial weights, so it takes the average and
+     * adds nothing to it (0). */
     train(0, 4, 7);
     train(1, 1, 8);
     size_t n = 0;
     float *base[N];
     for (int k = 0; k < N; k++)
         base[k] = flat_of(k, &n);
-    const double w[N] = {65, 17, 1}, wsum = 83;
+    const double w[N] = {65, 17, 0}, wsum = 82;
     uint8_t dg[PEER_AVG_DIGEST_LEN];
     digest_for(dg, 42);
     outcome o[N];
@@ -391,6 +392,43 @@ static void expect_err(peer_rpc_client *cl, const void *meta, size_t len, int co
     assert_int_equal(r.err_code, code);
 }
 
+static int hints;
+static uint64_t hint_round;
+static void on_hint(void *arg, int block, uint64_t round)
+{
+    (void)arg;
+    assert_int_equal(block, 0);
+    hints++;
+    hint_round = round;
+}
+
+/* Nobody has trained or received state: every weight is 0, so the round
+ * fails with -ENODATA on every member and changes nothing. */
+static void test_all_initial_weights(void **state)
+{
+    (void)state;
+    start_all();
+    size_t n = 0;
+    float *before[N];
+    for (int k = 0; k < N; k++)
+        before[k] = flat_of(k, &n);
+    uint8_t dg[PEER_AVG_DIGEST_LEN];
+    digest_for(dg, 44);
+    outcome o[N];
+    for (int k = 0; k < N; k++)
+        assert_int_equal(start_round(k, 44, dg, 20.0, &o[k]), 0);
+    for (int k = 0; k < N; k++) {
+        run_until(&o[k].done);
+        assert_int_equal(o[k].status, -ENODATA);
+        size_t n2;
+        float *now = flat_of(k, &n2);
+        assert_memory_equal(now, before[k], n * sizeof(float));
+        free(now);
+        free(before[k]);
+    }
+    stop_all();
+}
+
 static void test_bad_requests(void **state)
 {
     (void)state;
@@ -414,8 +452,20 @@ static void test_bad_requests(void **state)
     expect_err(cl, m, 48, ESTALE);      /* an older round */
     avg_meta(m, 51, dg, 0, 0, 16);
     expect_err(cl, m, 48, EAGAIN);      /* a later one: not begun here */
+    hints = 0;
+    peer_service_set_avg_hook(svc[0], on_hint, NULL);
     avg_meta(m, 50, other, 0, 0, 16);
-    expect_err(cl, m, 48, ESTALE);      /* another group */
+    expect_err(cl, m, 48, EAGAIN);      /* another group: both look again */
+    assert_int_equal(hints, 1);
+    assert_int_equal(hint_round, 50);
+    avg_meta(m, 51, dg, 0, 0, 16);
+    expect_err(cl, m, 48, EAGAIN);      /* a round not begun here: look again */
+    assert_int_equal(hints, 2);
+    assert_int_equal(hint_round, 51);
+    avg_meta(m, 49, dg, 0, 0, 16);
+    expect_err(cl, m, 48, ESTALE);      /* an older round: no reason to look */
+    assert_int_equal(hints, 2);
+    peer_service_set_avg_hook(svc[0], NULL, NULL);
     avg_meta(m, 50, dg, 2, 0, 16);
     expect_err(cl, m, 48, EINVAL);      /* unknown kind */
     avg_meta(m, 50, dg, 0, n - 8, 16);
@@ -465,6 +515,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_weighted_average, setup, teardown),
         cmocka_unit_test_setup_teardown(test_member_fails, setup, teardown),
         cmocka_unit_test_setup_teardown(test_member_vanishes, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_all_initial_weights, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_requests, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -4,7 +4,13 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <math.h>
+#include <fcntl.h>
 #include <netinet/in.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
 
 #include <uv.h>
 
@@ -18,6 +24,7 @@
 static uv_loop_t loop;
 static dht_identity id_srv, id_cli;
 static char dir[256];
+static FILE *svc_log; /* the services' log (NULL: stderr) */
 
 /* ---- a tiny synchronous call helper on top of the async client ---- */
 
@@ -131,6 +138,7 @@ static peer_service *start_inline(int *port, const int *blocks, int n, int inlin
     c.optim.target_batch = 8;
     c.seed = 42;
     c.checkpoint_dir = dir;
+    c.log = svc_log;
     c.infer_inline_rows = inline_rows;
     peer_service *s = peer_service_create(&loop, &c, err, sizeof err);
     if (!s)
@@ -414,6 +422,163 @@ static void test_bad_configs(void **state)
     assert_non_null(strstr(err, "cannot restore fmnist-mlp.1"));
 }
 
+/* A checkpoint file renamed to another stage's name is refused, naming both
+ * stages, and left in place untouched (nothing is lost); the right stage
+ * still loads it. */
+static void test_checkpoint_of_another_stage(void **state)
+{
+    (void)state;
+    static const int two[] = {2}, three[] = {3};
+    int port;
+    peer_service *s = start(&port, two, 1);
+    peer_rpc_client *cl = connect_to(port);
+    stop(&s, &cl); /* writes fmnist-mlp.2.ckpt */
+    char p2[512], p3[512];
+    snprintf(p2, sizeof p2, "%s/fmnist-mlp.2.ckpt", dir);
+    snprintf(p3, sizeof p3, "%s/fmnist-mlp.3.ckpt", dir);
+    assert_int_equal(rename(p2, p3), 0);
+    struct stat st0, st1;
+    assert_int_equal(stat(p3, &st0), 0);
+
+    char err[512] = "";
+    peer_service_config c;
+    memset(&c, 0, sizeof c);
+    c.self = &id_srv;
+    c.model = "fmnist-mlp";
+    c.blocks = three;
+    c.n_blocks = 1;
+    c.threads = 1;
+    c.max_batch = 8;
+    c.max_queue_rows = 8;
+    expert_optim_default_adamw(&c.optim);
+    c.checkpoint_dir = dir;
+    assert_null(peer_service_create(&loop, &c, err, sizeof err));
+    fprintf(stderr, "refused as: %s\n", err);
+    assert_non_null(strstr(err, "holds fmnist-mlp.2"));
+    assert_non_null(strstr(err, "not fmnist-mlp.3"));
+    assert_non_null(strstr(err, p3));
+    /* The refused file is where it was, unchanged. */
+    assert_int_equal(stat(p3, &st1), 0);
+    assert_true(st1.st_size == st0.st_size && st1.st_ino == st0.st_ino &&
+                st1.st_mtim.tv_sec == st0.st_mtim.tv_sec && st1.st_mtim.tv_nsec == st0.st_mtim.tv_nsec);
+    /* Put back under its own name, it loads. */
+    assert_int_equal(rename(p3, p2), 0);
+    s = start(&port, two, 1);
+    peer_block_info info;
+    assert_int_equal(peer_service_block_info(s, 0, &info), 0);
+    assert_int_equal(info.restored, 1);
+    /* Downloaded state records its stage too: stage 3's (same shape) is
+     * refused by our stage 2, stage 2's installed. */
+    const struct expert_model_spec *spec = expert_model_find("fmnist-mlp");
+    struct expert_block_config bc;
+    assert_int_equal(expert_model_stage(spec, 3, &bc), 0);
+    expert_block *other = expert_block_create(&bc, 7);
+    assert_non_null(other);
+    size_t len = expert_block_serialized_size(other, 1);
+    void *buf = malloc(len);
+    for (int stage = 3; stage >= 2; stage--) {
+        assert_int_equal(expert_block_set_stage(other, spec, stage), 0);
+        assert_int_equal(expert_block_serialize(other, 1, buf, len), (long)len);
+        assert_int_equal(peer_service_install_state(s, 0, buf, len), stage == 3 ? -ESTALE : 0);
+    }
+    free(buf);
+    expert_block_destroy(&other);
+    cl = connect_to(port);
+    stop(&s, &cl);
+}
+
+static int tmp_exists(const char *name)
+{
+    char p[600];
+    struct stat st;
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    return stat(p, &st) == 0;
+}
+
+static void tmp_make(const char *name, size_t len, time_t age_s)
+{
+    char p[600];
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    char *junk = calloc(1, len ? len : 1);
+    assert_non_null(junk);
+    test_write_file(p, junk, len, 0644);
+    free(junk);
+    if (age_s) {
+        struct timespec ts[2];
+        clock_gettime(CLOCK_REALTIME, &ts[0]);
+        ts[0].tv_sec -= age_s;
+        ts[1] = ts[0];
+        assert_int_equal(utimensat(AT_FDCWD, p, ts, 0), 0);
+    }
+}
+
+/* Stale temporary files of a killed checkpoint write are removed at start
+ * (ours: our blocks, our pattern, a writer that is gone) and at a clean
+ * stop; another live process's, another block's and other files are kept. */
+static void test_stale_tmp_cleaned(void **state)
+{
+    (void)state;
+    pid_t dead = fork();
+    assert_true(dead >= 0);
+    if (dead == 0)
+        _exit(0);
+    assert_int_equal(waitpid(dead, NULL, 0), dead);
+    char n_dead[128], n_self[128], n_live[128], n_other_blk[128], n_locked[128];
+    snprintf(n_dead, sizeof n_dead, "fmnist-mlp.1.ckpt.tmp.%d.aB3xYz", (int)dead);
+    snprintf(n_self, sizeof n_self, "fmnist-mlp.1.ckpt.tmp.%d.Qq0000", (int)getpid());
+    snprintf(n_live, sizeof n_live, "fmnist-mlp.1.ckpt.tmp.%d.Zz9999", (int)getppid());
+    snprintf(n_other_blk, sizeof n_other_blk, "fmnist-mlp.4.ckpt.tmp.%d.aB3xYz", (int)dead);
+    snprintf(n_locked, sizeof n_locked, "fmnist-mlp.1.ckpt.tmp.%d.Lk1234", (int)getpid());
+    tmp_make(n_dead, 3000, 0);
+    tmp_make(n_self, 500, 0);
+    tmp_make(n_live, 100, 0);
+    tmp_make(n_other_blk, 100, 0);
+    tmp_make(n_locked, 100, 0);
+    tmp_make("fmnist-mlp.1.ckpt.tmp.OLDone", 20, 3600);  /* an older build's leftover */
+    tmp_make("fmnist-mlp.1.ckpt.tmp.NEWone", 20, 0);     /* possibly an older build writing now */
+    tmp_make("fmnist-mlp.1.ckpt.tmp.12.x", 20, 3600);    /* not our pattern */
+    tmp_make("fmnist-mlp.1.ckpt.bak", 20, 3600);
+    /* A write in flight in this process (another service): it holds the lock. */
+    char pl[600];
+    snprintf(pl, sizeof pl, "%s/%s", dir, n_locked);
+    int lfd = open(pl, O_RDWR | O_CLOEXEC);
+    assert_true(lfd >= 0);
+    assert_int_equal(flock(lfd, LOCK_EX), 0);
+
+    static const int one[] = {1};
+    int port;
+    svc_log = tmpfile();
+    assert_non_null(svc_log);
+    peer_service *s = start(&port, one, 1);
+    /* The start said what it removed: 3000 + 500 + 20 bytes in 3 files. */
+    char logtext[2048];
+    rewind(svc_log);
+    size_t got = fread(logtext, 1, sizeof logtext - 1, svc_log);
+    logtext[got] = '\0';
+    fprintf(stderr, "%s", logtext);
+    assert_non_null(strstr(logtext, "fmnist-mlp.1: removed 3 stale temporary checkpoint files (3520 bytes)"));
+    assert_false(tmp_exists(n_dead));
+    assert_false(tmp_exists(n_self));
+    assert_false(tmp_exists("fmnist-mlp.1.ckpt.tmp.OLDone"));
+    assert_true(tmp_exists(n_live));
+    assert_true(tmp_exists(n_other_blk));
+    assert_true(tmp_exists(n_locked));
+    assert_true(tmp_exists("fmnist-mlp.1.ckpt.tmp.NEWone"));
+    assert_true(tmp_exists("fmnist-mlp.1.ckpt.tmp.12.x"));
+    assert_true(tmp_exists("fmnist-mlp.1.ckpt.bak"));
+    /* One of ours appears while we run (as a killed write would leave it). */
+    tmp_make(n_self, 10, 0);
+    peer_rpc_client *cl = connect_to(port);
+    stop(&s, &cl);
+    assert_false(tmp_exists(n_self));
+    assert_true(tmp_exists(n_live));
+    assert_true(tmp_exists(n_locked));
+    assert_true(tmp_exists("fmnist-mlp.1.ckpt"));
+    close(lfd);
+    fclose(svc_log);
+    svc_log = NULL;
+}
+
 static int setup(void **state)
 {
     (void)state;
@@ -440,6 +605,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_rpc_equals_local_and_restart, setup, teardown),
         cmocka_unit_test_setup_teardown(test_infer_spans, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_configs, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_checkpoint_of_another_stage, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_stale_tmp_cleaned, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -4,7 +4,18 @@
 set -u
 S=${STARLING:?STARLING must point at the starling binary}
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/starling-cli-XXXXXX") || exit 1
-trap 'rm -rf "$tmp"' EXIT INT TERM
+BS_PID=""
+cleanup() {
+    if [ -n "$BS_PID" ]; then
+        kill -TERM "$BS_PID" 2>/dev/null
+        for i in $(seq 1 50); do kill -0 "$BS_PID" 2>/dev/null || break; sleep 0.1; done
+        kill -KILL "$BS_PID" 2>/dev/null
+        wait "$BS_PID" 2>/dev/null
+    fi
+    rm -rf "$tmp"
+}
+trap cleanup EXIT
+trap 'exit 1' INT TERM
 fails=0
 
 fail() { echo "FAIL: $*" >&2; fails=$((fails + 1)); }
@@ -100,7 +111,52 @@ expect 1 "corrupt key" -- "$S" keygen --show "$tmp/c.key"
 contains "not a valid Starling identity" "corrupt key message"
 expect 1 "missing key" -- "$S" keygen --show "$tmp/none.key"
 contains "no such file" "missing key message"
-expect 1 "unwritable dir" -- "$S" keygen --out "$tmp/no/such/dir/k"
+expect 1 "unwritable dir" -- "$S" keygen --out "$tmp/a.key/sub/k"
+contains "cannot create directory" "unwritable dir message"
+
+# keygen creates missing parent directories (mode 0700), only the missing
+# ones: README's `--out ~/.starling/identity.key` on a fresh machine.
+mkdir "$tmp/home" && chmod 755 "$tmp/home"
+expect 0 "keygen into new dirs" -- "$S" keygen --out "$tmp/home/.starling/sub/identity.key"
+[ -f "$tmp/home/.starling/sub/identity.key" ] || fail "keygen did not write into new directories"
+for d in "$tmp/home/.starling" "$tmp/home/.starling/sub"; do
+    mode=$(stat -c %a "$d" 2>/dev/null)
+    [ "$mode" = 700 ] || fail "created directory $d has mode '$mode', want 700"
+done
+mode=$(stat -c %a "$tmp/home")
+[ "$mode" = 755 ] || fail "existing directory changed to mode $mode, want 755 kept"
+expect 0 "keygen help" -- "$S" keygen --help
+contains "0700" "keygen help mentions created directories"
+
+# infer --input with images of the wrong size names both shapes.
+{ printf '\000\000\010\003\000\000\000\001\000\000\000\040\000\000\000\040'
+  head -c 1024 /dev/zero; } >"$tmp/img32.idx"
+expect 1 "infer 32x32 input" -- "$S" infer --initial-peers 127.0.0.1:9 --input "$tmp/img32.idx"
+contains "img32.idx: images are 32x32 (1024 values); fmnist-mlp expects 28x28 (784)" "infer shape message"
+
+# A join whose initial peer answers, but as another node or under another
+# swarm key, says so (not "cannot reach"). monitor exits 2 on connection
+# errors.
+"$S" bootstrap --listen 127.0.0.1:0 >"$tmp/bs.out" 2>"$tmp/bs.err" &
+BS_PID=$!
+for i in $(seq 1 100); do grep -q / "$tmp/bs.out" 2>/dev/null && break; sleep 0.1; done
+BS=$(head -1 "$tmp/bs.out")
+case "$BS" in
+*:*/*)
+    bs_host=${BS%/*}
+    bs_id=${BS##*/}
+    other=abababababababababababababababababababab
+    expect 2 "monitor, wrong node ID" -- "$S" monitor --initial-peers "$bs_host/$other" --timeout 10
+    contains "$bs_host answered as node $bs_id, not $other: check the node ID in --initial-peers" \
+        "wrong node ID message"
+    printf '%064d\n' 7 >"$tmp/swarm.key"; chmod 600 "$tmp/swarm.key"
+    expect 2 "monitor, wrong swarm key" -- "$S" monitor --initial-peers "$BS" --swarm-key "$tmp/swarm.key" --timeout 10
+    contains "$bs_host answers, but not under our swarm key: check --swarm-key" "swarm key message"
+    ;;
+*)
+    fail "bootstrap did not print its address"; sed 's/^/    /' "$tmp/bs.err" >&2
+    ;;
+esac
 
 if [ "$fails" -ne 0 ]; then
     echo "$fails check(s) failed" >&2

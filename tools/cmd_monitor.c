@@ -8,6 +8,7 @@
 
 #include "expert/model.h"
 #include "peer/announce.h"
+#include "peer/keeper.h"
 #include "routing/swarm.h"
 #include "tools/cli.h"
 #include "tools/client.h"
@@ -48,7 +49,51 @@ typedef struct view {
     int n_unknown;
     int models_done;                /* the models index lookup finished */
     int models_status;
+    struct cold {                   /* cold copies per stage (peer/keeper.h) */
+        struct view *v;
+        int copies, pending;
+        uint64_t version;           /* the newest copy's weight version */
+    } cold[MAX_MODELS][PEER_KEEPER_MAX_STAGES];
+    int cold_pending;
 } view;
+
+static void on_keepers(dht *d, int status, const dht_entry *e, size_t n, void *ud)
+{
+    (void)d;
+    struct cold *c = ud;
+    c->pending = 0;
+    c->v->cold_pending--;
+    c->copies = 0;
+    c->version = 0;
+    for (size_t i = 0; status == 0 && i < n; i++) {
+        peer_keep_record r;
+        if (!e[i].is_signed || peer_keep_record_decode(&r, e[i].value, e[i].value_len) != 0)
+            continue;
+        c->copies++;
+        if (r.weight_version > c->version)
+            c->version = r.weight_version;
+    }
+}
+
+/* Starts the cold-copy lookups of every shown stage. */
+static void look_up_copies(dht *d, view *v)
+{
+    for (int k = 0; k < v->n; k++)
+        for (int i = 0; i < v->specs[k]->n_stages && i < PEER_KEEPER_MAX_STAGES; i++) {
+            struct cold *c = &v->cold[k][i];
+            if (c->pending)
+                continue;
+            char name[80];
+            uint8_t key[DHT_ID_LEN];
+            expert_stage_name(name, sizeof name, v->specs[k], i);
+            peer_keep_key(key, name, expert_stage_hash(v->specs[k], i));
+            c->v = v;
+            if (dht_get(d, key, on_keepers, c) == 0) {
+                c->pending = 1;
+                v->cold_pending++;
+            }
+        }
+}
 
 static volatile sig_atomic_t g_stop;
 static void on_sigint(int s)
@@ -84,6 +129,8 @@ static void on_models(dht *d, int status, const dht_entry *e, size_t n, void *ud
 
 static int lookups_pending(view *v)
 {
+    if (v->cold_pending > 0)
+        return 1;
     for (int k = 0; k < v->n; k++)
         for (int i = 0; i < route_swarm_n_stages(v->sw[k]); i++) {
             route_stage *st = route_swarm_stage(v->sw[k], i);
@@ -163,10 +210,11 @@ static int render_json(FILE *f, view *v, double min_tput)
             }
             fprintf(f, "%s{\"name\":", i ? "," : "");
             json_str(f, st->name);
+            const struct cold *cc = &v->cold[k][i < PEER_KEEPER_MAX_STAGES ? i : 0];
             fprintf(f, ",\"index\":%d,\"online\":%d,\"throughput\":%.1f,\"covered\":%s,\"slow\":%s,"
-                       "\"wrong_version_holders\":%d,\"holders\":[",
+                       "\"wrong_version_holders\":%d,\"cold_copies\":%d,\"cold_version\":%llu,\"holders\":[",
                     i, online, t, online ? "true" : "false", online && t < min_tput ? "true" : "false",
-                    st->wrong_hash);
+                    st->wrong_hash, cc->copies, (unsigned long long)cc->version);
             for (int h = 0; h < st->n_holders; h++) {
                 const route_holder *ho = &st->holders[h];
                 char hex[DHT_ID_HEX_LEN + 1];
@@ -175,10 +223,17 @@ static int render_json(FILE *f, view *v, double min_tput)
                 fprintf(f, "%s{\"id\":\"%s\",\"addr\":", h ? "," : "", hex);
                 json_str(f, ho->ann.addr);
                 fprintf(f, ",\"state\":\"%s\",\"throughput\":%.1f,\"load\":%.3f,\"age_s\":%.1f,"
-                           "\"weight_version\":%llu,\"avg_rounds\":%llu,\"avg_group\":%d,\"device\":",
+                           "\"weight_version\":%llu,\"avg_rounds\":%llu,\"avg_abandoned\":%llu,"
+                           "\"avg_group\":%d,",
                         peer_state_name(ho->ann.state), ho->ann.throughput, ho->ann.load, age,
                         (unsigned long long)ho->ann.weight_version, (unsigned long long)ho->ann.avg_rounds,
-                        ho->ann.avg_group);
+                        (unsigned long long)ho->ann.avg_abandoned, ho->ann.avg_group);
+                if (ho->ann.lost_from > ho->ann.lost_to)
+                    fprintf(f, "\"state_lost\":{\"from\":%llu,\"to\":%llu},",
+                            (unsigned long long)ho->ann.lost_from, (unsigned long long)ho->ann.lost_to);
+                else
+                    fputs("\"state_lost\":null,", f);
+                fputs("\"device\":", f);
                 json_str(f, ho->ann.device);
                 fputc('}', f);
             }
@@ -212,7 +267,7 @@ static int render_text(FILE *f, view *v, double min_tput, int color)
         int covered = 1, bottleneck = -1;
         double bt = 0;
         fprintf(f, "%smodel %s%s (%d stages)\n", bold, v->specs[k]->name, off, v->specs[k]->n_stages);
-        fprintf(f, "  %-14s %-9s %-22s %-8s %10s %5s %7s %8s %6s %5s\n", "stage", "peer", "address", "state",
+        fprintf(f, "  %-14s %-9s %-22s %-8s %10s %5s %7s %8s %9s %5s\n", "stage", "peer", "address", "state",
                 "samples/s", "load", "age", "version", "avg", "group");
         for (int i = 0; i < route_swarm_n_stages(v->sw[k]); i++) {
             route_stage *st = route_swarm_stage(v->sw[k], i);
@@ -231,13 +286,26 @@ static int render_text(FILE *f, view *v, double min_tput, int color)
                 char hex[DHT_ID_HEX_LEN + 1];
                 dht_id_to_hex(hex, ho->rep.id);
                 double age = ho->ann.time_ms && now > ho->ann.time_ms ? (double)(now - ho->ann.time_ms) / 1000 : 0;
-                fprintf(f, "  %-14s %-9.8s %-22s %-8s %10.0f %5.2f %6.0fs %8llu %6llu %5d\n", h ? "" : st->name,
+                char avg[32];
+                snprintf(avg, sizeof avg, "%llu/%llu", (unsigned long long)ho->ann.avg_rounds,
+                         (unsigned long long)ho->ann.avg_abandoned);
+                fprintf(f, "  %-14s %-9.8s %-22s %-8s %10.0f %5.2f %6.0fs %8llu %9s %5d\n", h ? "" : st->name,
                         hex, ho->ann.addr, peer_state_name(ho->ann.state), ho->ann.throughput, ho->ann.load,
-                        age, (unsigned long long)ho->ann.weight_version,
-                        (unsigned long long)ho->ann.avg_rounds, ho->ann.avg_group);
+                        age, (unsigned long long)ho->ann.weight_version, avg, ho->ann.avg_group);
+                if (ho->ann.lost_from > ho->ann.lost_to)
+                    fprintf(f, "%s! %-14s STATE LOST: peer %.8s went back from weight version %llu to %llu%s\n", red,
+                            st->name, hex, (unsigned long long)ho->ann.lost_from,
+                            (unsigned long long)ho->ann.lost_to, off);
             }
+            const struct cold *cc = &v->cold[k][i < PEER_KEEPER_MAX_STAGES ? i : 0];
+            if (cc->copies)
+                fprintf(f, "  %-14s cold copies: %d (newest: weight version %llu)\n", "", cc->copies,
+                        (unsigned long long)cc->version);
+            else if (online == 1)
+                fprintf(f, "%s* %-14s no cold copy: its training state is on one peer only%s\n", yel, st->name,
+                        off);
             if (online > 1)
-                fprintf(f, "  %-14s replica group of %d (avg: averaging rounds done; group: size of the last one)\n", "",
+                fprintf(f, "  %-14s replica group of %d (avg: averaging rounds done/abandoned; group: size of the last one)\n", "",
                         online);
             if (online && t < min_tput)
                 fprintf(f, "%s* %-14s SLOW: %.0f samples/s < %.0f%s\n", yel, st->name, t, min_tput, off);
@@ -360,6 +428,7 @@ int cmd_monitor(int argc, char **argv)
                 route_swarm_invalidate(v.sw[k], i);
             route_swarm_refresh(v.sw[k], (double)uv_now(&cl.loop) / 1000.0);
         }
+        look_up_copies(cl.d, &v);
         wait_lookups(&cl, &v, timeout);
         if (g_stop)
             break;

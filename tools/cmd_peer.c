@@ -48,7 +48,8 @@ static const char peer_help[] =
     "  --announce HOST        address other machines reach this peer at (needed when\n"
     "                         --listen is 0.0.0.0 or [::])\n"
     "  --identity FILE        ed25519 identity from 'starling keygen' (default: a new\n"
-    "                         one for this run)\n"
+    "                         one for this run); one file per running peer: a peer\n"
+    "                         that finds another online with its identity exits 1\n"
     "  --checkpoint-dir DIR   keep checkpoints of the hosted blocks in DIR; restores\n"
     "                         from them at start\n"
     "  --checkpoint-every S   seconds between periodic checkpoints (default 300; 0 off)\n"
@@ -81,6 +82,11 @@ static const char peer_help2[] =
     "                         peer first downloads the newest state from a holder)\n"
     "  --average-every S      average each stage with all its replicas (weights and\n"
     "                         optimizer state) every S seconds (default 30; 0 off)\n"
+    "  --keep-every S         keep cold copies of other stages' state, refreshed\n"
+    "                         every S seconds, so a stage whose only holder dies\n"
+    "                         keeps its training (default 60; 0 off)\n"
+    "  --keep-copies N        keepers per stage (default 2)\n"
+    "  --keep-mb MB           memory for cold copies (default 2048)\n"
     "  --announce-every S     seconds between announcements (default 20)\n"
     "  --announce-ttl S       announcements expire this long after they are written\n"
     "                         (default 60): how fast a dead peer disappears\n"
@@ -146,6 +152,7 @@ typedef struct run_ctx {
     int eval_pending;
     uint64_t rng;
     int stopping, moving;
+    int refused;                  /* the daemon would not go on (it said why) */
     int status;
 } run_ctx;
 
@@ -159,7 +166,7 @@ static void close_handles(run_ctx *r)
 static void on_stopped(int status, void *arg)
 {
     run_ctx *r = arg;
-    r->status = status == 0 ? CLI_EXIT_OK : CLI_EXIT_FAIL;
+    r->status = status == 0 && !r->refused ? CLI_EXIT_OK : CLI_EXIT_FAIL;
     r->daemon = NULL;
     close_handles(r);
     fprintf(stderr, "starling peer: stopped\n");
@@ -407,7 +414,8 @@ int cmd_peer(int argc, char **argv)
 {
     enum { O_INITIAL = 256, O_MODEL, O_BLOCKS, O_DEVICE, O_LISTEN, O_ANNOUNCE, O_IDENTITY,
            O_CKPT_DIR, O_CKPT_EVERY, O_SWARM_KEY, O_THREADS, O_BLAS, O_TPRIO, O_INLINE, O_KEEP, O_MAX_BATCH, O_TARGET,
-           O_OPT, O_LR, O_SEED, O_METRICS, O_ANN_EVERY, O_ANN_TTL, O_NO_SYNC, O_NUM_BLOCKS, O_REBALANCE, O_AVERAGE };
+           O_OPT, O_LR, O_SEED, O_METRICS, O_ANN_EVERY, O_ANN_TTL, O_NO_SYNC, O_NUM_BLOCKS, O_REBALANCE, O_AVERAGE,
+           O_KEEP_EVERY, O_KEEP_COPIES, O_KEEP_MB };
     static const struct option opts[] = {
         {"initial-peers", required_argument, NULL, O_INITIAL},
         {"model", required_argument, NULL, O_MODEL},
@@ -436,6 +444,9 @@ int cmd_peer(int argc, char **argv)
         {"num-blocks", required_argument, NULL, O_NUM_BLOCKS},
         {"rebalance-every", required_argument, NULL, O_REBALANCE},
         {"average-every", required_argument, NULL, O_AVERAGE},
+        {"keep-every", required_argument, NULL, O_KEEP_EVERY},
+        {"keep-copies", required_argument, NULL, O_KEEP_COPIES},
+        {"keep-mb", required_argument, NULL, O_KEEP_MB},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -445,7 +456,8 @@ int cmd_peer(int argc, char **argv)
     long threads = 1, blas = 0, max_batch = 256, target = 128, seed = 0, inline_rows = 0, keep = 16;
     int train_idle = 0;
     double ckpt_every = 300, lr = -1, ann_every = 20, ann_ttl = 60, rebalance = 60, average = 30;
-    long num_blocks = 0;
+    long num_blocks = 0, keep_copies = 2, keep_mb = 2048;
+    double keep_every = 60;
     int c, no_sync = 0;
 
     optind = 1;
@@ -475,6 +487,18 @@ int cmd_peer(int argc, char **argv)
             break;
         case O_AVERAGE:
             if (cli_parse_double("peer", "--average-every", optarg, 0, 86400, &average))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_KEEP_EVERY:
+            if (cli_parse_double("peer", "--keep-every", optarg, 0, 86400, &keep_every))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_KEEP_COPIES:
+            if (cli_parse_long("peer", "--keep-copies", optarg, 1, 64, &keep_copies))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_KEEP_MB:
+            if (cli_parse_long("peer", "--keep-mb", optarg, 1, 1L << 20, &keep_mb))
                 return CLI_EXIT_USAGE;
             break;
         case O_REBALANCE:
@@ -649,6 +673,9 @@ int cmd_peer(int argc, char **argv)
     dc->announce_every_s = ann_every;
     dc->no_state_download = no_sync;
     dc->average_every_s = average;
+    dc->keep_every_s = keep_every;
+    dc->keep_copies = (int)keep_copies;
+    dc->keep_max_bytes = (size_t)keep_mb << 20;
     dc->ttl_s = ann_ttl;
     if (r.auto_k) {
         int start = 0;
@@ -683,6 +710,22 @@ int cmd_peer(int argc, char **argv)
     if (train_idle)
         (void)peer_sched_set_slice(PEER_LOOP_SLICE_NS);
     uv_run(&r.loop, UV_RUN_DEFAULT);
+    /* The loop ends while handles are open only when the daemon stopped it
+     * (uv_stop): it refuses to go on, e.g. another peer is online with our
+     * identity (it has said so). Stop it as for a signal; exit 1. */
+    while (uv_loop_alive(&r.loop)) {
+        r.refused = 1;
+        if (!r.stopping) {
+            r.stopping = 1;
+            uv_timer_stop(&r.rebalance);
+            route_swarm_destroy(&r.sw);
+            if (r.daemon)
+                peer_daemon_stop(r.daemon, on_stopped, &r);
+        }
+        uv_run(&r.loop, UV_RUN_DEFAULT);
+    }
+    if (r.refused)
+        r.status = CLI_EXIT_FAIL;
     route_swarm_destroy(&r.sw);
     sodium_memzero(&r.ident, sizeof r.ident);
     sodium_memzero(r.swarm_key, sizeof r.swarm_key);

@@ -1,0 +1,482 @@
+#include "peer/averaging.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <sodium.h>
+
+#include "peer/announce.h"
+#include "peer/wire.h"
+
+/* A replica that finds no other entry looks again this many times while the
+ * round lasts: the others' entries can be late (a put that meets dead
+ * contacts waits a stale period per hop, more on a loaded machine). */
+#define AVG_REGETS 3
+/* A member that is asked about a round it sees otherwise reads the group
+ * again at most this often. */
+#define HINT_GAP_MS 200
+#define MAX_CANDIDATES 256
+
+typedef struct avg_block {
+    struct peer_averaging *av;
+    int block;
+    uint64_t round;              /* the round of our latest matchmaking entry */
+    uint64_t round_end_ms;       /* after this, no more lookups for it */
+    int in_round;                /* an entry for `round` is stored */
+    int putting, getting;        /* waiting for the gathering window / lookup in flight */
+    int regets;                  /* lookups repeated this round while alone */
+    uint64_t last_get_ms;
+    peer_allreduce *ar;          /* the round running, or NULL */
+    uint8_t digest[PEER_AVG_DIGEST_LEN]; /* its group */
+    int has_next;                /* a new view of the group waits for ar's cancel */
+    peer_avg_group next;
+    uint64_t rounds, abandoned;
+    int group;
+    int alone_said, period_said;
+} avg_block;
+
+struct peer_averaging {
+    peer_averaging_config cfg;
+    char addr[65];
+    uint64_t period_ms;
+    uv_timer_t timer, gather;
+    int handles;                 /* open timers */
+    int inflight;                /* all-reduce callbacks still to come */
+    int stopping, stopped;
+    void (*stop_cb)(void *);
+    void *stop_arg;
+    avg_block b[PEER_SERVICE_MAX_BLOCKS];
+};
+
+static void say(peer_averaging *av, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void say(peer_averaging *av, const char *fmt, ...)
+{
+    FILE *f = av->cfg.log ? av->cfg.log : stderr;
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(f, "starling peer: ");
+    vfprintf(f, fmt, ap);
+    fputc('\n', f);
+    fflush(f);
+    va_end(ap);
+}
+
+/* ---- the group (pure) ---- */
+
+typedef struct ordered {
+    peer_avg_candidate c;
+    uint8_t order[8];            /* BLAKE2b(id, round): splits large groups alike everywhere */
+} ordered;
+
+static int cmp_order(const void *a, const void *b)
+{
+    return memcmp(((const ordered *)a)->order, ((const ordered *)b)->order, 8);
+}
+
+static int cmp_id(const void *a, const void *b)
+{
+    return memcmp(((const peer_avg_candidate *)a)->m.id, ((const peer_avg_candidate *)b)->m.id, DHT_ID_LEN);
+}
+
+int peer_avg_choose_group(const peer_avg_candidate *cand, int nc, const uint8_t self[DHT_ID_LEN],
+                          uint64_t round, peer_avg_group *out)
+{
+    if (!cand || !self || !out || nc < 0 || nc > MAX_CANDIDATES)
+        return -EINVAL;
+    memset(out, 0, sizeof *out);
+    static ordered all[MAX_CANDIDATES]; /* loop thread only */
+    uint8_t rb[8];
+    peer_put_le64(rb, round);
+    int found = 0;
+    for (int i = 0; i < nc; i++) {
+        all[i].c = cand[i];
+        found |= !memcmp(cand[i].m.id, self, DHT_ID_LEN);
+        crypto_generichash_state st;
+        crypto_generichash_init(&st, NULL, 0, 8);
+        crypto_generichash_update(&st, cand[i].m.id, DHT_ID_LEN);
+        crypto_generichash_update(&st, rb, sizeof rb);
+        crypto_generichash_final(&st, all[i].order, 8);
+    }
+    if (!found)
+        return -ENOENT;
+    int lo = 0, hi = nc;
+    if (nc > PEER_ALLREDUCE_MAX_MEMBERS) {
+        qsort(all, (size_t)nc, sizeof all[0], cmp_order);
+        int groups = (nc + PEER_ALLREDUCE_MAX_MEMBERS - 1) / PEER_ALLREDUCE_MAX_MEMBERS;
+        for (int g = 0; g < groups; g++) {
+            int a = nc * g / groups, b = nc * (g + 1) / groups;
+            for (int i = a; i < b; i++)
+                if (!memcmp(all[i].c.m.id, self, DHT_ID_LEN)) {
+                    lo = a;
+                    hi = b;
+                }
+        }
+    }
+    int gn = hi - lo;
+    if (gn < 2)
+        return -ENOENT;
+    peer_avg_candidate grp[PEER_ALLREDUCE_MAX_MEMBERS];
+    for (int i = 0; i < gn; i++)
+        grp[i] = all[lo + i].c;
+    qsort(grp, (size_t)gn, sizeof grp[0], cmp_id);
+    uint8_t ids[PEER_ALLREDUCE_MAX_MEMBERS][DHT_ID_LEN], tags[PEER_ALLREDUCE_MAX_MEMBERS];
+    out->with_optim = 1;
+    for (int i = 0; i < gn; i++) {
+        out->members[i] = grp[i].m;
+        memcpy(ids[i], grp[i].m.id, DHT_ID_LEN);
+        tags[i] = grp[i].optim;
+        out->with_optim &= grp[i].optim == grp[0].optim;
+        if (!memcmp(grp[i].m.id, self, DHT_ID_LEN))
+            out->me = i;
+    }
+    out->n = gn;
+    peer_allreduce_digest(out->digest, round, (const uint8_t(*)[DHT_ID_LEN])ids, tags, gn);
+    return 0;
+}
+
+/* ---- rounds ---- */
+
+static void maybe_done(peer_averaging *av)
+{
+    if (!av->stopping || av->handles > 0 || av->inflight > 0 || av->stopped)
+        return;
+    av->stopped = 1;
+    if (av->stop_cb)
+        av->stop_cb(av->stop_arg);
+}
+
+static void block_name(peer_averaging *av, int i, peer_block_info *info)
+{
+    if (peer_service_block_info(av->cfg.svc, i, info) != 0)
+        memset(info, 0, sizeof *info);
+}
+
+static void on_round_done(void *arg, int status, const peer_allreduce_result *res);
+
+static void begin_group(avg_block *c, const peer_avg_group *g)
+{
+    peer_averaging *av = c->av;
+    if (c->ar) {
+        if (!memcmp(c->digest, g->digest, PEER_AVG_DIGEST_LEN))
+            return; /* the view we are running */
+        /* Another view: cancel ours, start this one from the callback. */
+        c->next = *g;
+        c->has_next = 1;
+        peer_allreduce_cancel(c->ar);
+        return;
+    }
+    peer_block_info info;
+    block_name(av, c->block, &info);
+    peer_allreduce_config ac = {0};
+    ac.loop = av->cfg.loop;
+    ac.self = av->cfg.self;
+    ac.swarm_key = av->cfg.swarm_key;
+    ac.svc = av->cfg.svc;
+    ac.block = c->block;
+    ac.block_name = info.name;
+    ac.round = c->round;
+    ac.digest = g->digest;
+    ac.members = g->members;
+    ac.n = g->n;
+    ac.me = g->me;
+    ac.with_optim = g->with_optim;
+    uint64_t now = dht_now_ms();
+    ac.timeout_s = c->round_end_ms > now + 1000 ? (double)(c->round_end_ms - now) / 1000.0 : 1.0;
+    ac.cb = on_round_done;
+    ac.arg = c;
+    int rc = peer_allreduce_start(&ac, &c->ar);
+    if (rc == 0) {
+        memcpy(c->digest, g->digest, PEER_AVG_DIGEST_LEN);
+        av->inflight++;
+    } else {
+        c->abandoned++;
+        say(av, "%s: cannot begin averaging round %" PRIu64 ": %s", info.name, c->round, strerror(-rc));
+    }
+}
+
+static void on_round_done(void *arg, int status, const peer_allreduce_result *res)
+{
+    avg_block *c = arg;
+    peer_averaging *av = c->av;
+    c->ar = NULL;
+    av->inflight--;
+    if (av->stopping) {
+        maybe_done(av);
+        return;
+    }
+    peer_block_info info;
+    block_name(av, c->block, &info);
+    if (status == 0) {
+        c->has_next = 0; /* it succeeded before the cancel took: done for this round */
+        c->rounds++;
+        c->group = res->n;
+        c->alone_said = 0;
+        say(av,
+            "%s: averaged in a group of %d (round %" PRIu64 ", our weight %.3f, %.1f MB in %.2f s; distance to "
+            "the group average %.6g -> %.6g)",
+            info.name, res->n, c->round, res->weight_self, (double)res->bytes_in / 1e6, res->seconds,
+            res->dist_before, res->dist_after);
+        return;
+    }
+    if (c->has_next) {
+        c->has_next = 0;
+        peer_avg_group g = c->next;
+        begin_group(c, &g);
+        return;
+    }
+    c->abandoned++;
+    if (status == -ENODATA)
+        say(av, "%s: averaging round %" PRIu64 " in a group of %d skipped: every member has initial weights",
+            info.name, c->round, res->n);
+    else
+        say(av, "%s: averaging round %" PRIu64 " in a group of %d abandoned (%s); weights unchanged", info.name,
+            c->round, res->n, strerror(-status));
+}
+
+static uint64_t gather_ms(const peer_averaging *av)
+{
+    uint64_t g = av->period_ms / 4;
+    return g < 300 ? 300 : g > 2000 ? 2000 : g;
+}
+
+/* Says once per block that a replica averages with another period. */
+static void check_period(avg_block *c, const char *name, uint64_t theirs)
+{
+    peer_averaging *av = c->av;
+    uint64_t ours = av->period_ms;
+    if (!theirs || theirs == ours || c->period_said)
+        return;
+    c->period_said = 1;
+    uint64_t a = ours, b = theirs;
+    while (b) {
+        uint64_t t = a % b;
+        a = b;
+        b = t;
+    }
+    double lcm_s = (double)(ours / a) * (double)theirs / 1000.0;
+    say(av,
+        "%s: a replica averages every %.1f s, this peer every %.1f s: they average together only every %.0f s "
+        "(give every replica the same --average-every)",
+        name, (double)theirs / 1000.0, (double)ours / 1000.0, lcm_s);
+}
+
+static void on_gather(uv_timer_t *t);
+
+static void on_group(dht *dh, int status, const dht_entry *e, size_t n, void *ud)
+{
+    (void)dh;
+    avg_block *c = ud;
+    peer_averaging *av = c->av;
+    c->getting = 0;
+    if (av->stopping)
+        return;
+    peer_block_info info;
+    block_name(av, c->block, &info);
+    const uint8_t *self = av->cfg.self->id;
+    static peer_avg_candidate cand[MAX_CANDIDATES]; /* loop thread only */
+    int nc = 0;
+    for (size_t i = 0; status == 0 && i < n && nc < MAX_CANDIDATES - 1; i++) {
+        peer_avg_record r;
+        if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN ||
+            peer_avg_record_decode(&r, e[i].value, e[i].value_len) != 0)
+            continue;
+        check_period(c, info.name, r.period_ms);
+        if (r.round != c->round || !memcmp(e[i].subkey, self, DHT_ID_LEN))
+            continue; /* we are a member whether or not our own entry came back */
+        memcpy(cand[nc].m.id, e[i].subkey, DHT_ID_LEN);
+        snprintf(cand[nc].m.addr, sizeof cand[nc].m.addr, "%s", r.addr);
+        cand[nc].optim = (uint8_t)r.optim;
+        nc++;
+    }
+    memcpy(cand[nc].m.id, self, DHT_ID_LEN);
+    snprintf(cand[nc].m.addr, sizeof cand[nc].m.addr, "%s", av->addr);
+    cand[nc].optim = (uint8_t)av->cfg.optim_kind;
+    nc++;
+    peer_avg_group g;
+    if (peer_avg_choose_group(cand, nc, self, c->round, &g) == 0) {
+        begin_group(c, &g);
+        return;
+    }
+    if (c->ar)
+        return; /* a view without the others: keep the group we have */
+    /* No other replica's entry (yet). */
+    uint64_t gather = gather_ms(av), end = c->round + av->period_ms;
+    if (c->regets < AVG_REGETS && dht_now_ms() + gather / 2 + gather < end) {
+        c->regets++;
+        c->putting = 1;
+        uv_timer_start(&av->gather, on_gather, gather / 2, 0);
+    } else if (c->group >= 2 && !c->alone_said) {
+        /* Said once when a block that had a group finds itself alone. */
+        say(av, "%s: no other replica joined averaging round %" PRIu64, info.name, c->round);
+        c->alone_said = 1;
+    }
+}
+
+static void look_up_group(avg_block *c)
+{
+    peer_averaging *av = c->av;
+    peer_block_info info;
+    uint8_t key[DHT_ID_LEN];
+    block_name(av, c->block, &info);
+    peer_avg_key(key, info.name, info.stage_hash);
+    c->last_get_ms = uv_now(av->cfg.loop);
+    if (dht_get(av->cfg.dht, key, on_group, c) == 0)
+        c->getting = 1;
+}
+
+static void on_gather(uv_timer_t *t)
+{
+    peer_averaging *av = t->data;
+    if (av->stopping)
+        return;
+    for (int i = 0; i < peer_service_n_blocks(av->cfg.svc); i++) {
+        avg_block *c = &av->b[i];
+        if (!c->putting || c->ar || c->getting)
+            continue;
+        c->putting = 0;
+        look_up_group(c);
+    }
+}
+
+/* The service's hook: a member asked about `round` and sees another group. */
+static void on_hint(void *arg, int block, uint64_t round)
+{
+    peer_averaging *av = arg;
+    if (av->stopping || block < 0 || block >= peer_service_n_blocks(av->cfg.svc))
+        return;
+    avg_block *c = &av->b[block];
+    if (!c->in_round || c->round != round || c->getting || dht_now_ms() > c->round_end_ms ||
+        uv_now(av->cfg.loop) - c->last_get_ms < HINT_GAP_MS)
+        return;
+    c->putting = 0;
+    look_up_group(c);
+}
+
+static void on_tick(uv_timer_t *t);
+
+static void schedule(peer_averaging *av)
+{
+    uint64_t p = av->period_ms, now = dht_now_ms();
+    uv_timer_start(&av->timer, on_tick, p - now % p, 0);
+}
+
+/* A round starts: each block stores its matchmaking entry. */
+static void on_tick(uv_timer_t *t)
+{
+    peer_averaging *av = t->data;
+    if (av->stopping)
+        return;
+    schedule(av);
+    if (av->cfg.ready && !av->cfg.ready(av->cfg.ready_arg))
+        return;
+    uint64_t now = dht_now_ms(), round = now - now % av->period_ms;
+    uint64_t timeout_ms = (uint64_t)(av->cfg.round_timeout_s * 1000);
+    uint8_t val[PEER_ANNOUNCE_MAX_BYTES], key[DHT_ID_LEN];
+    int started = 0;
+    for (int i = 0; i < peer_service_n_blocks(av->cfg.svc); i++) {
+        avg_block *c = &av->b[i];
+        if (c->ar || c->getting)
+            continue; /* the last round of this block is still running */
+        /* The last round's buffers were kept a period for slower members. */
+        peer_service_avg_release(av->cfg.svc, i);
+        c->in_round = 0;
+        peer_block_info info;
+        block_name(av, i, &info);
+        peer_avg_record r = {0};
+        r.round = round;
+        snprintf(r.addr, sizeof r.addr, "%s", av->addr);
+        r.optim = av->cfg.optim_kind;
+        r.period_ms = av->period_ms;
+        long n = peer_avg_record_encode(&r, val, sizeof val);
+        if (n < 0)
+            continue;
+        peer_avg_key(key, info.name, info.stage_hash);
+        /* Lives as long as the round may (late members look it up), and
+         * expires strictly later each round. */
+        if (dht_put(av->cfg.dht, key, NULL, 0, val, (size_t)n, now + timeout_ms + 5000, 1, NULL, NULL) == 0) {
+            c->round = round;
+            c->round_end_ms = now + timeout_ms;
+            c->in_round = 1;
+            c->regets = 0;
+            c->putting = 1;
+            started++;
+        }
+    }
+    if (started)
+        uv_timer_start(&av->gather, on_gather, gather_ms(av), 0);
+}
+
+peer_averaging *peer_averaging_start(const peer_averaging_config *cfg)
+{
+    if (!cfg || !cfg->loop || !cfg->dht || !cfg->self || !cfg->svc || !cfg->addr || !(cfg->every_s > 0))
+        return NULL;
+    peer_averaging *av = calloc(1, sizeof *av);
+    if (!av)
+        return NULL;
+    av->cfg = *cfg;
+    if (!(av->cfg.round_timeout_s > 0))
+        av->cfg.round_timeout_s = 30.0;
+    snprintf(av->addr, sizeof av->addr, "%s", cfg->addr);
+    av->cfg.addr = av->addr;
+    av->period_ms = (uint64_t)(cfg->every_s * 1000);
+    if (!av->period_ms)
+        av->period_ms = 1;
+    for (int i = 0; i < PEER_SERVICE_MAX_BLOCKS; i++) {
+        av->b[i].av = av;
+        av->b[i].block = i;
+    }
+    uv_timer_init(cfg->loop, &av->timer);
+    uv_timer_init(cfg->loop, &av->gather);
+    av->timer.data = av->gather.data = av;
+    av->handles = 2;
+    peer_service_set_avg_hook(cfg->svc, on_hint, av);
+    schedule(av);
+    return av;
+}
+
+void peer_averaging_get_stats(const peer_averaging *av, int i, peer_averaging_stats *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!av || i < 0 || i >= PEER_SERVICE_MAX_BLOCKS)
+        return;
+    out->rounds = av->b[i].rounds;
+    out->abandoned = av->b[i].abandoned;
+    out->group = av->b[i].group;
+}
+
+static void on_timer_closed(uv_handle_t *h)
+{
+    peer_averaging *av = h->data;
+    av->handles--;
+    maybe_done(av);
+}
+
+void peer_averaging_destroy(peer_averaging **p)
+{
+    if (!p || !*p)
+        return;
+    free(*p);
+    *p = NULL;
+}
+
+void peer_averaging_stop(peer_averaging *av, void (*cb)(void *arg), void *arg)
+{
+    if (!av || av->stopping)
+        return;
+    av->stopping = 1;
+    av->stop_cb = cb;
+    av->stop_arg = arg;
+    peer_service_set_avg_hook(av->cfg.svc, NULL, NULL);
+    for (int i = 0; i < PEER_SERVICE_MAX_BLOCKS; i++) {
+        av->b[i].has_next = 0;
+        if (av->b[i].ar)
+            peer_allreduce_cancel(av->b[i].ar);
+    }
+    uv_timer_stop(&av->timer);
+    uv_timer_stop(&av->gather);
+    uv_close((uv_handle_t *)&av->timer, on_timer_closed);
+    uv_close((uv_handle_t *)&av->gather, on_timer_closed);
+}

@@ -1,0 +1,99 @@
+/* peer/averaging.h: when and with whom a peer averages its blocks with
+ * their other replicas (the round itself is peer/allreduce.h).
+ *
+ * Rounds start on wall-clock multiples of the period: round R is the
+ * round's start in ms since the epoch, so replicas agree on R without
+ * talking, and peers whose periods are multiples of one another (10 s and
+ * 30 s) meet at the common multiples. At the start of a round each hosted
+ * block stores a signed matchmaking entry (peer/announce.h, with the
+ * period), waits a gathering window, reads who else did, and runs the
+ * all-reduce with that group (peer_avg_choose_group).
+ *
+ * The members' views of the group can differ (an entry still on its way
+ * through the DHT, a loaded machine). A member asked about a round it has
+ * not begun, or named in another group for the same round, answers EAGAIN
+ * and reads the group again at once (peer_service_set_avg_hook); when the
+ * new view differs it cancels its round and starts the new group's, while
+ * the others keep asking. So the views converge on every entry stored in
+ * time, instead of every member abandoning the round (which a short
+ * gathering window on a loaded machine made the rule, not the exception).
+ *
+ * Every completed and abandoned round is counted per block (the
+ * announcement, the metrics and the monitor show both). A peer that sees a
+ * replica with another period says once how often they meet.
+ *
+ * Loop thread only.
+ */
+#ifndef PEER_AVERAGING_H
+#define PEER_AVERAGING_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include <uv.h>
+
+#include "dht/dht.h"
+#include "peer/allreduce.h"
+#include "peer/service.h"
+
+typedef struct peer_avg_candidate {
+    peer_allreduce_member m;
+    uint8_t optim;                 /* expert_optim_kind of its optimizer */
+} peer_avg_candidate;
+
+typedef struct peer_avg_group {
+    peer_allreduce_member members[PEER_ALLREDUCE_MAX_MEMBERS]; /* sorted by node ID */
+    int n, me;
+    int with_optim;                /* every member has the same optimizer kind */
+    uint8_t digest[PEER_AVG_DIGEST_LEN];
+} peer_avg_group;
+
+/* The group of round `round` that self belongs to, from every member's
+ * entry (cand[0..nc), self included, IDs distinct). More than
+ * PEER_ALLREDUCE_MAX_MEMBERS candidates split into near-equal groups by a
+ * per-round hash of the IDs, alike on every member. Returns 0, -ENOENT
+ * when self is not among the candidates or would be alone, -EINVAL. */
+int peer_avg_choose_group(const peer_avg_candidate *cand, int nc, const uint8_t self[DHT_ID_LEN],
+                          uint64_t round, peer_avg_group *out);
+
+typedef struct peer_averaging_config {
+    uv_loop_t *loop;
+    dht *dht;
+    const dht_identity *self;      /* borrowed: outlives the averaging */
+    const uint8_t *swarm_key;      /* 32 bytes or NULL; borrowed likewise */
+    peer_service *svc;             /* borrowed likewise */
+    const char *addr;              /* our tensor RPC "HOST:PORT" (copied) */
+    int optim_kind;
+    double every_s;                /* > 0 */
+    double round_timeout_s;        /* one round, all attempts; 0 = 30 */
+    int (*ready)(void *arg);       /* nonzero once the blocks may average (online) */
+    void *ready_arg;
+    FILE *log;                     /* status lines */
+} peer_averaging_config;
+
+typedef struct peer_averaging_stats {
+    uint64_t rounds;               /* completed (applied) */
+    uint64_t abandoned;            /* begun and abandoned (weights unchanged) */
+    int group;                     /* size of the last completed round's group */
+} peer_averaging_stats;
+
+typedef struct peer_averaging peer_averaging;
+
+/* Starts the period timer and installs the service's avg hook. Returns
+ * NULL on bad arguments or out of memory. */
+peer_averaging *peer_averaging_start(const peer_averaging_config *cfg);
+
+/* Block i's counters (zeros for NULL or a bad index). */
+void peer_averaging_get_stats(const peer_averaging *av, int i, peer_averaging_stats *out);
+
+/* Cancels rounds in flight (their blocks keep their weights) and closes the
+ * timers; cb runs on the loop once no round or timer is left. The service
+ * must stand until then. A group lookup may still call back until the DHT
+ * is closed, so free av with peer_averaging_destroy only after that.
+ * NULL-safe (cb is not called for NULL). */
+void peer_averaging_stop(peer_averaging *av, void (*cb)(void *arg), void *arg);
+
+/* Frees a stopped averaging (see above). NULL-safe; sets *p = NULL. */
+void peer_averaging_destroy(peer_averaging **p);
+
+#endif

@@ -1,0 +1,410 @@
+#include "peer/keeper.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <sodium.h>
+
+#include "expert/model.h"
+#include "peer/announce.h"
+#include "peer/statesync.h"
+
+#define MAX_PEERS 1024           /* distinct peers of the model considered */
+#define MAX_HOLDERS 64           /* per stage */
+
+typedef struct holder {
+    uint8_t id[DHT_ID_LEN];
+    char addr[65];
+    uint64_t version;
+} holder;
+
+typedef struct stage {
+    struct peer_keeper *k;
+    char name[65];
+    uint64_t hash;
+    int hosted;                  /* served by this peer: never kept */
+    holder h[MAX_HOLDERS];       /* online holders seen this tick */
+    int nh;
+    uint8_t *copy;               /* the cold copy, or NULL */
+    size_t len;
+    uint64_t copy_id, version;
+    int want;                    /* chosen as a keeper this tick */
+} stage;
+
+struct peer_keeper {
+    peer_keeper_config cfg;
+    char model[64];
+    char addr[65];
+    int n_stages;
+    stage *st;
+    uv_timer_t timer;
+    int timer_open;
+    int lookups;                 /* holder lookups of this tick in flight */
+    int downloading;             /* the stage being fetched, or -1 */
+    uint64_t next_copy_id;
+    int full_said;
+    int stopping, stopped;
+    void (*stop_cb)(void *);
+    void *stop_arg;
+};
+
+static void say(peer_keeper *k, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void say(peer_keeper *k, const char *fmt, ...)
+{
+    FILE *f = k->cfg.log ? k->cfg.log : stderr;
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(f, "starling peer: ");
+    vfprintf(f, fmt, ap);
+    fputc('\n', f);
+    fflush(f);
+    va_end(ap);
+}
+
+/* ---- the choice (pure) ---- */
+
+static void score(uint8_t out[8], const uint8_t id[DHT_ID_LEN], const char *name)
+{
+    crypto_generichash_state s;
+    crypto_generichash_init(&s, NULL, 0, 8);
+    crypto_generichash_update(&s, (const uint8_t *)"starling.keep.v1", 16);
+    crypto_generichash_update(&s, id, DHT_ID_LEN);
+    crypto_generichash_update(&s, (const uint8_t *)name, strlen(name));
+    crypto_generichash_final(&s, out, 8);
+}
+
+int peer_keeper_choose(const uint8_t (*ids)[DHT_ID_LEN], int n, const uint8_t self[DHT_ID_LEN],
+                       const char *const *names, int n_stages, const uint8_t *holds, int replicas,
+                       uint8_t *keep)
+{
+    if (!ids || !self || !names || !holds || !keep || n < 1 || n_stages < 1 || replicas < 1)
+        return -EINVAL;
+    int me = -1;
+    for (int j = 0; j < n; j++)
+        if (!memcmp(ids[j], self, DHT_ID_LEN))
+            me = j;
+    if (me < 0)
+        return -EINVAL;
+    for (int s = 0; s < n_stages; s++) {
+        keep[s] = 0;
+        if (holds[(size_t)s * (size_t)n + (size_t)me])
+            continue;
+        uint8_t mine[8];
+        score(mine, self, names[s]);
+        /* Our rank among the peers that do not hold s (ties by ID). */
+        int above = 0;
+        for (int j = 0; j < n && above < replicas; j++) {
+            if (j == me || holds[(size_t)s * (size_t)n + (size_t)j])
+                continue;
+            uint8_t theirs[8];
+            score(theirs, ids[j], names[s]);
+            int c = memcmp(theirs, mine, 8);
+            if (c > 0 || (c == 0 && memcmp(ids[j], self, DHT_ID_LEN) < 0))
+                above++;
+        }
+        keep[s] = above < replicas;
+    }
+    return 0;
+}
+
+/* ---- the period ---- */
+
+static void maybe_stopped(peer_keeper *k)
+{
+    if (!k->stopping || k->timer_open || k->downloading >= 0 || k->stopped)
+        return;
+    k->stopped = 1;
+    if (k->stop_cb)
+        k->stop_cb(k->stop_arg);
+}
+
+static size_t bytes_held(const peer_keeper *k)
+{
+    size_t b = 0;
+    for (int s = 0; s < k->n_stages; s++)
+        b += k->st[s].len;
+    return b;
+}
+
+static void publish(peer_keeper *k, int s)
+{
+    stage *t = &k->st[s];
+    peer_keep_record r = {0};
+    snprintf(r.addr, sizeof r.addr, "%s", k->addr);
+    r.weight_version = t->version;
+    r.time_ms = dht_now_ms();
+    uint8_t val[PEER_ANNOUNCE_MAX_BYTES], key[DHT_ID_LEN];
+    long n = peer_keep_record_encode(&r, val, sizeof val);
+    if (n < 0)
+        return;
+    peer_keep_key(key, t->name, t->hash);
+    /* Outlives a few missed periods: a holder restarting after a crash
+     * must still find it. */
+    double ttl = 3 * k->cfg.every_s < 120 ? 120 : 3 * k->cfg.every_s;
+    dht_put(k->cfg.dht, key, NULL, 0, val, (size_t)n, r.time_ms + (uint64_t)(ttl * 1000), 1, NULL, NULL);
+}
+
+static void fetch_next(peer_keeper *k);
+
+static void on_copy(void *arg, int status, const uint8_t *buf, size_t len, uint64_t version)
+{
+    peer_keeper *k = arg;
+    int s = k->downloading;
+    k->downloading = -1;
+    if (k->stopping) {
+        maybe_stopped(k);
+        return;
+    }
+    stage *t = &k->st[s];
+    if (status != 0) {
+        say(k, "%s: cannot take a cold copy (%s); trying again next period", t->name, strerror(-status));
+    } else if (bytes_held(k) - t->len + len > k->cfg.max_bytes) {
+        if (!k->full_said)
+            say(k, "%s: not kept: cold copies would exceed %.0f MB (--keep-mb)", t->name,
+                (double)k->cfg.max_bytes / 1e6);
+        k->full_said = 1;
+    } else {
+        uint8_t *c = malloc(len ? len : 1);
+        if (!c) {
+            say(k, "%s: out of memory for a cold copy", t->name);
+        } else {
+            memcpy(c, buf, len);
+            int first = t->copy == NULL;
+            free(t->copy);
+            t->copy = c;
+            t->len = len;
+            t->version = version;
+            t->copy_id = ++k->next_copy_id;
+            if (first)
+                say(k, "%s: keeping a cold copy (weight version %" PRIu64 ", %.1f MB)", t->name, version,
+                    (double)len / 1e6);
+            publish(k, s);
+        }
+    }
+    fetch_next(k);
+}
+
+/* Downloads the next stage whose holders are ahead of our copy. */
+static void fetch_next(peer_keeper *k)
+{
+    if (k->stopping || k->lookups > 0 || k->downloading >= 0)
+        return;
+    for (int s = 0; s < k->n_stages; s++) {
+        stage *t = &k->st[s];
+        if (!t->want || t->nh == 0)
+            continue;
+        int best = 0;
+        for (int i = 1; i < t->nh; i++)
+            if (t->h[i].version > t->h[best].version)
+                best = i;
+        if (t->copy && t->h[best].version <= t->version)
+            continue;
+        if (t->h[best].version == 0)
+            continue; /* initial weights: nothing worth keeping */
+        t->want = 0; /* one try per period */
+        int rc = peer_statesync_start(k->cfg.loop, k->cfg.self, k->cfg.swarm_key, t->h[best].id,
+                                      t->h[best].addr, t->name, 30.0, on_copy, k);
+        if (rc == 0) {
+            k->downloading = s;
+            return;
+        }
+        say(k, "%s: cannot start a cold copy download (%s)", t->name, strerror(-rc));
+    }
+}
+
+/* Every lookup is back: who keeps what. */
+static void decide(peer_keeper *k)
+{
+    static uint8_t ids[MAX_PEERS][DHT_ID_LEN]; /* loop thread only */
+    int n = 0;
+    memcpy(ids[n++], k->cfg.self->id, DHT_ID_LEN);
+    for (int s = 0; s < k->n_stages; s++)
+        for (int i = 0; i < k->st[s].nh; i++) {
+            int j = 0;
+            while (j < n && memcmp(ids[j], k->st[s].h[i].id, DHT_ID_LEN))
+                j++;
+            if (j == n && n < MAX_PEERS)
+                memcpy(ids[n++], k->st[s].h[i].id, DHT_ID_LEN);
+        }
+    size_t cells = (size_t)(unsigned)k->n_stages * (size_t)(unsigned)n;
+    uint8_t *holds = calloc(cells ? cells : 1, 1);
+    uint8_t keep[PEER_KEEPER_MAX_STAGES];
+    const char *names[PEER_KEEPER_MAX_STAGES];
+    if (!holds)
+        return;
+    for (int s = 0; s < k->n_stages; s++) {
+        names[s] = k->st[s].name;
+        for (int j = 0; j < n; j++) {
+            int h = j == 0 && k->st[s].hosted;
+            for (int i = 0; i < k->st[s].nh && !h; i++)
+                h = !memcmp(ids[j], k->st[s].h[i].id, DHT_ID_LEN);
+            holds[(size_t)s * (size_t)n + (size_t)j] = (uint8_t)h;
+        }
+    }
+    peer_keeper_choose((const uint8_t(*)[DHT_ID_LEN])ids, n, k->cfg.self->id, names, k->n_stages, holds,
+                       k->cfg.replicas, keep);
+    free(holds);
+    for (int s = 0; s < k->n_stages; s++) {
+        stage *t = &k->st[s];
+        t->want = keep[s] && !t->hosted;
+        if (t->copy && !t->want && (t->nh > 0 || t->hosted)) {
+            /* Another peer keeps it now (or we serve it): let it go. */
+            free(t->copy);
+            t->copy = NULL;
+            t->len = 0;
+        } else if (t->copy) {
+            publish(k, s); /* still ours: renew the record */
+        }
+    }
+    fetch_next(k);
+}
+
+static void on_holders(dht *dh, int status, const dht_entry *e, size_t n, void *ud)
+{
+    (void)dh;
+    stage *t = ud;
+    peer_keeper *k = t->k;
+    k->lookups--;
+    if (k->stopping)
+        return;
+    t->nh = 0;
+    for (size_t i = 0; status == 0 && i < n && t->nh < MAX_HOLDERS; i++) {
+        peer_announce a;
+        if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN ||
+            peer_announce_decode(&a, e[i].value, e[i].value_len) != 0 || a.state != PEER_STATE_ONLINE ||
+            a.stage_hash != t->hash || strcmp(a.block, t->name) != 0 ||
+            !memcmp(e[i].subkey, k->cfg.self->id, DHT_ID_LEN))
+            continue;
+        holder *h = &t->h[t->nh++];
+        memcpy(h->id, e[i].subkey, DHT_ID_LEN);
+        snprintf(h->addr, sizeof h->addr, "%s", a.addr);
+        h->version = a.weight_version;
+    }
+    if (k->lookups == 0)
+        decide(k);
+}
+
+static void on_tick(uv_timer_t *tm)
+{
+    peer_keeper *k = tm->data;
+    if (k->stopping || k->lookups > 0 || k->downloading >= 0)
+        return;
+    if (k->cfg.ready && !k->cfg.ready(k->cfg.ready_arg))
+        return;
+    for (int s = 0; s < k->n_stages; s++) {
+        uint8_t key[DHT_ID_LEN];
+        dht_id_of_bytes(key, k->st[s].name, strlen(k->st[s].name));
+        if (dht_get(k->cfg.dht, key, on_holders, &k->st[s]) == 0)
+            k->lookups++;
+    }
+}
+
+static int cold_source(void *arg, const char *block, const uint8_t **buf, size_t *len, uint64_t *id,
+                       uint64_t *version)
+{
+    peer_keeper *k = arg;
+    for (int s = 0; s < k->n_stages; s++) {
+        stage *t = &k->st[s];
+        if (t->copy && !strcmp(t->name, block)) {
+            *buf = t->copy;
+            *len = t->len;
+            *id = t->copy_id;
+            *version = t->version;
+            return 0;
+        }
+    }
+    return -ENOENT;
+}
+
+peer_keeper *peer_keeper_start(const peer_keeper_config *cfg, char *err, size_t errlen)
+{
+    if (!cfg || !cfg->loop || !cfg->dht || !cfg->self || !cfg->svc || !cfg->model || !cfg->addr ||
+        !(cfg->every_s > 0) || cfg->replicas < 1) {
+        snprintf(err, errlen, "cold copies: bad arguments");
+        return NULL;
+    }
+    const struct expert_model_spec *m = expert_model_find(cfg->model);
+    if (!m || m->n_stages > PEER_KEEPER_MAX_STAGES) {
+        snprintf(err, errlen, "cold copies: unknown model '%.60s'", cfg->model);
+        return NULL;
+    }
+    peer_keeper *k = calloc(1, sizeof *k);
+    if (k)
+        k->st = calloc((size_t)m->n_stages, sizeof *k->st);
+    if (!k || !k->st) {
+        free(k);
+        snprintf(err, errlen, "cold copies: out of memory");
+        return NULL;
+    }
+    k->cfg = *cfg;
+    snprintf(k->model, sizeof k->model, "%s", cfg->model);
+    snprintf(k->addr, sizeof k->addr, "%s", cfg->addr);
+    k->cfg.model = k->model;
+    k->cfg.addr = k->addr;
+    k->n_stages = m->n_stages;
+    k->downloading = -1;
+    for (int s = 0; s < k->n_stages; s++) {
+        k->st[s].k = k;
+        expert_stage_name(k->st[s].name, sizeof k->st[s].name, m, s);
+        k->st[s].hash = expert_stage_hash(m, s);
+    }
+    for (int i = 0; i < peer_service_n_blocks(cfg->svc); i++) {
+        peer_block_info info;
+        if (peer_service_block_info(cfg->svc, i, &info) == 0 && info.index >= 0 && info.index < k->n_stages)
+            k->st[info.index].hosted = 1;
+    }
+    uv_timer_init(cfg->loop, &k->timer);
+    k->timer.data = k;
+    k->timer_open = 1;
+    uint64_t ms = (uint64_t)(cfg->every_s * 1000);
+    /* The first look soon after joining: a holder that crashes early must
+     * already have a keeper. */
+    uv_timer_start(&k->timer, on_tick, ms < 5000 ? ms : 5000, ms);
+    peer_service_set_cold_source(cfg->svc, cold_source, k);
+    return k;
+}
+
+void peer_keeper_usage(const peer_keeper *k, int *copies, size_t *bytes)
+{
+    int c = 0;
+    for (int s = 0; k && s < k->n_stages; s++)
+        c += k->st[s].copy != NULL;
+    if (copies)
+        *copies = c;
+    if (bytes)
+        *bytes = k ? bytes_held(k) : 0;
+}
+
+static void on_timer_closed(uv_handle_t *h)
+{
+    peer_keeper *k = h->data;
+    k->timer_open = 0;
+    maybe_stopped(k);
+}
+
+void peer_keeper_stop(peer_keeper *k, void (*cb)(void *arg), void *arg)
+{
+    if (!k || k->stopping)
+        return;
+    k->stopping = 1;
+    k->stop_cb = cb;
+    k->stop_arg = arg;
+    peer_service_set_cold_source(k->cfg.svc, NULL, NULL);
+    uv_timer_stop(&k->timer);
+    uv_close((uv_handle_t *)&k->timer, on_timer_closed);
+}
+
+void peer_keeper_destroy(peer_keeper **p)
+{
+    if (!p || !*p)
+        return;
+    peer_keeper *k = *p;
+    for (int s = 0; s < k->n_stages; s++)
+        free(k->st[s].copy);
+    free(k->st);
+    free(k);
+    *p = NULL;
+}
