@@ -172,6 +172,67 @@ static void test_hostile_bytes(void **state)
 /* The averaging matchmaking record: round trip, bad fields refused, every
  * truncation and random mutation handled, a different key per block and
  * stage hash. */
+/* The cold-copy record, the new announcement fields and the averaging
+ * period: round trips, truncation and random garbage. */
+static void test_keep_record_and_new_fields(void **state)
+{
+    (void)state;
+    peer_keep_record k = {0}, k2;
+    snprintf(k.addr, sizeof k.addr, "10.0.0.7:4001");
+    k.weight_version = 123456;
+    k.time_ms = 1795292477764ULL;
+    uint8_t good[PEER_ANNOUNCE_MAX_BYTES], bad[PEER_ANNOUNCE_MAX_BYTES];
+    long n = peer_keep_record_encode(&k, good, sizeof good);
+    assert_true(n > 0);
+    assert_int_equal(peer_keep_record_decode(&k2, good, (size_t)n), 0);
+    assert_string_equal(k2.addr, k.addr);
+    assert_true(k2.weight_version == k.weight_version && k2.time_ms == k.time_ms);
+    for (long cut = 0; cut < n; cut++)
+        assert_int_equal(peer_keep_record_decode(&k2, good, (size_t)cut), -EBADMSG);
+    peer_keep_record e = k;
+    e.addr[0] = '\0';
+    assert_int_equal(peer_keep_record_encode(&e, bad, sizeof bad), -EINVAL);
+    unsigned seed = 5;
+    for (int i = 0; i < 20000; i++) {
+        memcpy(bad, good, (size_t)n);
+        for (int f = 0; f < 1 + i % 3; f++)
+            bad[rand_r(&seed) % n] = (uint8_t)rand_r(&seed);
+        if (peer_keep_record_decode(&k2, bad, (size_t)n) == 0)
+            assert_true(k2.addr[0] != '\0');
+        size_t len = (size_t)(rand_r(&seed) % (int)sizeof bad);
+        for (size_t j = 0; j < len; j++)
+            bad[j] = (uint8_t)rand_r(&seed);
+        (void)peer_keep_record_decode(&k2, bad, len);
+    }
+    /* Announcement: abandoned rounds and a lost state travel; no loss, no
+     * fields. */
+    peer_announce a = sample(), b;
+    a.avg_abandoned = 7;
+    a.lost_from = 52;
+    a.lost_to = 40;
+    n = peer_announce_encode(&a, good, sizeof good);
+    assert_true(n > 0);
+    assert_int_equal(peer_announce_decode(&b, good, (size_t)n), 0);
+    assert_true(b.avg_abandoned == 7 && b.lost_from == 52 && b.lost_to == 40);
+    a.lost_from = a.lost_to = 0;
+    n = peer_announce_encode(&a, good, sizeof good);
+    assert_int_equal(peer_announce_decode(&b, good, (size_t)n), 0);
+    assert_true(b.lost_from == 0 && b.lost_to == 0);
+    /* The averaging period round-trips; 0 is left out. */
+    peer_avg_record r = {0}, r2;
+    r.round = 1795292478000ULL;
+    snprintf(r.addr, sizeof r.addr, "127.0.0.1:1");
+    r.period_ms = 30000;
+    n = peer_avg_record_encode(&r, good, sizeof good);
+    assert_int_equal(peer_avg_record_decode(&r2, good, (size_t)n), 0);
+    assert_true(r2.period_ms == 30000 && r2.round == r.round);
+    r.period_ms = 0;
+    long n0 = peer_avg_record_encode(&r, good, sizeof good);
+    assert_true(n0 < n);
+    assert_int_equal(peer_avg_record_decode(&r2, good, (size_t)n0), 0);
+    assert_true(r2.period_ms == 0);
+}
+
 static void test_avg_record(void **state)
 {
     (void)state;
@@ -273,6 +334,7 @@ int main(void)
         cmocka_unit_test(test_unknown_and_missing_keys),
         cmocka_unit_test(test_hostile_bytes),
         cmocka_unit_test(test_avg_record),
+        cmocka_unit_test(test_keep_record_and_new_fields),
         cmocka_unit_test(test_mp_reader),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
