@@ -19,6 +19,8 @@
  * again at most this often. */
 #define HINT_GAP_MS 200
 #define MAX_CANDIDATES 256
+/* Restarts of one round after another member cancelled it. */
+#define AVG_RETRIES 3
 
 typedef struct avg_block {
     struct peer_averaging *av;
@@ -28,6 +30,7 @@ typedef struct avg_block {
     int in_round;                /* an entry for `round` is stored */
     int putting, getting;        /* waiting for the gathering window / lookup in flight */
     int regets;                  /* lookups repeated this round while alone */
+    int retries;                 /* rounds restarted after another member cancelled */
     uint64_t last_get_ms;
     peer_allreduce *ar;          /* the round running, or NULL */
     uint8_t digest[PEER_AVG_DIGEST_LEN]; /* its group */
@@ -155,6 +158,7 @@ static void block_name(peer_averaging *av, int i, peer_block_info *info)
 }
 
 static void on_round_done(void *arg, int status, const peer_allreduce_result *res);
+static void look_up_group(avg_block *c);
 
 static void begin_group(avg_block *c, const peer_avg_group *g)
 {
@@ -225,6 +229,14 @@ static void on_round_done(void *arg, int status, const peer_allreduce_result *re
         c->has_next = 0;
         peer_avg_group g = c->next;
         begin_group(c, &g);
+        return;
+    }
+    /* Another member cancelled: most often it saw another group and starts
+     * that one now. Look at the group again while the round has time. */
+    if ((status == -ECANCELED || status == -ESTALE) && c->retries < AVG_RETRIES &&
+        dht_now_ms() + 2000 < c->round_end_ms && !c->getting) {
+        c->retries++;
+        look_up_group(c);
         return;
     }
     c->abandoned++;
@@ -401,6 +413,7 @@ static void on_tick(uv_timer_t *t)
             c->round_end_ms = now + timeout_ms;
             c->in_round = 1;
             c->regets = 0;
+            c->retries = 0;
             c->putting = 1;
             started++;
         }
