@@ -74,16 +74,18 @@ static void note(infer *in, const char *fmt, ...)
 static void pump(infer *in);
 static void finish(infer *in, int rc);
 
-static void on_conn_ready(void *arg)
+static void on_conn_ready(void *arg, const uint8_t id[DHT_ID_LEN], const char *addr)
 {
+    (void)id;
+    (void)addr;
     pump(arg);
 }
 
-static void on_conn_failed(void *arg, const uint8_t id[DHT_ID_LEN], int status)
+static void on_conn_failed(void *arg, const uint8_t id[DHT_ID_LEN], const char *addr, int status)
 {
     infer *in = arg;
     (void)status;
-    route_swarm_ban(in->swarm, id, now_s(in), &in->rng);
+    route_swarm_ban(in->swarm, id, addr, now_s(in), &in->rng);
     pump(in);
 }
 
@@ -150,7 +152,7 @@ static void unit_failed(infer *in, unit *u, int drop)
         route_replica_failure(&h->rep, now_s(in), &in->rng);
     }
     if (drop)
-        route_conns_drop(in->conns, u->holder);
+        route_conns_drop(in->conns, u->holder, NULL);
     for (int i = 0; i < u->span; i++)
         *used_flag(in, u->batch, u->stage + i, u->path) = 0;
     u->sent = 0;
@@ -284,7 +286,7 @@ static int dispatch(infer *in, unit *u)
         }
         skip[k] = 1;
         route_holder *h = &st->holders[map[k]];
-        peer_rpc_client *cl = route_conns_get(in->conns, h->rep.id, h->ann.addr);
+        peer_rpc_client *cl = route_conns_get(in->conns, h->rep.id, h->ann.addr, NULL);
         if (!cl) {
             fresh_busy |= avoided > 0;
             continue;
@@ -322,7 +324,7 @@ static int dispatch(infer *in, unit *u)
             return 1;
         }
         if (rc == -ENOTCONN)
-            route_conns_drop(in->conns, h->rep.id);
+            route_conns_drop(in->conns, h->rep.id, h->ann.addr);
     }
     return 0;
 }
@@ -447,7 +449,13 @@ int route_infer_run(uv_loop_t *loop, const route_infer_config *cfg, route_infer_
     in->used_set = calloc((size_t)in->n_batches * (size_t)in->S * (size_t)cfg->replicas, 1);
     in->lat = malloc((size_t)units * sizeof(double));
     in->swarm = route_swarm_create(cfg->dht, cfg->model, in->cfg.refresh_s);
-    route_conns_config cc = {cfg->ident, cfg->swarm_key, 2 * cfg->inflight + 8, on_conn_ready, on_conn_failed, in};
+    route_conns_config cc = {.ident = cfg->ident,
+                             .swarm_key = cfg->swarm_key,
+                             .max_pending = 2 * cfg->inflight + 8,
+                             .on_ready = on_conn_ready,
+                             .on_failed = on_conn_failed,
+                             .arg = in,
+                             .connect_timeout_ms = (uint64_t)(in->cfg.call_timeout_s * 1000)};
     in->conns = route_conns_create(loop, &cc);
     int rc = 0;
     int ok = in->units && in->paths_done && in->probs && in->used && in->used_set && in->lat && in->swarm &&

@@ -34,6 +34,7 @@ struct route_pipeline {
     int active;           /* slots not FREE */
     int outstanding;
     uint64_t next_seq, failed;
+    uint64_t retries;     /* calls reported failed, all batches */
     void *mem;            /* the one allocation behind every buffer */
 };
 
@@ -209,6 +210,7 @@ int route_pipeline_call_done(route_pipeline *p, uint32_t token, int status)
     if (status != 0) {
         sl->attempt++;
         sl->retries++;
+        p->retries++;
         return 0;
     }
     sl->attempt = 0;
@@ -259,6 +261,11 @@ int route_pipeline_inflight(const route_pipeline *p)
 int route_pipeline_outstanding(const route_pipeline *p)
 {
     return p ? p->outstanding : 0;
+}
+
+uint64_t route_pipeline_retries(const route_pipeline *p)
+{
+    return p ? p->retries : 0;
 }
 
 uint64_t route_pipeline_failed(const route_pipeline *p)

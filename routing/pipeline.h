@@ -108,6 +108,12 @@ int route_pipeline_inflight(const route_pipeline *p);
 /* Calls taken by the driver and not yet reported. */
 int route_pipeline_outstanding(const route_pipeline *p);
 
+/* Calls re-issued so far: every call reported failed (status < 0), which
+ * the pipeline hands out again, counted at once, of training and evaluation
+ * batches alike, whether or not the batch has finished. It equals the sum of
+ * route_batch_result.retries over the batches popped once they all are. */
+uint64_t route_pipeline_retries(const route_pipeline *p);
+
 /* Micro-batches the loss function rejected. */
 uint64_t route_pipeline_failed(const route_pipeline *p);
 

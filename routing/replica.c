@@ -74,6 +74,27 @@ int route_pick_replica(const route_replica *r, int n, const uint8_t *skip, doubl
     return last; /* rounding left x just above the final weight */
 }
 
+int route_pick_probe(const route_replica *r, int n, const uint8_t *skip, double now)
+{
+    if (!r || n < 0)
+        return -EINVAL;
+    int best = -1;
+    for (int i = 0; i < n; i++) {
+        if (skip && skip[i])
+            continue;
+        if (!(r[i].banned_until > now))
+            return -EAGAIN;
+        if (best < 0 || r[i].banned_until < r[best].banned_until)
+            best = i;
+    }
+    return best >= 0 ? best : -EAGAIN;
+}
+
+void route_replica_unban(route_replica *r)
+{
+    r->banned_until = 0.0;
+}
+
 void route_replica_success(route_replica *r, double rtt_s)
 {
     r->failures = 0;

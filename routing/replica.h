@@ -7,6 +7,11 @@
  * fastest one, and a faster replica still gets more work. A replica that
  * fails is banned for a time that doubles with each consecutive failure (with
  * jitter, so trainers do not retry in lock-step), and a success clears it.
+ * The ban is capped low (ROUTE_BAN_MAX_S): a holder that died and comes back
+ * must not stay unused for long after its return. When every replica of a
+ * stage is banned there is nothing to spread load to, so the caller probes
+ * the one whose ban ends first (route_pick_probe) at most every
+ * ROUTE_PROBE_S instead of waiting the ban out.
  *
  * Everything here is plain data and pure functions of their arguments (time
  * is passed in), so it is deterministic under a seeded RNG and testable
@@ -23,7 +28,10 @@
 #define ROUTE_BAN_BASE_S 1.0    /* first ban after a failure */
 #endif
 #ifndef ROUTE_BAN_MAX_S
-#define ROUTE_BAN_MAX_S 60.0    /* longest ban */
+#define ROUTE_BAN_MAX_S 10.0    /* longest ban */
+#endif
+#ifndef ROUTE_PROBE_S
+#define ROUTE_PROBE_S 1.0       /* between probes of a stage whose replicas are all banned */
 #endif
 #ifndef ROUTE_LATENCY_ALPHA
 #define ROUTE_LATENCY_ALPHA 0.2 /* EWMA weight of a new latency sample */
@@ -56,6 +64,17 @@ double route_replica_weight(const route_replica *r, double now);
  * free, or 0 when all were skipped), or -EINVAL for bad arguments. */
 int route_pick_replica(const route_replica *r, int n, const uint8_t *skip, double now,
                        uint64_t *rng, double *retry_at);
+
+/* When route_pick_replica finds nothing because every candidate (not
+ * skipped) is banned at now: the index of the banned candidate whose ban
+ * ends first, to probe. Returns -EAGAIN when some candidate is not banned
+ * (pick that instead) or there is none, -EINVAL for bad arguments. */
+int route_pick_probe(const route_replica *r, int n, const uint8_t *skip, double now);
+
+/* Lifts r's ban (keeping its failure count, so a further failure bans it
+ * for longer): the holder showed it is alive again (a newer announcement, a
+ * connection that came up). */
+void route_replica_unban(route_replica *r);
 
 /* Records a success with its round-trip time: clears the failure count and
  * ban, updates the latency EWMA. */

@@ -13,5 +13,6 @@
 #include "routing/replica.h"
 #include "routing/swarm.h"
 #include "routing/trainer.h"
+#include "routing/versions.h"
 
 #endif

@@ -68,6 +68,14 @@ int route_stage_usable(const route_stage *st)
     return n;
 }
 
+int route_stage_available(const route_stage *st, double now)
+{
+    int n = 0;
+    for (int i = 0; i < st->n_holders; i++)
+        n += st->holders[i].ann.state == PEER_STATE_ONLINE && !(st->holders[i].rep.banned_until > now);
+    return n;
+}
+
 static void merge(route_stage *st, const dht_entry *e, size_t n)
 {
     route_holder fresh[ROUTE_MAX_HOLDERS];
@@ -87,9 +95,13 @@ static void merge(route_stage *st, const dht_entry *e, size_t n)
         for (int j = 0; j < st->n_holders; j++)
             if (memcmp(st->holders[j].rep.id, e[i].subkey, DHT_ID_LEN) == 0)
                 known = j;
-        if (known >= 0)
+        if (known >= 0) {
             h->rep = st->holders[known].rep;
-        else
+            /* A newer announcement: the holder is alive (perhaps back
+             * after a restart), so its ban from earlier failures ends. */
+            if (a.time_ms > st->holders[known].ann.time_ms)
+                route_replica_unban(&h->rep);
+        } else
             route_replica_init(&h->rep, e[i].subkey, a.throughput, a.load);
         h->rep.tput = a.throughput;
         h->rep.load = a.load;
@@ -132,7 +144,7 @@ int route_swarm_refresh(route_swarm *s, double now)
         if (st->pending)
             continue;
         double age = now - st->refreshed_at;
-        int due = age >= s->refresh_s || (route_stage_usable(st) == 0 && age >= 1.0);
+        int due = age >= s->refresh_s || (route_stage_available(st, now) == 0 && age >= 1.0);
         if (!due)
             continue;
         lookup *lk = malloc(sizeof *lk);
@@ -187,12 +199,22 @@ route_holder *route_swarm_find_holder(route_swarm *s, int stage, const uint8_t i
     return NULL;
 }
 
-void route_swarm_ban(route_swarm *s, const uint8_t id[DHT_ID_LEN], double now, uint64_t *rng)
+void route_swarm_ban(route_swarm *s, const uint8_t id[DHT_ID_LEN], const char *addr, double now,
+                     uint64_t *rng)
 {
     for (int i = 0; i < route_swarm_n_stages(s); i++) {
         route_holder *h = route_swarm_find_holder(s, i, id);
-        if (h)
+        if (h && (!addr || !strcmp(h->ann.addr, addr)))
             route_replica_failure(&h->rep, now, rng);
+    }
+}
+
+void route_swarm_unban(route_swarm *s, const uint8_t id[DHT_ID_LEN], const char *addr)
+{
+    for (int i = 0; i < route_swarm_n_stages(s); i++) {
+        route_holder *h = route_swarm_find_holder(s, i, id);
+        if (h && (!addr || !strcmp(h->ann.addr, addr)))
+            route_replica_unban(&h->rep);
     }
 }
 

@@ -5,7 +5,9 @@
  * seconds per stage (sooner while a stage has no usable holder), and keeps
  * one route_holder per holder. What the trainer learns about a holder
  * (latency, failures, bans) lives in its route_replica and survives
- * refreshes, because holders are matched by node ID. A holder whose
+ * refreshes, because holders are matched by node ID; a newer announcement
+ * (later "t") from a banned holder lifts its ban, since it shows the holder
+ * is alive (e.g. back after a restart). A holder whose
  * announcement names another stage hash (another model version) is counted
  * in wrong_hash and never used.
  *
@@ -52,7 +54,8 @@ route_swarm *route_swarm_create(dht *d, const struct expert_model_spec *m, doubl
 
 /* Starts lookups for the stages that are due at time now (seconds, any
  * monotonic clock): never looked up, older than refresh_s, or older than
- * 1 s while the stage has no online holder. Returns the number started. */
+ * 1 s while the stage has no online holder that is not banned (to see a
+ * holder come back, or a new one, soon). Returns the number started. */
 int route_swarm_refresh(route_swarm *s, double now);
 
 /* Forces a lookup of stage i at the next refresh (e.g. after every replica
@@ -65,12 +68,22 @@ route_stage *route_swarm_stage(route_swarm *s, int i);
 /* Online holders of stage i with the right hash. */
 int route_stage_usable(const route_stage *st);
 
+/* Of those, the ones not banned at time now. */
+int route_stage_available(const route_stage *st, double now);
+
 /* The holder of stage `stage` with node ID id, or NULL. */
 route_holder *route_swarm_find_holder(route_swarm *s, int stage, const uint8_t id[DHT_ID_LEN]);
 
-/* Records a failure of holder id (at time now) in every stage it holds:
- * for a connection that could not be made, not one call that failed. */
-void route_swarm_ban(route_swarm *s, const uint8_t id[DHT_ID_LEN], double now, uint64_t *rng);
+/* Records a failure of holder id at address addr (at time now) in every
+ * stage it announces at that address: for a connection that could not be
+ * made, not one call that failed. Two processes may share one identity at
+ * different addresses, so the address must match too (addr NULL: any). */
+void route_swarm_ban(route_swarm *s, const uint8_t id[DHT_ID_LEN], const char *addr, double now,
+                     uint64_t *rng);
+
+/* Lifts the ban of holder id at addr (NULL: any) in every stage: a
+ * connection to it came up. */
+void route_swarm_unban(route_swarm *s, const uint8_t id[DHT_ID_LEN], const char *addr);
 
 /* Waiting for holders: a client notes, per stage, since when a call has had
  * no online holder to go to, and gives up after max_wait seconds. */

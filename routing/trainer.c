@@ -15,6 +15,7 @@
 #include "routing/pipeline.h"
 #include "routing/replica.h"
 #include "routing/swarm.h"
+#include "routing/versions.h"
 
 #define PUMP_MS 20
 
@@ -23,7 +24,10 @@ typedef struct pend {
     route_call call;
     int used;
     int sent;
+    int waiting;                   /* parked on the connection to holder/addr being set up */
     uint8_t holder[DHT_ID_LEN];
+    char addr[ROUTE_CONNS_ADDR_MAX + 1];
+    uint64_t conn;                 /* serial of the connection it went over */
     double t0;
     struct trainer *t;
 } pend;
@@ -37,6 +41,7 @@ typedef struct trainer {
     route_swarm *swarm;
     route_pipeline *pipe;
     route_conns *conns;
+    route_versions *versions;
     pend *pends;                   /* cfg.inflight entries */
     uv_timer_t pump_timer;
     int timer_closed;
@@ -49,7 +54,10 @@ typedef struct trainer {
     long done_total, total;
     double t_start, t_epoch, train_time, ep_time;
     double ep_loss;
-    long ep_samples, ep_retries;
+    long ep_samples;
+    uint64_t ep_retries_base;      /* route_pipeline_retries at the epoch's start */
+    double probe_at[ROUTE_PIPELINE_MAX_STAGES]; /* last probe of a stage whose replicas were all banned */
+    long lookups_seen;             /* swarm lookups when connections were last pruned */
     double recent_loss;
     long eval_correct;
     double eval_loss;
@@ -126,23 +134,66 @@ static int loss_fn(void *ctx, const float *logits, const uint8_t *labels, int B,
 
 static void pump(trainer *t);
 
-static void on_conn_ready(void *arg)
-{
-    pump(arg);
-}
-
-/* A holder we could not connect to is banned in every stage it serves. */
-static void on_conn_failed(void *arg, const uint8_t id[DHT_ID_LEN], int status)
+/* A connection came up: the holder is alive, so a ban from earlier failures
+ * ends (this is how a probe of a banned holder brings it back). */
+static void on_conn_ready(void *arg, const uint8_t id[DHT_ID_LEN], const char *addr)
 {
     trainer *t = arg;
-    route_swarm_ban(t->swarm, id, now_s(t), &t->rng);
-    char hex[DHT_ID_HEX_LEN + 1];
-    dht_id_to_hex(hex, id);
-    note(t, "cannot connect to holder %.12s: %s; trying other replicas", hex, strerror(-status));
+    route_swarm_unban(t->swarm, id, addr);
     pump(t);
 }
 
+/* A holder we could not connect to is banned in every stage it serves at
+ * that address, and the calls that waited for the connection go back to the
+ * pipeline as failed: each is re-issued (to another replica when there is
+ * one) and counted as a retry. */
+static void on_conn_failed(void *arg, const uint8_t id[DHT_ID_LEN], const char *addr, int status)
+{
+    trainer *t = arg;
+    route_swarm_ban(t->swarm, id, addr, now_s(t), &t->rng);
+    for (int i = 0; i < t->cfg.inflight; i++) {
+        pend *p = &t->pends[i];
+        if (p->used && !p->sent && p->waiting && !memcmp(p->holder, id, DHT_ID_LEN) && !strcmp(p->addr, addr)) {
+            p->waiting = 0;
+            p->used = 0;
+            route_pipeline_call_done(t->pipe, p->call.token, status < 0 ? status : -EIO);
+        }
+    }
+    char hex[DHT_ID_HEX_LEN + 1];
+    dht_id_to_hex(hex, id);
+    note(t, "cannot connect to holder %.12s at %s: %s; trying other replicas", hex, addr, strerror(-status));
+    pump(t);
+}
+
+/* route_conns_retain: a connection stays while some stage announces its
+ * holder at its address. */
+static int conn_announced(void *arg, const uint8_t id[DHT_ID_LEN], const char *addr)
+{
+    trainer *t = arg;
+    for (int s = 0; s < route_swarm_n_stages(t->swarm); s++) {
+        route_holder *h = route_swarm_find_holder(t->swarm, s, id);
+        if (h && !strcmp(h->ann.addr, addr))
+            return 1;
+    }
+    return 0;
+}
+
+/* After new lookups: close connections to addresses no longer announced
+ * (a holder that moved gets a new connection; the old one goes). */
+static void prune_conns(trainer *t)
+{
+    long lookups = 0;
+    for (int s = 0; s < route_swarm_n_stages(t->swarm); s++)
+        lookups += route_swarm_stage(t->swarm, s)->lookups;
+    if (lookups == t->lookups_seen)
+        return;
+    t->lookups_seen = lookups;
+    route_conns_retain(t->conns, conn_announced, t);
+}
+
 /* ---- calls ---- */
+
+static void rolled_back(trainer *t, int stage, const uint8_t id[DHT_ID_LEN], uint64_t from, uint64_t to);
 
 static void call_failed(trainer *t, pend *p, const char *why, int drop_conn)
 {
@@ -150,10 +201,12 @@ static void call_failed(trainer *t, pend *p, const char *why, int drop_conn)
     if (h) {
         if (h->rep.inflight > 0)
             h->rep.inflight--;
-        route_replica_failure(&h->rep, now_s(t), &t->rng);
+        /* Not when the holder has since moved: the new address did not fail. */
+        if (!strcmp(h->ann.addr, p->addr))
+            route_replica_failure(&h->rep, now_s(t), &t->rng);
     }
     if (drop_conn)
-        route_conns_drop(t->conns, p->holder);
+        route_conns_drop(t->conns, p->holder, p->addr);
     (void)why;
     p->sent = 0;
     p->used = 0;
@@ -190,7 +243,11 @@ static void on_reply(void *arg, int status, const peer_msg *m)
         memcpy(t->fwd_holder[slot][c->stage], p->holder, DHT_ID_LEN);
         t->fwd_version_known[slot][c->stage] = m->meta && m->meta_len == 8;
         if (t->fwd_version_known[slot][c->stage]) {
-            t->fwd_version[slot][c->stage] = peer_get_le64(m->meta);
+            uint64_t v = peer_get_le64(m->meta), from = 0;
+            t->fwd_version[slot][c->stage] = v;
+            /* Forwards only: a backward may name an older, stashed version. */
+            if (route_versions_observe(t->versions, c->stage, p->holder, p->conn, v, &from) == 1)
+                rolled_back(t, c->stage, p->holder, from, v);
         }
     }
     route_holder *h = route_swarm_find_holder(t->swarm, c->stage, p->holder);
@@ -205,6 +262,24 @@ static void on_reply(void *arg, int status, const peer_msg *m)
     if (rc != 0 && rc != -ENOENT)
         note(t, "a batch was dropped: its labels are out of range (%s)", strerror(-rc));
     pump(t);
+}
+
+/* Holder `id` of `stage` answered on weight version `to` after `from`. */
+static void rolled_back(trainer *t, int stage, const uint8_t id[DHT_ID_LEN], uint64_t from, uint64_t to)
+{
+    route_train_result *r = t->res;
+    if (r->n_rollbacks < ROUTE_MAX_ROLLBACKS) {
+        route_rollback *b = &r->rollbacks[r->n_rollbacks];
+        b->stage = stage;
+        memcpy(b->holder, id, DHT_ID_LEN);
+        b->from = from;
+        b->to = to;
+    }
+    r->n_rollbacks++;
+    char hex[DHT_ID_HEX_LEN + 1];
+    dht_id_to_hex(hex, id);
+    note(t, "stage %d (holder %.8s) went back from weight version %llu to %llu", stage, hex,
+         (unsigned long long)from, (unsigned long long)to);
 }
 
 /* Tries to send parked call p. Returns 1 if sent. */
@@ -230,15 +305,38 @@ static int dispatch(trainer *t, pend *p)
             if (!memcmp(reps[i].id, want, DHT_ID_LEN) && route_replica_weight(&reps[i], now) > 0)
                 affine = i;
     }
+    int waiting = 0;
     for (int tries = 0; tries < n; tries++) {
         int k = affine >= 0 && tries == 0 ? affine : route_pick_replica(reps, n, skip, now, &t->rng, NULL);
+        if (k < 0 && tries == 0) {
+            /* Every replica is banned: nothing to spread the load to, so
+             * rather than wait the bans out, probe the one whose ban ends
+             * first, at most every ROUTE_PROBE_S (a dead holder costs a
+             * refused connection; one that came back is used at once). */
+            int stage = p->call.stage;
+            if (now - t->probe_at[stage] < ROUTE_PROBE_S)
+                return 0;
+            k = route_pick_probe(reps, n, skip, now);
+            if (k >= 0)
+                t->probe_at[stage] = now;
+        }
         if (k < 0)
             return 0;
         skip[k] = 1;
         route_holder *h = &st->holders[map[k]];
-        peer_rpc_client *cl = route_conns_get(t->conns, h->rep.id, h->ann.addr);
-        if (!cl)
+        uint64_t serial = 0;
+        peer_rpc_client *cl = route_conns_get(t->conns, h->rep.id, h->ann.addr, &serial);
+        if (!cl) {
+            /* Connecting (or failed to start): the call waits for the
+             * first such holder unless another replica takes it. */
+            if (!waiting) {
+                waiting = 1;
+                p->waiting = 1;
+                memcpy(p->holder, h->rep.id, DHT_ID_LEN);
+                snprintf(p->addr, sizeof p->addr, "%s", h->ann.addr);
+            }
             continue;
+        }
         peer_msg m;
         peer_msg_init(&m, PEER_KIND_REQUEST,
                       p->call.kind == ROUTE_CALL_FORWARD ? PEER_METHOD_FORWARD : PEER_METHOD_BACKWARD, 0);
@@ -258,17 +356,25 @@ static int dispatch(trainer *t, pend *p)
                 m.meta_len = sizeof meta;
             }
         }
-        memcpy(p->holder, h->rep.id, DHT_ID_LEN);
-        p->t0 = now;
         uint64_t timeout = (uint64_t)(t->cfg.call_timeout_s * 1000);
         int rc = peer_rpc_call(cl, &m, timeout, on_reply, p, NULL);
         if (rc == 0) {
+            memcpy(p->holder, h->rep.id, DHT_ID_LEN);
+            snprintf(p->addr, sizeof p->addr, "%s", h->ann.addr);
+            p->conn = serial;
+            p->t0 = now;
             p->sent = 1;
+            p->waiting = 0;
             h->rep.inflight++;
             return 1;
         }
-        if (rc == -ENOTCONN)
-            route_conns_drop(t->conns, h->rep.id);
+        if (rc == -ENOTCONN) {
+            route_conns_drop(t->conns, h->rep.id, h->ann.addr);
+            /* Dropping failed that connection's other calls, whose
+             * callbacks pump: they may have sent p already. */
+            if (!p->used || p->sent)
+                return p->sent;
+        }
     }
     return 0;
 }
@@ -322,15 +428,16 @@ static void push_batches(trainer *t)
 static void collect(trainer *t)
 {
     route_batch_result r;
+    /* Retries are counted when a call is re-issued, not when its batch
+     * finishes, so the progress lines are current. */
+    t->res->retries = (long)route_pipeline_retries(t->pipe);
     while (route_pipeline_pop_result(t->pipe, &r)) {
-        t->res->retries += r.retries;
         if (r.forward_only) {
             t->eval_correct += r.correct;
             t->eval_loss += r.loss_sum;
             t->eval_done += r.rows;
             continue;
         }
-        t->ep_retries += r.retries;
         t->ep_loss += r.loss_sum;
         t->ep_samples += r.rows;
         t->done_total += r.rows;
@@ -372,7 +479,9 @@ static void advance_phase(trainer *t)
     e.test_acc = t->eval_done ? (double)t->eval_correct / (double)t->eval_done : 0;
     e.samples = t->ep_samples;
     e.train_time_s = t->ep_time;
-    e.retries = t->ep_retries;
+    e.retries = (long)(route_pipeline_retries(t->pipe) - t->ep_retries_base);
+    t->ep_retries_base = route_pipeline_retries(t->pipe);
+    t->res->retries = (long)route_pipeline_retries(t->pipe);
     t->res->epochs = t->epoch;
     t->res->test_acc = e.test_acc;
     t->res->test_loss = e.test_loss;
@@ -387,7 +496,6 @@ static void advance_phase(trainer *t)
     t->cursor = 0;
     t->ep_loss = 0;
     t->ep_samples = 0;
-    t->ep_retries = 0;
     shuffle(t);
     t->t_epoch = now_s(t);
 }
@@ -408,6 +516,7 @@ static void pump(trainer *t)
     if (t->finishing)
         return;
     route_swarm_refresh(t->swarm, now_s(t));
+    prune_conns(t);
     collect(t);
     advance_phase(t);
     if (t->finishing)
@@ -449,6 +558,8 @@ static void finish(trainer *t, int rc)
         return;
     t->finishing = 1;
     t->rc = rc;
+    /* Before closing: the calls that closing cancels are not re-sent. */
+    t->res->retries = (long)route_pipeline_retries(t->pipe);
     uv_timer_stop(&t->pump_timer);
     uv_close((uv_handle_t *)&t->pump_timer, on_timer_closed);
     route_conns_close_all(t->conns);
@@ -504,9 +615,18 @@ int route_train_run(uv_loop_t *loop, const route_train_config *cfg_in, route_tra
     route_pipeline_config pc = {m->n_stages, widths, t->cfg.batch, t->cfg.inflight, loss_fn, t};
     t->pipe = route_pipeline_create(&pc);
     t->swarm = route_swarm_create(t->cfg.dht, m, t->cfg.refresh_s);
-    route_conns_config cc = {t->cfg.ident, t->cfg.swarm_key, 4 * t->cfg.inflight + 8, on_conn_ready,
-                             on_conn_failed, t};
+    /* The handshake is bounded by the call timeout too. */
+    route_conns_config cc = {.ident = t->cfg.ident,
+                             .swarm_key = t->cfg.swarm_key,
+                             .max_pending = 4 * t->cfg.inflight + 8,
+                             .on_ready = on_conn_ready,
+                             .on_failed = on_conn_failed,
+                             .arg = t,
+                             .connect_timeout_ms = (uint64_t)(t->cfg.call_timeout_s * 1000)};
     t->conns = route_conns_create(loop, &cc);
+    t->versions = route_versions_create();
+    for (int s = 0; s < ROUTE_PIPELINE_MAX_STAGES; s++)
+        t->probe_at[s] = -1e30;
     t->pends = calloc((size_t)t->cfg.inflight, sizeof *t->pends);
     t->order = malloc((size_t)t->n_train * sizeof *t->order);
     t->probs = malloc((size_t)t->cfg.batch * (size_t)m->n_out * sizeof(float));
@@ -515,8 +635,8 @@ int route_train_run(uv_loop_t *loop, const route_train_config *cfg_in, route_tra
     t->xbuf = malloc((size_t)t->cfg.batch * (size_t)in_w * sizeof(float));
     t->ybuf = malloc((size_t)t->cfg.batch);
     int rc = 0;
-    if (!t->pipe || !t->swarm || !t->conns || !t->pends || !t->order || !t->probs || !t->losses || !t->targets ||
-        !t->xbuf || !t->ybuf) {
+    if (!t->pipe || !t->swarm || !t->conns || !t->versions || !t->pends || !t->order || !t->probs ||
+        !t->losses || !t->targets || !t->xbuf || !t->ybuf) {
         snprintf(out->error, sizeof out->error, "out of memory");
         rc = -ENOMEM;
         goto out;
@@ -539,6 +659,7 @@ int route_train_run(uv_loop_t *loop, const route_train_config *cfg_in, route_tra
     out->samples_per_s = t->train_time > 0 ? (double)t->done_total / t->train_time : 0;
 out:
     route_conns_destroy(&t->conns);
+    route_versions_destroy(&t->versions);
     route_swarm_destroy(&t->swarm);
     route_pipeline_destroy(&t->pipe);
     free(t->pends);

@@ -6,10 +6,17 @@
  * work at once, sends each forward and backward call to a replica chosen at
  * random in proportion to its expected service rate (routing/replica.h),
  * and on a timeout or an error bans that replica for a while and sends the
- * same call to another: no batch is lost. When a stage has no online holder
+ * same call to another: no batch is lost. Every call, connection and
+ * handshake is bounded by call_timeout_s. A stage whose replicas are all
+ * banned is probed every ROUTE_PROBE_S (routing/replica.h), so training
+ * resumes soon after a dead holder comes back. When a stage has no online holder
  * the trainer waits (saying so) up to max_wait_s, then gives up with a
  * message naming the stage. After each epoch it evaluates the test set
  * through the same swarm (forward only).
+ *
+ * Each forward reply names the holder's weight version; a holder whose
+ * version goes down (it restarted from an older checkpoint or its initial
+ * weights) is reported as a rollback (routing/versions.h).
  *
  * route_train_run drives the given loop until training ends; the DHT must
  * already be started (and joined) on that loop and stays the caller's.
@@ -31,7 +38,7 @@ typedef struct route_train_progress {
     long total;                /* training samples in the whole run */
     double loss;               /* mean loss of the recent batches */
     double elapsed_s;          /* training time so far (evaluation excluded) */
-    long retries;
+    long retries;              /* calls re-sent so far (route_train_result.retries) */
 } route_train_progress;
 
 typedef struct route_epoch_result {
@@ -40,8 +47,17 @@ typedef struct route_epoch_result {
     double test_loss, test_acc;
     long samples;              /* training samples this epoch */
     double train_time_s;       /* this epoch's training time */
-    long retries;              /* calls re-sent this epoch */
+    long retries;              /* calls re-sent during this epoch's training and evaluation */
 } route_epoch_result;
+
+/* A holder whose weight version went down. */
+typedef struct route_rollback {
+    int stage;
+    uint8_t holder[DHT_ID_LEN];   /* its node ID */
+    uint64_t from, to;            /* weight versions: highest seen before, then the lower one */
+} route_rollback;
+
+#define ROUTE_MAX_ROLLBACKS 32
 
 typedef struct route_train_config {
     dht *dht;                               /* started and joined; borrowed */
@@ -75,7 +91,11 @@ typedef struct route_train_result {
     double train_time_s;
     double samples_per_s;
     double test_acc, test_loss;
-    long retries;
+    long retries;              /* calls re-sent: every call that failed or timed out,
+                                  and every call that waited for a connection that
+                                  could not be made, then went out again */
+    int n_rollbacks;           /* rollbacks seen (the first ROUTE_MAX_ROLLBACKS are kept) */
+    route_rollback rollbacks[ROUTE_MAX_ROLLBACKS];
     char error[320];           /* why it stopped early, or "" */
 } route_train_result;
 

@@ -148,6 +148,8 @@ static void run(uint64_t seed, int inflight, double fail_rate)
         }
         assert_int_equal(route_pipeline_call_done(p, c.token, status), 0);
         assert_int_equal(route_pipeline_call_done(p, c.token, 0), -ENOENT); /* stale */
+        /* The running count includes batches not yet finished. */
+        assert_int_equal(route_pipeline_retries(p), injected);
         route_batch_result r;
         while (route_pipeline_pop_result(p, &r)) {
             assert_true(r.seq < NB);
@@ -173,6 +175,54 @@ static void run(uint64_t seed, int inflight, double fail_rate)
                              j, gW[s][i][j], gW_ref[s][i][j]);
     route_pipeline_destroy(&p);
     assert_null(p);
+}
+
+/* Issue 17: the trainer's JSON said "retries":0 after it had re-sent calls
+ * whose holder refused the connection. The trainer reports every call it
+ * has to send again (a timeout, an error reply, a connection that could not
+ * be made) as failed; route_pipeline_retries counts each one at once, for
+ * training and evaluation batches, before and after their batch finishes. */
+static void test_retries_counted_at_once(void **state)
+{
+    (void)state;
+    route_pipeline_config cfg = {S, widths, MAXB, 2, loss, NULL};
+    route_pipeline *p = route_pipeline_create(&cfg);
+    assert_non_null(p);
+    float x[MAXB * 8] = {0};
+    uint8_t lab[MAXB] = {0};
+    assert_int_equal(route_pipeline_push(p, x, lab, 4), 0);
+    assert_int_equal(route_pipeline_push_eval(p, x, lab, 4), 1);
+    assert_int_equal(route_pipeline_retries(p), 0);
+    long fails = 0, batch_retries = 0;
+    int finished = 0;
+    route_call c;
+    for (int iter = 0; iter < 1000 && finished < 2; iter++) {
+        assert_int_equal(route_pipeline_next_call(p, &c), 1);
+        /* Every call fails twice (once refused, once timed out) first. */
+        int status = c.attempt == 0 ? -ECONNREFUSED : c.attempt == 1 ? -ETIMEDOUT : 0;
+        if (status == 0) {
+            if (c.kind == ROUTE_CALL_FORWARD)
+                fwd(c.stage, c.inputs, c.outputs, c.rows);
+            else
+                bwd(c.stage, c.inputs, c.grad_outputs, c.need_grad_inputs ? c.outputs : NULL, c.rows, gW[c.stage]);
+        } else {
+            fails++;
+        }
+        assert_int_equal(route_pipeline_call_done(p, c.token, status), 0);
+        assert_int_equal(route_pipeline_retries(p), fails);
+        route_batch_result r;
+        while (route_pipeline_pop_result(p, &r)) {
+            batch_retries += r.retries;
+            finished++;
+            /* training: S forwards + S backwards; evaluation: S forwards */
+            assert_int_equal(r.retries, 2 * (r.forward_only ? S : 2 * S));
+        }
+    }
+    assert_int_equal(finished, 2);
+    assert_int_equal(fails, 2 * (2 * S + S));
+    assert_int_equal(route_pipeline_retries(p), batch_retries);
+    assert_int_equal(route_pipeline_retries(NULL), 0);
+    route_pipeline_destroy(&p);
 }
 
 static void test_no_failures_one_inflight(void **state)
@@ -257,6 +307,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_no_failures_one_inflight),
+        cmocka_unit_test(test_retries_counted_at_once),
         cmocka_unit_test(test_failures_and_reordering),
         cmocka_unit_test(test_limits_and_bad_input),
     };

@@ -132,6 +132,49 @@ static void test_all_banned_or_skipped(void **state)
     assert_int_equal(route_pick_replica(r, 0, NULL, 0, &rng, &retry), -EAGAIN);
 }
 
+/* Issue 17: a holder killed and restarted stayed unused for minutes after
+ * its return: its ban had grown to 60 s (75 with jitter) and nothing lifted
+ * it. Bans are now capped at ROUTE_BAN_MAX_S (10 s), a sign of life lifts
+ * them, and when every replica is banned the one whose ban ends first is
+ * probed. */
+static void test_ban_cap_unban_and_probe(void **state)
+{
+    (void)state;
+    route_replica r[3];
+    init3(r, 100, 100, 100);
+    uint64_t rng = 11;
+    double now = 50.0;
+    for (int f = 0; f < 40; f++)
+        route_replica_failure(&r[0], now, &rng);
+    if (!(r[0].banned_until - now <= 10.0 * 1.25))
+        fail_msg("after 40 failures the ban is %.1f s, want at most 12.5", r[0].banned_until - now);
+    assert_true(ROUTE_BAN_MAX_S <= 10.0);
+
+    /* A sign of life ends the ban but keeps the count: the next failure
+     * bans for the capped time again, not the first second. */
+    route_replica_unban(&r[0]);
+    assert_true(route_replica_weight(&r[0], now) > 0);
+    assert_int_equal(r[0].failures, 30);
+    route_replica_failure(&r[0], now, &rng);
+    assert_true(r[0].banned_until - now >= ROUTE_BAN_MAX_S);
+
+    /* Probing: only when every candidate is banned; the earliest ban end. */
+    init3(r, 100, 100, 100);
+    assert_int_equal(route_pick_probe(r, 3, NULL, now), -EAGAIN); /* none banned */
+    r[0].banned_until = now + 9;
+    r[1].banned_until = now + 3;
+    assert_int_equal(route_pick_probe(r, 3, NULL, now), -EAGAIN); /* r[2] is free */
+    r[2].banned_until = now + 5;
+    assert_int_equal(route_pick_replica(r, 3, NULL, now, &rng, NULL), -EAGAIN);
+    assert_int_equal(route_pick_probe(r, 3, NULL, now), 1);
+    uint8_t skip[3] = {0, 1, 0};
+    assert_int_equal(route_pick_probe(r, 3, skip, now), 2);
+    skip[0] = skip[2] = 1;
+    assert_int_equal(route_pick_probe(r, 3, skip, now), -EAGAIN); /* all skipped */
+    assert_int_equal(route_pick_probe(r, 0, NULL, now), -EAGAIN);
+    assert_int_equal(route_pick_probe(NULL, 3, NULL, now), -EINVAL);
+}
+
 static void test_bad_arguments_and_determinism(void **state)
 {
     (void)state;
@@ -157,6 +200,7 @@ int main(void)
         cmocka_unit_test(test_weight_orders),
         cmocka_unit_test(test_bans_and_backoff),
         cmocka_unit_test(test_all_banned_or_skipped),
+        cmocka_unit_test(test_ban_cap_unban_and_probe),
         cmocka_unit_test(test_bad_arguments_and_determinism),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -7,6 +7,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "dht/id.h"
 #include "expert/expert.h"
 #include "expert/model.h"
 #include "routing/routing.h"
@@ -42,7 +43,8 @@ static const char train_help[] =
     "  --train-samples N      use the first N training samples (default all 60000)\n"
     "  --test-samples N       evaluate on the first N test samples (default all 10000)\n"
     "  --seed N               data order seed (default 0)\n"
-    "  --timeout S            seconds before a call is retried elsewhere (default 30)\n"
+    "  --timeout S            seconds before a call or a connection attempt gives up\n"
+    "                         and is retried elsewhere (default 30)\n"
     "  --max-wait S           give up when a stage has no holder this long (default 120)\n"
     "  --refresh S            look the holders up again every S seconds (default 10)\n"
     "  --metrics-log FILE     JSON lines log (default starling-train.jsonl)\n"
@@ -54,10 +56,37 @@ static const char train_help[] =
     "  --lr X                 not a trainer setting: the error says where it goes\n"
     "  -h, --help             this text\n"
     "\n"
+    "The --json line's \"status\" is \"rolled_back\" instead of \"ok\" when a holder\n"
+    "went back to older weights during the run (listed in \"rollbacks\"; see\n"
+    "docs/operations.md).\n"
+    "\n"
     "Exit status: 0 trained, 1 failed (no holder for a stage, unreachable swarm,\n"
     "bad data), 2 usage error.\n";
 
 #define MAX_POINTS 20000
+
+/* Writes `"rollbacks":[{"stage":N,"holder":"<hex8>","from":A,"to":B},...]`
+ * (the kept ones; an empty array when none). */
+static void print_rollbacks(FILE *f, const route_train_result *r)
+{
+    int n = r->n_rollbacks < ROUTE_MAX_ROLLBACKS ? r->n_rollbacks : ROUTE_MAX_ROLLBACKS;
+    fputs("\"rollbacks\":[", f);
+    for (int i = 0; i < n; i++) {
+        const route_rollback *b = &r->rollbacks[i];
+        char hex[DHT_ID_HEX_LEN + 1];
+        dht_id_to_hex(hex, b->holder);
+        fprintf(f, "%s{\"stage\":%d,\"holder\":\"%.8s\",\"from\":%llu,\"to\":%llu}", i ? "," : "", b->stage,
+                hex, (unsigned long long)b->from, (unsigned long long)b->to);
+    }
+    fputc(']', f);
+}
+
+/* "ok", "rolled_back" (trained, but some holder went back to older weights)
+ * or "failed". */
+static const char *train_status(int rc, const route_train_result *r)
+{
+    return rc != 0 ? "failed" : r->n_rollbacks > 0 ? "rolled_back" : "ok";
+}
 
 typedef struct train_ui {
     report_progress prog;
@@ -94,6 +123,9 @@ static void on_progress(void *arg, const route_train_progress *p)
                     "\"elapsed_s\":%.3f,\"samples_per_s\":%.1f,\"retries\":%ld}\n",
                     p->epoch, p->done, p->loss, p->elapsed_s,
                     p->elapsed_s > 0 ? (double)p->done / p->elapsed_s : 0.0, p->retries);
+        /* Whole lines, at once: the log is followed while training runs. */
+        if (ui->jsonl)
+            fflush(ui->jsonl);
     }
 }
 
@@ -300,9 +332,11 @@ int cmd_train(int argc, char **argv)
     if (ui.jsonl) {
         fprintf(ui.jsonl,
                 "{\"event\":\"end\",\"status\":\"%s\",\"epochs\":%d,\"samples\":%ld,"
-                "\"samples_per_s\":%.1f,\"test_acc\":%.6f,\"retries\":%ld}\n",
-                rc == 0 ? "ok" : "failed", res.epochs, res.samples, res.samples_per_s, res.test_acc,
+                "\"samples_per_s\":%.1f,\"test_acc\":%.6f,\"retries\":%ld,",
+                train_status(rc, &res), res.epochs, res.samples, res.samples_per_s, res.test_acc,
                 res.retries);
+        print_rollbacks(ui.jsonl, &res);
+        fputs("}\n", ui.jsonl);
         fclose(ui.jsonl);
     }
     if (plot_path && *plot_path && (ui.np > 0 || ui.ne > 0)) {
@@ -324,14 +358,21 @@ int cmd_train(int argc, char **argv)
     free(ui.py);
     route_data_free(&train);
     route_data_free(&test);
-    if (json)
+    if (json) {
         printf("{\"samples_per_s\":%.1f,\"test_acc\":%.6f,\"test_loss\":%.6f,\"epochs\":%d,"
-               "\"samples\":%ld,\"retries\":%ld,\"train_time_s\":%.3f,\"status\":\"%s\"}\n",
+               "\"samples\":%ld,\"retries\":%ld,\"train_time_s\":%.3f,",
                res.samples_per_s, res.test_acc, res.test_loss, res.epochs, res.samples, res.retries,
-               res.train_time_s, rc == 0 ? "ok" : "failed");
+               res.train_time_s);
+        print_rollbacks(stdout, &res);
+        printf(",\"status\":\"%s\"}\n", train_status(rc, &res));
+    }
     if (rc != 0)
         return cli_fail("train", "%s", res.error[0] ? res.error : strerror(-rc));
     fprintf(stderr, "starling train: done: test accuracy %.4f after %d epoch%s, %.0f samples/s, %ld retries\n",
             res.test_acc, res.epochs, res.epochs == 1 ? "" : "s", res.samples_per_s, res.retries);
+    if (res.n_rollbacks > 0)
+        fprintf(stderr, "starling train: %d holder rollback%s: some stages went back to older weights "
+                        "(a holder restarted from an older checkpoint or its initial weights)\n",
+                res.n_rollbacks, res.n_rollbacks == 1 ? "" : "s");
     return CLI_EXIT_OK;
 }
