@@ -80,6 +80,8 @@ struct peer_daemon {
     int ckpt_status;
     void (*stop_cb)(int, void *);
     void *stop_arg;
+    void (*on_refused)(void *);
+    void *refused_arg;
     int final_status;
 };
 
@@ -469,15 +471,17 @@ static void on_join(dht *dh, int status, void *ud)
         /* Another process runs with our identity file (it proved our node
          * ID from another address): two peers with one ID would displace
          * each other in routing tables and announcements. Refuse: no
-         * retry, and the loop goes back to our owner (uv_stop), which
-         * stops the daemon and exits with failure (tools/cmd_peer.c). */
+         * retry; the owner stops us (peer_daemon_config.on_refused). */
         char hex[DHT_ID_HEX_LEN + 1], at[DHT_ADDR_STRLEN];
         dht_id_to_hex(hex, dht_self_id(dh));
         if (dht_collision_addr(dh, at, sizeof at) < 0)
             snprintf(at, sizeof at, "another address");
         say(d, "another peer is online with this identity (node ID %s) at %s; refusing to start: "
                "use another --identity", hex, at);
-        uv_stop(d->loop);
+        if (d->on_refused)
+            d->on_refused(d->refused_arg);
+        else
+            peer_daemon_stop(d, NULL, NULL);
         return;
     }
     if (status == -EADDRNOTAVAIL || status == -EKEYREJECTED) {
@@ -731,6 +735,8 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
     d->no_state_download = cfg->no_state_download;
     d->sync_rng = (uint64_t)d->ident.id[0] << 8 | d->ident.id[1];
     d->log = cfg->log ? cfg->log : stderr;
+    d->on_refused = cfg->on_refused;
+    d->refused_arg = cfg->refused_arg;
     memcpy(d->initial, cfg->initial, cfg->n_initial * sizeof *cfg->initial);
     d->n_initial = cfg->n_initial;
 

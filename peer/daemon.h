@@ -50,6 +50,11 @@ typedef struct peer_daemon_config {
     int keep_copies;                   /* keepers per stage; 0 = 2 */
     size_t keep_max_bytes;             /* memory for cold copies; 0 = 2 GiB */
     FILE *log;                         /* status lines; NULL = stderr */
+    /* Called on the loop when the daemon refuses to go on (another peer is
+     * online with our identity; it has said why): the owner should stop it
+     * (peer_daemon_stop) and report failure. NULL: the daemon stops itself. */
+    void (*on_refused)(void *arg);
+    void *refused_arg;
 } peer_daemon_config;
 
 typedef struct peer_daemon peer_daemon;

@@ -189,6 +189,21 @@ static void on_signal(uv_signal_t *h, int signum)
     /* else: a move is in progress; on_moved sees `stopping` */
 }
 
+/* The daemon will not go on (another peer runs with our identity): stop as
+ * for a signal, and exit 1. */
+static void on_refused(void *arg)
+{
+    run_ctx *r = arg;
+    r->refused = 1;
+    if (r->stopping)
+        return;
+    r->stopping = 1;
+    uv_timer_stop(&r->rebalance);
+    route_swarm_destroy(&r->sw);
+    if (r->daemon)
+        peer_daemon_stop(r->daemon, on_stopped, r);
+}
+
 static void span_string(char *buf, size_t len, const int *blocks, int n)
 {
     if (n == 1)
@@ -677,6 +692,8 @@ int cmd_peer(int argc, char **argv)
     dc->keep_copies = (int)keep_copies;
     dc->keep_max_bytes = (size_t)keep_mb << 20;
     dc->ttl_s = ann_ttl;
+    dc->on_refused = on_refused;
+    dc->refused_arg = &r;
     if (r.auto_k) {
         int start = 0;
         rc = choose_first_span(&r, initial, swarm_key_file, &start);
