@@ -17,7 +17,7 @@ fails=0
 fail() { echo "FAIL: $*" >&2; fails=$((fails + 1)); }
 
 # start NAME ARGS...: runs `starling bootstrap ARGS` in the background and
-# waits (up to 5 s) for its address line; sets $addr.
+# waits (up to 60 s: a hang guard) for its whole address line; sets $addr.
 start() {
     name=$1; shift
     "$S" bootstrap "$@" >"$tmp/$name.out" 2>"$tmp/$name.err" &
@@ -25,7 +25,7 @@ start() {
     pids="$pids $pid"
     eval "pid_$name=$pid"
     i=0
-    while [ ! -s "$tmp/$name.out" ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
+    while ! grep -q '/[0-9a-f]\{40\}$' "$tmp/$name.out" 2>/dev/null && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
     addr=$(head -n 1 "$tmp/$name.out")
     echo "$addr" | grep -Eq '^(127\.0\.0\.1|\[::1\]):[0-9]+/[0-9a-f]{40}$' ||
         { fail "$name printed '$addr'"; cat "$tmp/$name.err" >&2; }
@@ -41,7 +41,16 @@ start n2 --listen 127.0.0.1:0 --initial-peers "$B"
 start n3 --listen 127.0.0.1:0 --initial-peers "$N1"
 N3=$addr
 start n4 --listen 127.0.0.1:0 --initial-peers "$B,$N1"
-sleep 1
+# The nodes print their address before they have joined: wait (bounded)
+# until puts through n1 and through n3 (under a key of their own) reach the
+# five nodes, i.e. until the joins are done.
+for i in $(seq 1 60); do
+    timeout 20 "$S" dht put probe x --initial-peers "$N1" >"$tmp/probe1.out" 2>&1
+    timeout 20 "$S" dht put probe x --initial-peers "$N3" >"$tmp/probe3.out" 2>&1
+    grep -Eq '^stored on ([5-9]|[1-9][0-9]+) nodes' "$tmp/probe1.out" &&
+        grep -Eq '^stored on ([5-9]|[1-9][0-9]+) nodes' "$tmp/probe3.out" && break
+    sleep 1
+done
 
 timeout 20 "$S" dht put fmnist-mlp.2 "holder-a" --ttl 120 --initial-peers "$N1" >"$tmp/put.out" 2>&1 ||
     { fail "dht put"; cat "$tmp/put.out" >&2; }
@@ -78,13 +87,23 @@ timeout 20 "$S" dht get secret --initial-peers "$P" --swarm-key "$tmp/swarm.key"
     { fail "get from private swarm"; cat "$tmp/p3.out" >&2; }
 
 # Clean exits: SIGTERM for one, SIGINT for the rest.
-kill -TERM "$pid_boot"
-wait "$pid_boot"; rc=$?
+# stop PID SIGNAL: sends SIGNAL, waits (bounded) for the exit; sets rc (124
+# when the process was still running after 60 s and had to be killed).
+stop() {
+    kill "-$2" "$1"
+    i=0
+    while kill -0 "$1" 2>/dev/null && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
+    if kill -0 "$1" 2>/dev/null; then
+        kill -KILL "$1"; wait "$1"; rc=124
+    else
+        wait "$1"; rc=$?
+    fi
+}
+stop "$pid_boot" TERM
 [ $rc -eq 0 ] || fail "bootstrap exit status $rc after SIGTERM"
 for n in n1 n2 n3 n4 priv; do
     eval "p=\$pid_$n"
-    kill -INT "$p"
-    wait "$p"; rc=$?
+    stop "$p" INT
     [ $rc -eq 0 ] || { fail "$n exit status $rc after SIGINT"; cat "$tmp/$n.err" >&2; }
 done
 pids=""

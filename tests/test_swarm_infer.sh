@@ -33,13 +33,12 @@ awk "BEGIN { exit !($unan < 0.9) }" || fail "the stale replica never disagreed (
 # The stale replica leaves first (SIGTERM: it announces itself offline): the
 # trainer would otherwise mix its unrelated weights into the others' stages,
 # and a path through one peer would then score near chance.
-kill "$PID_e"
-wait "$PID_e" 2>/dev/null
+stop_peer "$PID_e" 120 || { fail "the stale replica did not stop cleanly"; show "$T/e.err"; }
 "$S" train --initial-peers "$BS" --train-samples 4096 --test-samples 500 --metrics-log "" --plot "" \
     >"$T/train.out" 2>"$T/train.err" &
 TR=$!
 PIDS="$PIDS $TR"
-wait_for "$T/train.err" 'progress [1-9]' 60 || fail "training did not start"
+wait_for "$T/train.err" 'progress [1-9]' 300 "$TR" || fail "training did not start"
 "$S" infer --initial-peers "$BS" --data test --samples 2000 --json >"$T/i3.json" 2>"$T/i3.err"
 [ $? -eq 0 ] || { fail "infer during training failed"; show "$T/i3.err"; }
 wait "$TR" || { fail "training failed"; show "$T/train.err"; }

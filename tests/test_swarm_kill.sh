@@ -10,8 +10,9 @@ timeout 300 "$S" train --initial-peers "$BS" --train-samples 6000 --test-samples
     --timeout 5 --metrics-log "$T/train.jsonl" --plot "" >"$T/train.out" 2>"$T/train.err" &
 TRAIN=$!
 PIDS="$PIDS $TRAIN"
-# Kill the replica once training is under way (the log shows >= 1000 samples).
-wait_for "$T/train.jsonl" '"samples":(1[0-9]{3}|[2-9][0-9]{3})' 120 || fail "training did not start"
+# Kill the replica once training is under way (the log shows >= 1000 samples;
+# the bound is a hang guard).
+wait_for "$T/train.jsonl" '"samples":(1[0-9]{3}|[2-9][0-9]{3})' 600 "$TRAIN" || fail "training did not start"
 kill -9 "$PID_c"
 echo "killed replica c"
 wait "$TRAIN"

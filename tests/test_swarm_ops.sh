@@ -14,7 +14,10 @@ id_b=$(sed -n 's#.*address .*/\([0-9a-f]\{40\}\)$#\1#p' "$T/b.out")
 # Threads are named for ps/top/perf, and a peer's training threads run at a
 # lower priority than its inference lanes (--training-priority low: nice 10).
 # (The nice values are checked only when the test itself runs at nice 0.)
-if [ -r "/proc/$PID_a/comm" ]; then
+# Each thread names itself and sets its own priority once it runs, so the
+# checks are repeated (bounded) until they hold; what still fails is reported.
+thread_checks() {
+    fails=0
     [ "$(cat "/proc/$PID_a/comm")" = starling-peer ] || fail "peer process name is '$(cat "/proc/$PID_a/comm")'"
     base=$(sed 's/^.*) //' "/proc/$PID_a/stat" | cut -d' ' -f17)
     for want in train-0 train-2 infer-0 infer-2; do
@@ -51,6 +54,16 @@ if [ -r "/proc/$PID_a/comm" ]; then
             [ "$sl" != 10000000 ] || fail "peer a (training priority low) has the long slice too"
         fi
     fi
+}
+if [ -r "/proc/$PID_a/comm" ]; then
+    fails_before=$fails
+    for i in $(seq 1 100); do
+        thread_checks 2>"$T/threads.txt"
+        [ "$fails" -eq 0 ] && break
+        sleep 0.2
+    done
+    cat "$T/threads.txt" >&2
+    fails=$((fails_before + fails))
 fi
 
 # Text view: every stage covered, exit 0.
@@ -84,34 +97,33 @@ mport=$(sed -n 's#.*metrics on http://127.0.0.1:\([0-9]*\)/metrics#\1#p' "$T/a.e
 "$PY" - "$mport" <<'PYEOF' || fail "metrics endpoint"
 import sys, urllib.request, urllib.error
 base = "http://127.0.0.1:%s" % sys.argv[1]
-body = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
+body = urllib.request.urlopen(base + "/metrics", timeout=60).read().decode()
 assert "starling_up 1" in body, body[:200]
 assert 'starling_requests_total{block="fmnist-mlp.0",kind="forward"}' in body
 assert "starling_dht_datagrams_total" in body
 assert 'starling_backward_kept_samples_total{block="fmnist-mlp.0"} 0' in body
 try:
-    urllib.request.urlopen(base + "/nope", timeout=5)
+    urllib.request.urlopen(base + "/nope", timeout=60)
     raise SystemExit("404 expected")
 except urllib.error.HTTPError as e:
     assert e.code == 404
 PYEOF
 
 # kill -9 peer b: its stages are reported uncovered (exit 1) once its
-# announcements expire (ttl 3 s).
+# announcements expire (ttl 3 s; the bound is a hang guard).
 kill -9 "$PID_b"
 ok=0
-for i in $(seq 1 40); do
+end=$(( $(date +%s) + 120 ))
+while [ "$(date +%s)" -lt "$end" ]; do
     "$S" monitor --initial-peers "$BS" --model fmnist-mlp >"$T/mon2.txt" 2>&1
     if [ $? -eq 1 ] && grep -q "fmnist-mlp.3 *UNCOVERED" "$T/mon2.txt"; then ok=1; break; fi
     sleep 0.5
 done
-[ "$ok" = 1 ] || { fail "killed peer still listed after 20 s"; show "$T/mon2.txt"; }
+[ "$ok" = 1 ] || { fail "killed peer still listed after 120 s"; show "$T/mon2.txt"; }
 
 # SIGTERM: clean exit 0 with checkpoints, then a restart resumes from them.
-kill -TERM "$PID_a"
-for i in $(seq 1 100); do kill -0 "$PID_a" 2>/dev/null || break; sleep 0.1; done
-wait "$PID_a"; rc=$?
-[ "$rc" -eq 0 ] || { fail "peer a exited $rc after SIGTERM"; show "$T/a.err"; }
+stop_peer "$PID_a" 120; rc=$?
+[ "$rc" -eq 0 ] || { fail "peer a exited $rc after SIGTERM (124: still running after 120 s)"; show "$T/a.err"; }
 for s in 0 1 2; do [ -s "$T/ckpt/fmnist-mlp.$s.ckpt" ] || fail "no checkpoint for stage $s"; done
 start_peer a2 0-2 --checkpoint-dir "$T/ckpt"
 grep -q "restored fmnist-mlp.0 from its checkpoint" "$T/a2.err" || { fail "restart did not restore"; show "$T/a2.err"; }
@@ -125,12 +137,16 @@ wait_for "$T/bs2.out" '/' 10 || fail "private bootstrap did not start"
 BS2=$(head -1 "$T/bs2.out")
 "$S" peer --initial-peers "$BS2" --blocks 0 --swarm-key "$T/key" >"$T/p2.out" 2>"$T/p2.err" &
 PIDS="$PIDS $!"
-wait_for "$T/p2.err" 'online: announcing' 30 || fail "keyed peer did not join"
+wait_for "$T/p2.err" 'online: announcing' 120 || fail "keyed peer did not join"
+# With the key, the monitor lists the peer online on stage 0 (once its
+# announcement is stored); without the key, or with another, nothing.
+wait_announced p2 120 --initial-peers "$BS2" --model fmnist-mlp --swarm-key "$T/key" ||
+    { fail "monitor with the key does not see the peer"; show "$T/p2.ann" "$T/p2.ann.err"; }
 "$S" monitor --initial-peers "$BS2" --model fmnist-mlp --timeout 3 >"$T/m3.txt" 2>&1; rc=$?
 [ "$rc" -eq 2 ] || fail "monitor without the key: exit $rc, want 2"
-grep -q "cannot reach" "$T/m3.txt" || { fail "no clear message without the key"; show "$T/m3.txt"; }
-"$S" monitor --initial-peers "$BS2" --model fmnist-mlp --timeout 3 --swarm-key "$T/other" >/dev/null 2>&1
+grep -q "answers, but not under our swarm key (we have none): check --swarm-key" "$T/m3.txt" ||
+    { fail "no clear message without the key"; show "$T/m3.txt"; }
+"$S" monitor --initial-peers "$BS2" --model fmnist-mlp --timeout 3 --swarm-key "$T/other" >"$T/m4.txt" 2>&1
 [ $? -eq 2 ] || fail "monitor with the wrong key should exit 2"
-"$S" monitor --initial-peers "$BS2" --model fmnist-mlp --swarm-key "$T/key" >"$T/m4.txt" 2>&1
-grep -q "fmnist-mlp.0 " "$T/m4.txt" || { fail "monitor with the key does not see the peer"; show "$T/m4.txt"; }
+grep -q "not under our swarm key" "$T/m4.txt" || { fail "no clear message with the wrong key"; show "$T/m4.txt"; }
 finish

@@ -7,11 +7,12 @@
 . "$(dirname "$0")/swarm_lib.sh"
 start_bootstrap
 start_peer a 0-5
-grep -q "starting from our initial weights" "$T/a.err" || true
+grep -q "fmnist-mlp.0: no other holder; starting from our initial weights" "$T/a.err" ||
+    { fail "the first peer did not say it starts from its initial weights"; show "$T/a.err"; }
 "$S" train --initial-peers "$BS" --train-samples 1024 --test-samples 256 --metrics-log "" --plot "" \
     >"$T/train.out" 2>"$T/train.err" || { fail "training failed"; show "$T/train.err"; }
 start_peer b 0-5 --seed 5
-wait_for "$T/b.err" 'online: announcing' 30 || { fail "newcomer never went online"; show "$T/b.err"; }
+wait_for "$T/b.err" 'online: announcing' 120 || { fail "newcomer never went online"; show "$T/b.err"; }
 grep -q "fmnist-mlp.0: downloaded the current state (weight version [1-9]" "$T/b.err" || \
     { fail "no state download logged"; show "$T/b.err"; }
 n=$(grep -c "downloaded the current state" "$T/b.err")

@@ -31,7 +31,7 @@ mport=$(sed -n 's#.*metrics on http://127.0.0.1:\([0-9]*\)/metrics#\1#p' "$T/b.e
 if PY=$(command -v python3); then
     "$PY" - "$mport" <<'PYEOF' || fail "peer b's backwards did not use kept activations"
 import re, sys, urllib.request
-body = urllib.request.urlopen("http://127.0.0.1:%s/metrics" % sys.argv[1], timeout=5).read().decode()
+body = urllib.request.urlopen("http://127.0.0.1:%s/metrics" % sys.argv[1], timeout=60).read().decode()
 def val(name):
     m = re.search(r'^%s\{block="fmnist-mlp.4"\} (\S+)$' % name, body, re.M)
     assert m, name
