@@ -9,6 +9,7 @@
 #include <sodium.h>
 
 #include "peer/announce.h"
+#include "peer/log.h"
 #include "peer/wire.h"
 
 /* A replica that finds no other entry looks again this many times while the
@@ -54,18 +55,7 @@ struct peer_averaging {
     avg_block b[PEER_SERVICE_MAX_BLOCKS];
 };
 
-static void say(peer_averaging *av, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void say(peer_averaging *av, const char *fmt, ...)
-{
-    FILE *f = av->cfg.log ? av->cfg.log : stderr;
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(f, "starling peer: ");
-    vfprintf(f, fmt, ap);
-    fputc('\n', f);
-    fflush(f);
-    va_end(ap);
-}
+#define say(o, ...) peer_log((o)->cfg.log, __VA_ARGS__)
 
 /* ---- the group (pure) ---- */
 

@@ -14,6 +14,7 @@
 #include "peer/announce.h"
 #include "peer/averaging.h"
 #include "peer/keeper.h"
+#include "peer/log.h"
 #include "peer/metrics.h"
 #include "peer/statesync.h"
 #include "peer/timeslice.h"
@@ -85,18 +86,8 @@ struct peer_daemon {
     int final_status;
 };
 
-static void say(peer_daemon *d, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#define say(d, ...) peer_log((d)->log, __VA_ARGS__)
 static void maybe_free(peer_daemon *d);
-static void say(peer_daemon *d, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(d->log, "starling peer: ");
-    vfprintf(d->log, fmt, ap);
-    fputc('\n', d->log);
-    fflush(d->log);
-    va_end(ap);
-}
 
 /* ---- announcements ---- */
 

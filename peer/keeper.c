@@ -10,6 +10,7 @@
 
 #include "expert/model.h"
 #include "peer/announce.h"
+#include "peer/log.h"
 #include "peer/statesync.h"
 
 #define MAX_PEERS 1024           /* distinct peers of the model considered */
@@ -51,18 +52,7 @@ struct peer_keeper {
     void *stop_arg;
 };
 
-static void say(peer_keeper *k, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void say(peer_keeper *k, const char *fmt, ...)
-{
-    FILE *f = k->cfg.log ? k->cfg.log : stderr;
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(f, "starling peer: ");
-    vfprintf(f, fmt, ap);
-    fputc('\n', f);
-    fflush(f);
-    va_end(ap);
-}
+#define say(o, ...) peer_log((o)->cfg.log, __VA_ARGS__)
 
 /* ---- the choice (pure) ---- */
 

@@ -13,6 +13,7 @@
 
 #include "expert/block.h"
 #include "expert/model.h"
+#include "peer/log.h"
 #include "peer/rpc_server.h"
 #include "peer/wire.h"
 
@@ -636,20 +637,7 @@ static void free_blocks(peer_service *s)
 }
 
 /* A line in the service's log (config log, else stderr); any thread. */
-static void svc_log(peer_service *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void svc_log(peer_service *s, const char *fmt, ...)
-{
-    FILE *f = s->cfg.log ? s->cfg.log : stderr;
-    va_list ap;
-    va_start(ap, fmt);
-    flockfile(f);
-    fprintf(f, "starling peer: ");
-    vfprintf(f, fmt, ap);
-    fputc('\n', f);
-    fflush(f);
-    funlockfile(f);
-    va_end(ap);
-}
+#define svc_log(s, ...) peer_log((s)->cfg.log, __VA_ARGS__)
 
 /* Removes the temporary files that killed checkpoint writes of block b left
  * (expert_ckpt_clean_tmp: only a writer that is gone, never a write in
