@@ -42,7 +42,8 @@
  * not serve stores, under BLAKE2b-160("starling.keep:<block>:<stage hash,
  * 16 hex digits>"), a signed entry (subkey = its node ID):
  *     "v" u 1, "a" str tensor RPC address it serves the copy from,
- *     "wv" u weight version of the copy, "t" u when it was taken (ms).
+ *     "wv" u weight version of the copy (0: withdrawn, skip it),
+ *     "t" u when it was taken (ms).
  */
 #ifndef PEER_ANNOUNCE_H
 #define PEER_ANNOUNCE_H

@@ -37,9 +37,10 @@ typedef struct avg_block {
     uint8_t digest[PEER_AVG_DIGEST_LEN]; /* its group */
     int has_next;                /* a new view of the group waits for ar's cancel */
     peer_avg_group next;
+    uint64_t done_round;         /* the last round applied here (0: none) */
     uint64_t rounds, abandoned;
     int group;
-    int alone_said, period_said;
+    int alone_said, period_said, skip_said;
 } avg_block;
 
 struct peer_averaging {
@@ -150,9 +151,18 @@ static void block_name(peer_averaging *av, int i, peer_block_info *info)
 static void on_round_done(void *arg, int status, const peer_allreduce_result *res);
 static void look_up_group(avg_block *c);
 
+/* Whether round `round` of c may still begin or regroup: ours, not
+ * applied yet, within its time. */
+static int round_open(const avg_block *c, uint64_t round)
+{
+    return c->in_round && c->round == round && c->done_round != round && dht_now_ms() < c->round_end_ms;
+}
+
 static void begin_group(avg_block *c, const peer_avg_group *g)
 {
     peer_averaging *av = c->av;
+    if (!round_open(c, c->round))
+        return; /* applied already (a late view), or out of time */
     if (c->ar) {
         if (!memcmp(c->digest, g->digest, PEER_AVG_DIGEST_LEN))
             return; /* the view we are running */
@@ -205,6 +215,7 @@ static void on_round_done(void *arg, int status, const peer_allreduce_result *re
     block_name(av, c->block, &info);
     if (status == 0) {
         c->has_next = 0; /* it succeeded before the cancel took: done for this round */
+        c->done_round = c->round;
         c->rounds++;
         c->group = res->n;
         c->alone_said = 0;
@@ -229,12 +240,16 @@ static void on_round_done(void *arg, int status, const peer_allreduce_result *re
         look_up_group(c);
         return;
     }
+    if (status == -ENODATA) {
+        /* Not a failure: nobody has anything to share yet. Said once. */
+        if (!c->skip_said)
+            say(av, "%s: averaging round %" PRIu64 " in a group of %d skipped: every member has initial weights "
+                    "(said once)", info.name, c->round, res->n);
+        c->skip_said = 1;
+        return;
+    }
     c->abandoned++;
-    if (status == -ENODATA)
-        say(av, "%s: averaging round %" PRIu64 " in a group of %d skipped: every member has initial weights",
-            info.name, c->round, res->n);
-    else
-        say(av, "%s: averaging round %" PRIu64 " in a group of %d abandoned (%s); weights unchanged", info.name,
+    say(av, "%s: averaging round %" PRIu64 " in a group of %d abandoned (%s); weights unchanged", info.name,
             c->round, res->n, strerror(-status));
 }
 
@@ -273,7 +288,7 @@ static void on_group(dht *dh, int status, const dht_entry *e, size_t n, void *ud
     avg_block *c = ud;
     peer_averaging *av = c->av;
     c->getting = 0;
-    if (av->stopping)
+    if (av->stopping || !round_open(c, c->round))
         return;
     peer_block_info info;
     block_name(av, c->block, &info);
@@ -350,8 +365,7 @@ static void on_hint(void *arg, int block, uint64_t round)
     if (av->stopping || block < 0 || block >= peer_service_n_blocks(av->cfg.svc))
         return;
     avg_block *c = &av->b[block];
-    if (!c->in_round || c->round != round || c->getting || dht_now_ms() > c->round_end_ms ||
-        uv_now(av->cfg.loop) - c->last_get_ms < HINT_GAP_MS)
+    if (!round_open(c, round) || c->getting || uv_now(av->cfg.loop) - c->last_get_ms < HINT_GAP_MS)
         return;
     c->putting = 0;
     look_up_group(c);

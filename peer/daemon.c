@@ -32,6 +32,10 @@ typedef struct sync_view {
     int nc, found;
     uint64_t best;               /* newest online version */
     uint64_t prev;               /* what this node ID announced before it restarted (0: nothing) */
+    peer_keep_record keep[16];   /* cold copies, newest first */
+    uint8_t kid[16][DHT_ID_LEN];
+    int nk, next_keep;           /* copies found, the next one to try */
+    uint64_t known;              /* the newest version known to have existed */
 } sync_view;
 
 struct peer_daemon {
@@ -225,6 +229,8 @@ static void go_online(peer_daemon *d)
 
 static void sync_next(peer_daemon *d);
 static void note_lost(peer_daemon *d, int i, uint64_t from, uint64_t to, const char *why);
+static int try_cold_copy(peer_daemon *d);
+static void sync_settle(peer_daemon *d, const char *failed, int downloaded);
 
 static void maybe_free(peer_daemon *d);
 
@@ -238,25 +244,31 @@ static void on_state(void *arg, int status, const uint8_t *buf, size_t len, uint
     }
     peer_block_info info;
     peer_service_block_info(d->svc, d->syncing, &info);
-    uint64_t now_version = info.version;
+    const char *failed = NULL;
+    int again = status != 0; /* another copy may still be had */
     if (status == 0) {
         int rc = peer_service_install_state(d->svc, d->syncing, buf, len);
         if (rc == 0) {
-            now_version = version;
             say(d, "%s: downloaded the current state (weight version %llu, %.1f MB in %.2f s) from %s", info.name,
                 (unsigned long long)version, (double)len / 1e6, (double)uv_now(d->loop) / 1000.0 - d->sync_t0,
                 d->sync_from);
+            if (d->sync_expect > version)
+                failed = "the newest copy in the swarm was older";
         } else {
-            say(d, "%s: the downloaded state was refused (%s); keeping ours", info.name,
+            say(d, "%s: the state downloaded from %s was refused (%s); keeping ours", info.name, d->sync_from,
                 rc == -ESTALE ? "it is the state of another stage or configuration" : strerror(-rc));
+            failed = "the downloaded state was refused";
+            again = 1;
         }
     } else {
-        say(d, "%s: state download failed (%s); keeping ours", info.name, strerror(-status));
+        say(d, "%s: state download from %s failed (%s); keeping ours", info.name, d->sync_from,
+            strerror(-status));
+        failed = "the download failed";
     }
-    if (d->sync_expect > now_version)
-        note_lost(d, d->syncing, d->sync_expect, now_version,
-                  status == 0 ? "the newest copy in the swarm was older" : "the download failed");
-    sync_next(d);
+    /* A copy that could not be had: the next newest one. */
+    if (again && try_cold_copy(d))
+        return;
+    sync_settle(d, failed, status == 0 && !again);
 }
 
 /* Says (and announces) that block i went back: this peer, or a keeper,
@@ -271,22 +283,62 @@ static void note_lost(peer_daemon *d, int i, uint64_t from, uint64_t to, const c
         info.name, from, to, why);
 }
 
-static void start_download(peer_daemon *d, const uint8_t *id, const char *addr, const char *what)
+/* Starts downloading block d->syncing (d->sync_from says from whom).
+ * Returns 0, or a negative errno (said). */
+static int start_download(peer_daemon *d, const uint8_t *id, const char *addr)
 {
     peer_block_info info;
     peer_service_block_info(d->svc, d->syncing, &info);
     d->sync_t0 = (double)uv_now(d->loop) / 1000.0;
-    snprintf(d->sync_from, sizeof d->sync_from, "%s", what);
     int rc = peer_statesync_start(d->loop, &d->ident, d->has_swarm_key ? d->swarm_key : NULL, id, addr,
                                   info.name, 30.0, on_state, d);
-    if (rc == 0) {
+    if (rc == 0)
         d->sync_inflight = 1;
-        return;
+    else
+        say(d, "%s: cannot start the state download from %s (%s)", info.name, d->sync_from, strerror(-rc));
+    return rc;
+}
+
+/* Downloads block d->syncing from the next cold copy newer than ours.
+ * Returns 1 when a download started. */
+static int try_cold_copy(peer_daemon *d)
+{
+    sync_view *v = &d->view;
+    peer_block_info info;
+    peer_service_block_info(d->svc, d->syncing, &info);
+    while (v->next_keep < v->nk && v->keep[v->next_keep].weight_version > info.version) {
+        int k = v->next_keep++;
+        char hex[DHT_ID_HEX_LEN + 1];
+        dht_id_to_hex(hex, v->kid[k]);
+        snprintf(d->sync_from, sizeof d->sync_from, "a cold copy kept by %.8s", hex);
+        d->sync_expect = v->known;
+        if (start_download(d, v->kid[k], v->keep[k].addr) == 0)
+            return 1;
     }
-    say(d, "%s: cannot start the state download (%s); keeping ours", info.name, strerror(-rc));
+    return 0;
+}
+
+/* Nothing (more) to download for block d->syncing: say where it starts
+ * from, and whether that loses a newer version. */
+static void sync_settle(peer_daemon *d, const char *failed, int downloaded)
+{
+    sync_view *v = &d->view;
+    peer_block_info info;
+    peer_service_block_info(d->svc, d->syncing, &info);
+    if (!v->found && !failed && !downloaded)
+        say(d, "%s: no other holder; starting from our %s (weight version %" PRIu64 ")", info.name,
+            info.restored ? "checkpoint" : "initial weights", info.version);
     if (d->sync_expect > info.version)
-        note_lost(d, d->syncing, d->sync_expect, info.version, "the download could not start");
+        note_lost(d, d->syncing, d->sync_expect, info.version, failed ? failed
+                  : info.restored ? "the checkpoint is older and no newer copy is in the swarm"
+                                  : "no checkpoint and no copy in the swarm");
     sync_next(d);
+}
+
+static int cmp_keep(const void *a, const void *b)
+{
+    uint64_t x = ((const peer_keep_record *)a)->weight_version, y = ((const peer_keep_record *)b)->weight_version;
+    return x < y ? 1 : x > y ? -1 : 0;
 }
 
 static void on_keepers(dht *dh, int status, const dht_entry *e, size_t n, void *ud)
@@ -298,26 +350,34 @@ static void on_keepers(dht *dh, int status, const dht_entry *e, size_t n, void *
     sync_view *v = &d->view;
     peer_block_info info;
     peer_service_block_info(d->svc, d->syncing, &info);
-    uint64_t cold = 0;
-    int ck = -1;
-    peer_keep_record kr[16];
-    uint8_t kid[16][DHT_ID_LEN];
+    /* The copies, newest first (IDs sorted along through an index). */
+    struct {
+        peer_keep_record r;
+        uint8_t id[DHT_ID_LEN];
+    } kk[16];
     int nk = 0;
     for (size_t i = 0; status == 0 && i < n && nk < 16; i++) {
         if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN || !memcmp(e[i].subkey, d->ident.id, DHT_ID_LEN) ||
-            peer_keep_record_decode(&kr[nk], e[i].value, e[i].value_len) != 0)
+            peer_keep_record_decode(&kk[nk].r, e[i].value, e[i].value_len) != 0 || kk[nk].r.weight_version == 0)
             continue;
-        memcpy(kid[nk], e[i].subkey, DHT_ID_LEN);
-        if (ck < 0 || kr[nk].weight_version > cold) {
-            cold = kr[nk].weight_version;
-            ck = nk;
-        }
+        memcpy(kk[nk].id, e[i].subkey, DHT_ID_LEN);
         nk++;
     }
-    /* The newest state anyone is known to have had. */
-    uint64_t known = v->prev > cold ? v->prev : cold;
+    qsort(kk, (size_t)nk, sizeof kk[0], cmp_keep); /* the record is the first field */
+    v->nk = nk;
+    v->next_keep = 0;
+    for (int i = 0; i < nk; i++) {
+        v->keep[i] = kk[i].r;
+        memcpy(v->kid[i], kk[i].id, DHT_ID_LEN);
+    }
+    uint64_t cold = nk ? v->keep[0].weight_version : 0;
+    /* The newest state known to have existed: our own before a restart,
+     * and the copies when no holder is online (a holder supersedes them). */
+    v->known = v->prev;
+    if (!v->found && cold > v->known)
+        v->known = cold;
+    d->sync_expect = 0;
     int fresh = !info.restored && info.version == 0;
-    /* Online holders first: they are at least as new as any copy of them. */
     int pick = -1, seen = 0;
     for (int i = 0; i < v->nc; i++) {
         if (v->cand[i].weight_version + 1 < v->best)
@@ -327,32 +387,23 @@ static void on_keepers(dht *dh, int status, const dht_entry *e, size_t n, void *
             pick = i;
     }
     if (d->no_state_download) {
-        if (known > info.version && !v->found)
-            note_lost(d, d->syncing, known, info.version, "--no-state-download");
-        sync_next(d);
+        if (!v->found)
+            d->sync_expect = v->known;
+        sync_settle(d, d->sync_expect > info.version ? "--no-state-download" : NULL, 0);
         return;
     }
-    if (pick >= 0 && v->best >= cold && (v->best > info.version || fresh)) {
-        d->sync_expect = 0; /* another replica holds the newest: nothing is lost if this fails */
-        start_download(d, v->ids[pick], v->cand[pick].addr, "an online holder");
-        return;
+    /* Online holders first: they are at least as new as any copy of them,
+     * and a copy's claimed version is only its keeper's word. */
+    if (pick >= 0 && (v->best > info.version || fresh)) {
+        snprintf(d->sync_from, sizeof d->sync_from, "an online holder");
+        if (start_download(d, v->ids[pick], v->cand[pick].addr) == 0)
+            return;
     }
-    if (ck >= 0 && cold > info.version) {
-        char what[96], hex[DHT_ID_HEX_LEN + 1];
-        dht_id_to_hex(hex, kid[ck]);
-        snprintf(what, sizeof what, "a cold copy kept by %.8s", hex);
-        d->sync_expect = known;
-        start_download(d, kid[ck], kr[ck].addr, what);
+    if (!v->found && try_cold_copy(d))
         return;
-    }
     if (!v->found)
-        say(d, "%s: no other holder; starting from our %s (weight version %" PRIu64 ")", info.name,
-            info.restored ? "checkpoint" : "initial weights", info.version);
-    if (!v->found && known > info.version)
-        note_lost(d, d->syncing, known, info.version,
-                  info.restored ? "the checkpoint is older and no newer copy is in the swarm"
-                                : "no checkpoint and no copy in the swarm");
-    sync_next(d);
+        d->sync_expect = v->known;
+    sync_settle(d, NULL, 0);
 }
 
 static void on_holders(dht *dh, int status, const dht_entry *e, size_t n, void *ud)
@@ -434,12 +485,14 @@ static void on_avg_stopped(void *arg)
         continue_stop(d);
 }
 
+/* The keeper may still be finishing a copy's download (statesync cannot
+ * be cancelled) while the rest stops: only the daemon's memory waits for
+ * it, not the final checkpoints. */
 static void on_keeper_stopped(void *arg)
 {
     peer_daemon *d = arg;
     d->keeper_running = 0;
-    if (d->stop_phase == 2)
-        continue_stop(d);
+    maybe_free(d);
 }
 
 /* ---- joining ---- */
@@ -986,8 +1039,8 @@ static void continue_stop(peer_daemon *d)
         d->stop_phase = 2;
     }
     if (d->stop_phase == 2) {
-        if (d->ckpt_busy || d->avg_running || d->keeper_running)
-            return; /* ckpt_after_cb / on_avg_stopped / on_keeper_stopped call us again */
+        if (d->ckpt_busy || d->avg_running)
+            return; /* ckpt_after_cb / on_avg_stopped call us again */
         d->stop_phase = 3;
         peer_service_close(d->svc, on_svc_closed, d);
     }

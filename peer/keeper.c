@@ -33,6 +33,8 @@ typedef struct stage {
     size_t len;
     uint64_t copy_id, version;
     int want;                    /* chosen as a keeper this tick */
+    int unwanted;                /* periods in a row not chosen while holding a copy */
+    int too_big;                 /* past --keep-mb: not fetched again */
 } stage;
 
 struct peer_keeper {
@@ -119,12 +121,14 @@ static size_t bytes_held(const peer_keeper *k)
     return b;
 }
 
-static void publish(peer_keeper *k, int s)
+/* Stores (or renews) our record of stage s's copy; withdraw: a record of
+ * version 0, which replaces ours and which readers skip. */
+static void publish(peer_keeper *k, int s, int withdraw)
 {
     stage *t = &k->st[s];
     peer_keep_record r = {0};
     snprintf(r.addr, sizeof r.addr, "%s", k->addr);
-    r.weight_version = t->version;
+    r.weight_version = withdraw ? 0 : t->version;
     r.time_ms = dht_now_ms();
     uint8_t val[PEER_ANNOUNCE_MAX_BYTES], key[DHT_ID_LEN];
     long n = peer_keep_record_encode(&r, val, sizeof val);
@@ -134,6 +138,8 @@ static void publish(peer_keeper *k, int s)
     /* Outlives a few missed periods: a holder restarting after a crash
      * must still find it. */
     double ttl = 3 * k->cfg.every_s < 120 ? 120 : 3 * k->cfg.every_s;
+    if (ttl > 23 * 3600)
+        ttl = 23 * 3600; /* the DHT keeps nothing longer than a day */
     dht_put(k->cfg.dht, key, NULL, 0, val, (size_t)n, r.time_ms + (uint64_t)(ttl * 1000), 1, NULL, NULL);
 }
 
@@ -156,6 +162,7 @@ static void on_copy(void *arg, int status, const uint8_t *buf, size_t len, uint6
             say(k, "%s: not kept: cold copies would exceed %.0f MB (--keep-mb)", t->name,
                 (double)k->cfg.max_bytes / 1e6);
         k->full_said = 1;
+        t->too_big = 1;
     } else {
         uint8_t *c = malloc(len ? len : 1);
         if (!c) {
@@ -171,7 +178,7 @@ static void on_copy(void *arg, int status, const uint8_t *buf, size_t len, uint6
             if (first)
                 say(k, "%s: keeping a cold copy (weight version %" PRIu64 ", %.1f MB)", t->name, version,
                     (double)len / 1e6);
-            publish(k, s);
+            publish(k, s, 0);
         }
     }
     fetch_next(k);
@@ -184,7 +191,7 @@ static void fetch_next(peer_keeper *k)
         return;
     for (int s = 0; s < k->n_stages; s++) {
         stage *t = &k->st[s];
-        if (!t->want || t->nh == 0)
+        if (!t->want || t->nh == 0 || t->too_big)
             continue;
         int best = 0;
         for (int i = 1; i < t->nh; i++)
@@ -240,13 +247,17 @@ static void decide(peer_keeper *k)
     for (int s = 0; s < k->n_stages; s++) {
         stage *t = &k->st[s];
         t->want = keep[s] && !t->hosted;
-        if (t->copy && !t->want && (t->nh > 0 || t->hosted)) {
-            /* Another peer keeps it now (or we serve it): let it go. */
+        t->unwanted = t->copy && !t->want ? t->unwanted + 1 : 0;
+        if (t->copy && (t->hosted || (t->unwanted >= 2 && t->nh > 0))) {
+            /* Another peer keeps it now (for a period already, so its copy
+             * exists), or we serve the stage: let ours go. */
+            publish(k, s, 1);
             free(t->copy);
             t->copy = NULL;
             t->len = 0;
+            t->unwanted = 0;
         } else if (t->copy) {
-            publish(k, s); /* still ours: renew the record */
+            publish(k, s, 0); /* still ours: renew the record */
         }
     }
     fetch_next(k);

@@ -13,12 +13,16 @@
  * stores a signed record of it in the DHT (peer/announce.h, the keep key).
  *
  * A stage with no online holder keeps its copies whatever the view says
- * (that is when they matter). A peer that takes the stage next (the
+ * (that is when they matter); a copy whose keeper is no longer chosen is
+ * kept one more period (so the new keeper's copy exists) and then
+ * withdrawn: its record is replaced by one of version 0, which readers
+ * skip. A joining block tries the copies newest first, so a keeper that
+ * vanished costs one failed download, not the state. A peer that takes the stage next (the
  * restarted holder, or a newcomer) compares its own checkpoint, the online
  * holders and the keepers' records, and takes the newest (peer/daemon.c).
  *
- * Memory: at most max_bytes of copies; stages past it are not kept, and
- * the peer says so once.
+ * Memory: at most max_bytes of copies; a stage that would pass it is not
+ * kept (nor fetched again), and the peer says so once.
  *
  * Loop thread only.
  */

@@ -1,6 +1,8 @@
 /* peer/rpc_conn.c: handshake, record reassembly and sends on one TCP
  * connection (see rpc_conn.h). */
 #include <errno.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -210,9 +212,26 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     }
 }
 
+/* A peer that resets the connection must cost an error on that connection,
+ * not the process: libuv writes with write(2), which raises SIGPIPE on a
+ * reset socket, and its default action kills. Ignore it (once, and only if
+ * nobody installed a handler). */
+static void ignore_sigpipe(void)
+{
+    struct sigaction sa;
+    if (sigaction(SIGPIPE, NULL, &sa) == 0 && sa.sa_handler == SIG_DFL && !(sa.sa_flags & SA_SIGINFO)) {
+        sa.sa_handler = SIG_IGN;
+        sigemptyset(&sa.sa_mask);
+        sa.sa_flags = 0;
+        sigaction(SIGPIPE, &sa, NULL);
+    }
+}
+
 int peer__conn_init(peer__conn *c, uv_loop_t *loop, const peer_channel_config *cc, int initiator,
                     const peer__conn_ops *ops, void *owner, size_t max_frame)
 {
+    static pthread_once_t sigpipe_once = PTHREAD_ONCE_INIT;
+    pthread_once(&sigpipe_once, ignore_sigpipe);
     memset(c, 0, sizeof *c);
     c->ops = ops;
     c->owner = owner;

@@ -68,7 +68,9 @@ struct peer__conn {
 #define PEER__STAGE_LEN 65536
 
 /* Sets up c (caller-owned memory, zeroed here) on loop with a fresh channel.
- * Returns 0, -ENOMEM, or a libuv error. On failure nothing needs closing. */
+ * Returns 0, -ENOMEM, or a libuv error. On failure nothing needs closing.
+ * The first call sets SIGPIPE to ignored when its action is the default
+ * (a peer resetting a connection must not kill the process). */
 int peer__conn_init(peer__conn *c, uv_loop_t *loop, const peer_channel_config *cc, int initiator,
                     const peer__conn_ops *ops, void *owner, size_t max_frame);
 

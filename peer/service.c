@@ -365,17 +365,10 @@ static void handle_avg(peer_service *s, svc_block *b, peer_rpc_request *req, con
     const uint8_t *m = msg->meta;
     uint64_t round = peer_get_le64(m), kind = peer_get_le64(m + 24), off = peer_get_le64(m + 32),
              count = peer_get_le64(m + 40);
-    if (!b->avg.active || b->avg.round < round) {
-        /* A member counts us in a round we have not begun: our view of the
-         * group may lack it. */
-        if (s->avg_hook)
-            s->avg_hook(s->avg_hook_arg, (int)(b - s->blocks), round);
-        peer_rpc_respond_error(req, EAGAIN, "that averaging round has not begun here yet");
-        return;
-    }
-    if (b->avg.round != round && b->avg_prev.reduced && b->avg_prev.round == round && kind == 1 &&
+    if (kind == 1 && b->avg_prev.reduced && b->avg_prev.round == round &&
         !memcmp(b->avg_prev.digest, m + 8, PEER_AVG_DIGEST_LEN)) {
-        /* A slower member of our last round fetching our reduced part. */
+        /* A slower member of our last round fetching our reduced part
+         * (whether or not we have begun another round since). */
         if (off < b->avg_prev.part_off || count < 1 || count > PEER_AVG_MAX_COUNT ||
             off > b->avg_prev.part_off + b->avg_prev.part_len ||
             count > b->avg_prev.part_off + b->avg_prev.part_len - off) {
@@ -384,6 +377,18 @@ static void handle_avg(peer_service *s, svc_block *b, peer_rpc_request *req, con
         }
         avg_reply(req, round, b->avg_prev.weight, b->avg_prev.nflat,
                   b->avg_prev.reduced + (off - b->avg_prev.part_off), count);
+        return;
+    }
+    if (!b->avg.active && b->avg_prev.reduced && round <= b->avg_prev.round) {
+        peer_rpc_respond_error(req, ESTALE, "another averaging round");
+        return;
+    }
+    if (!b->avg.active || b->avg.round < round) {
+        /* A member counts us in a round we have not begun: our view of the
+         * group may lack it. */
+        if (s->avg_hook)
+            s->avg_hook(s->avg_hook_arg, (int)(b - s->blocks), round);
+        peer_rpc_respond_error(req, EAGAIN, "that averaging round has not begun here yet");
         return;
     }
     if (b->avg.round != round) {

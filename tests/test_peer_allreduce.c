@@ -6,6 +6,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <math.h>
+#include <signal.h>
 #include <netinet/in.h>
 
 #include <uv.h>
@@ -452,6 +453,41 @@ static void test_bad_requests(void **state)
     expect_err(cl, m, 48, ESTALE);      /* an older round */
     avg_meta(m, 51, dg, 0, 0, 16);
     expect_err(cl, m, 48, EAGAIN);      /* a later one: not begun here */
+    /* A finished round's reduced part stays served to slower members after
+     * the round is released (and while another begins); its base does not. */
+    {
+        uint8_t dg60[PEER_AVG_DIGEST_LEN];
+        digest_for(dg60, 60);
+        size_t n60 = 0;
+        assert_int_equal(peer_service_avg_begin(svc[1], 0, 60, dg60, N, 0, NULL, &n60), 0);
+        size_t o60, l60;
+        peer_avg_part(n60, N, 0, &o60, &l60);
+        float *part = calloc(l60, sizeof(float));
+        assert_non_null(part);
+        part[0] = 42.0f;
+        assert_int_equal(peer_service_avg_reduced(svc[1], 0, part), 0);
+        free(part);
+        peer_service_avg_release(svc[1], 0);
+        peer_rpc_client *c1 = connect_to(1);
+        uint8_t m60[48];
+        avg_meta(m60, 60, dg60, 1, o60, 16);
+        reply r60;
+        call(c1, PEER_METHOD_AVG, m60, 48, NULL, 0, 0, NULL, 0, &r60);
+        assert_int_equal(r60.kind, PEER_KIND_REPLY);
+        assert_int_equal(r60.nbytes, 16 * 4);
+        avg_meta(m60, 60, dg60, 0, o60, 16);
+        expect_err(c1, m60, 48, ESTALE);  /* the base is gone */
+        avg_meta(m60, 59, dg60, 1, o60, 16);
+        expect_err(c1, m60, 48, ESTALE);  /* an older round */
+        uint8_t dg61[PEER_AVG_DIGEST_LEN];
+        digest_for(dg61, 61);
+        assert_int_equal(peer_service_avg_begin(svc[1], 0, 61, dg61, N, 0, NULL, NULL), 0);
+        avg_meta(m60, 60, dg60, 1, o60, 16);
+        call(c1, PEER_METHOD_AVG, m60, 48, NULL, 0, 0, NULL, 0, &r60);
+        assert_int_equal(r60.kind, PEER_KIND_REPLY); /* still, during round 61 */
+        peer_service_avg_release(svc[1], 0);
+        close_client(&c1);
+    }
     hints = 0;
     peer_service_set_avg_hook(svc[0], on_hint, NULL);
     avg_meta(m, 50, other, 0, 0, 16);
@@ -511,6 +547,10 @@ static int teardown(void **state)
 
 int main(void)
 {
+    /* Whatever the runner left: a member whose connections are reset
+     * mid-round (test_member_fails, test_member_vanishes) must not kill the
+     * process through SIGPIPE (it did, with the default action). */
+    signal(SIGPIPE, SIG_DFL);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_weighted_average, setup, teardown),
         cmocka_unit_test_setup_teardown(test_member_fails, setup, teardown),

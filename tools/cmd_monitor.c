@@ -67,8 +67,9 @@ static void on_keepers(dht *d, int status, const dht_entry *e, size_t n, void *u
     c->version = 0;
     for (size_t i = 0; status == 0 && i < n; i++) {
         peer_keep_record r;
-        if (!e[i].is_signed || peer_keep_record_decode(&r, e[i].value, e[i].value_len) != 0)
-            continue;
+        if (!e[i].is_signed || peer_keep_record_decode(&r, e[i].value, e[i].value_len) != 0 ||
+            r.weight_version == 0)
+            continue; /* version 0: a withdrawn copy */
         c->copies++;
         if (r.weight_version > c->version)
             c->version = r.weight_version;
