@@ -15,6 +15,7 @@
 
 #define MAX_PEERS 1024           /* distinct peers of the model considered */
 #define MAX_HOLDERS 64           /* per stage */
+#define FIRST_LOOK_MS 5000       /* first look, and again while a copy is missing */
 
 typedef struct holder {
     uint8_t id[DHT_ID_LEN];
@@ -144,6 +145,7 @@ static void publish(peer_keeper *k, int s, int withdraw)
 }
 
 static void fetch_next(peer_keeper *k);
+static void on_tick(uv_timer_t *tm);
 
 static void on_copy(void *arg, int status, const uint8_t *buf, size_t len, uint64_t version)
 {
@@ -260,6 +262,15 @@ static void decide(peer_keeper *k)
             publish(k, s, 0); /* still ours: renew the record */
         }
     }
+    /* A stage we should keep but have no copy of yet (its holders had
+     * nothing trained, or a download failed): look again in 5 s rather than
+     * a whole period later, so that a young swarm is covered early. */
+    int pending = 0;
+    for (int s = 0; s < k->n_stages; s++)
+        pending |= k->st[s].want && !k->st[s].copy && !k->st[s].too_big;
+    uint64_t every = (uint64_t)(k->cfg.every_s * 1000);
+    if (pending && every > FIRST_LOOK_MS)
+        uv_timer_start(&k->timer, on_tick, FIRST_LOOK_MS, every);
     fetch_next(k);
 }
 
@@ -363,7 +374,7 @@ peer_keeper *peer_keeper_start(const peer_keeper_config *cfg, char *err, size_t 
     uint64_t ms = (uint64_t)(cfg->every_s * 1000);
     /* The first look soon after joining: a holder that crashes early must
      * already have a keeper. */
-    uv_timer_start(&k->timer, on_tick, ms < 5000 ? ms : 5000, ms);
+    uv_timer_start(&k->timer, on_tick, ms < FIRST_LOOK_MS ? ms : FIRST_LOOK_MS, ms);
     peer_service_set_cold_source(cfg->svc, cold_source, k);
     return k;
 }

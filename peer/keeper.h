@@ -1,8 +1,9 @@
 /* peer/keeper.h: cold copies of other stages' state, so that a stage whose
  * only holder dies keeps its training state.
  *
- * Every period a peer reads the holders of every stage of its model from
- * the DHT. For each stage it does not serve, the `replicas` peers of the
+ * Every period (and every 5 s while a copy it should keep is still
+ * missing) a peer reads the holders of every stage of its model from the
+ * DHT. For each stage it does not serve, the `replicas` peers of the
  * model that do not serve it and score highest under BLAKE2b(node ID,
  * stage name) (rendezvous hashing: every peer computes the same choice
  * from the same view, and a peer joining or leaving moves few copies) are
