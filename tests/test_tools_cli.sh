@@ -67,6 +67,12 @@ expect 2 "peer --training-priority bad" -- "$S" peer --blocks 1 --training-prior
 contains "low or idle" "training-priority message"
 expect 2 "peer --keep-activations bad" -- "$S" peer --blocks 1 --keep-activations -1
 contains "between 0 and 1024" "keep-activations message"
+expect 2 "peer --keep-every garbage" -- "$S" peer --blocks 1 --keep-every abc
+contains "expects a number, got 'abc'" "keep-every message"
+expect 2 "peer --keep-copies 0" -- "$S" peer --blocks 1 --keep-copies 0
+contains "between 1 and 64" "keep-copies message"
+expect 2 "peer --keep-mb -5" -- "$S" peer --blocks 1 --keep-mb -5
+contains "between 1 and 1048576" "keep-mb message"
 expect 2 "peer --infer-inline-rows > --max-batch" -- "$S" peer --blocks 1 --infer-inline-rows 40 --max-batch 32
 contains "cannot exceed --max-batch" "infer-inline-rows message"
 expect 2 "peer --optimizer" -- "$S" peer --blocks 1 --optimizer adagrad
