@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "expert/block.h"
 #include "expert/model.h"
 #include <sodium.h>
 
@@ -32,10 +33,14 @@ typedef struct sync_view {
     int nc, found;
     uint64_t best;               /* newest online version */
     uint64_t prev;               /* what this node ID announced before it restarted (0: nothing) */
+    uint8_t suspect[16];         /* holders whose claimed version is far above the others' */
     peer_keep_record keep[16];   /* cold copies, newest first */
     uint8_t kid[16][DHT_ID_LEN];
     int nk, next_keep;           /* copies found, the next one to try */
+    uint8_t keep_suspect[16];    /* copies whose claimed version is far above the others' */
     uint64_t known;              /* the newest version known to have existed */
+    uint64_t accept_max;         /* a downloaded state newer than this is refused: */
+    uint64_t hold_max, keep_max; /*   from a holder, from a cold copy */
 } sync_view;
 
 struct peer_daemon {
@@ -246,7 +251,18 @@ static void on_state(void *arg, int status, const uint8_t *buf, size_t len, uint
     peer_service_block_info(d->svc, d->syncing, &info);
     const char *failed = NULL;
     int again = status != 0; /* another copy may still be had */
-    if (status == 0) {
+    struct expert_ckpt_info ci;
+    if (status == 0 && expert_ckpt_peek(buf, len, &ci) == 0 && ci.version > version)
+        version = ci.version; /* what would be installed */
+    if (status == 0 && version > d->view.accept_max) {
+        /* The donor announced a plausible version and served a far newer
+         * one (or the holders' claims bound it): not a state to spread. */
+        say(d, "%s: the state downloaded from %s has weight version %" PRIu64 ", far above what the holders "
+            "claim (at most %" PRIu64 "); refused, keeping ours", info.name, d->sync_from, version,
+            d->view.accept_max);
+        failed = "the downloaded state was refused";
+        again = 1;
+    } else if (status == 0) {
         int rc = peer_service_install_state(d->svc, d->syncing, buf, len);
         if (rc == 0) {
             say(d, "%s: downloaded the current state (weight version %llu, %.1f MB in %.2f s) from %s", info.name,
@@ -308,9 +324,12 @@ static int try_cold_copy(peer_daemon *d)
     peer_service_block_info(d->svc, d->syncing, &info);
     while (v->next_keep < v->nk && v->keep[v->next_keep].weight_version > info.version) {
         int k = v->next_keep++;
+        if (v->keep_suspect[k])
+            continue;
         char hex[DHT_ID_HEX_LEN + 1];
         dht_id_to_hex(hex, v->kid[k]);
         snprintf(d->sync_from, sizeof d->sync_from, "a cold copy kept by %.8s", hex);
+        v->accept_max = v->keep_max;
         d->sync_expect = v->known;
         if (start_download(d, v->kid[k], v->keep[k].addr) == 0)
             return 1;
@@ -341,6 +360,19 @@ static int cmp_keep(const void *a, const void *b)
     return x < y ? 1 : x > y ? -1 : 0;
 }
 
+/* Logs that a holder's (or keeper's) claim i of v[0..n) was ignored. */
+static void say_ignored(peer_daemon *d, const char *block, const char *what, const uint8_t *id,
+                        const uint64_t *v, int n, int i)
+{
+    char hex[DHT_ID_HEX_LEN + 1];
+    dht_id_to_hex(hex, id);
+    int others = 0;
+    for (int j = 0; j < n; j++)
+        others += j != i && v[j] > 0;
+    say(d, "%s: ignored %s %.8s: it claims weight version %" PRIu64 ", far above the %d other%s (median %" PRIu64
+        ")", block, what, hex, v[i], others, others == 1 ? "" : "s", peer_trust_median_u64(v, n, i));
+}
+
 static void on_keepers(dht *dh, int status, const dht_entry *e, size_t n, void *ud)
 {
     (void)dh;
@@ -366,11 +398,22 @@ static void on_keepers(dht *dh, int status, const dht_entry *e, size_t n, void *
     qsort(kk, (size_t)nk, sizeof kk[0], cmp_keep); /* the record is the first field */
     v->nk = nk;
     v->next_keep = 0;
+    uint64_t kv[16];
     for (int i = 0; i < nk; i++) {
         v->keep[i] = kk[i].r;
         memcpy(v->kid[i], kk[i].id, DHT_ID_LEN);
+        kv[i] = kk[i].r.weight_version;
     }
-    uint64_t cold = nk ? v->keep[0].weight_version : 0;
+    /* A copy's version is its keeper's word: checked against the other
+     * copies like the holders' (peer_statesync_choose). */
+    v->keep_max = peer_statesync_choose(kv, nk, v->keep_suspect);
+    uint64_t cold = 0;
+    for (int i = 0; i < nk; i++) {
+        if (v->keep_suspect[i])
+            say_ignored(d, info.name, "cold copy kept by", v->kid[i], kv, nk, i);
+        else if (kv[i] > cold)
+            cold = kv[i];
+    }
     /* The newest state known to have existed: our own before a restart,
      * and the copies when no holder is online (a holder supersedes them). */
     v->known = v->prev;
@@ -380,7 +423,7 @@ static void on_keepers(dht *dh, int status, const dht_entry *e, size_t n, void *
     int fresh = !info.restored && info.version == 0;
     int pick = -1, seen = 0;
     for (int i = 0; i < v->nc; i++) {
-        if (v->cand[i].weight_version + 1 < v->best)
+        if (v->suspect[i] || v->cand[i].weight_version + 1 < v->best)
             continue;
         d->sync_rng = d->sync_rng * 6364136223846793005ULL + 1442695040888963407ULL;
         if ((int)((d->sync_rng >> 33) % (uint64_t)(++seen)) == 0)
@@ -396,6 +439,7 @@ static void on_keepers(dht *dh, int status, const dht_entry *e, size_t n, void *
      * and a copy's claimed version is only its keeper's word. */
     if (pick >= 0 && (v->best > info.version || fresh)) {
         snprintf(d->sync_from, sizeof d->sync_from, "an online holder");
+        v->accept_max = v->hold_max;
         if (start_download(d, v->ids[pick], v->cand[pick].addr) == 0)
             return;
     }
@@ -431,14 +475,26 @@ static void on_holders(dht *dh, int status, const dht_entry *e, size_t n, void *
         }
         if (a.state != PEER_STATE_ONLINE)
             continue;
-        if (!v->found || a.weight_version > v->best)
-            v->best = a.weight_version;
         v->found = 1;
         if (v->nc < 16) {
             v->cand[v->nc] = a;
             memcpy(v->ids[v->nc], e[i].subkey, DHT_ID_LEN);
             v->nc++;
         }
+    }
+    /* One holder's version claim is not trusted on its own word: a claim
+     * far above the other holders' is ignored (peer_statesync_choose), so
+     * a holder announcing version 10^9 does not become every newcomer's
+     * donor. The newest trusted claim is the one to download. */
+    uint64_t hv[16];
+    for (int i = 0; i < v->nc; i++)
+        hv[i] = v->cand[i].weight_version;
+    v->hold_max = peer_statesync_choose(hv, v->nc, v->suspect);
+    for (int i = 0; i < v->nc; i++) {
+        if (v->suspect[i])
+            say_ignored(d, info.name, "holder", v->ids[i], hv, v->nc, i);
+        else if (hv[i] > v->best)
+            v->best = hv[i];
     }
     /* Only now, with our previous entry read, does the joining one replace
      * it. */

@@ -8,6 +8,7 @@
 
 #include <sodium.h>
 
+#include "expert/block.h"
 #include "expert/model.h"
 #include "peer/announce.h"
 #include "peer/log.h"
@@ -36,6 +37,7 @@ typedef struct stage {
     int want;                    /* chosen as a keeper this tick */
     int unwanted;                /* periods in a row not chosen while holding a copy */
     int too_big;                 /* past --keep-mb: not fetched again */
+    uint64_t accept_max;         /* a download newer than this is refused (peer_statesync_choose) */
 } stage;
 
 struct peer_keeper {
@@ -157,8 +159,14 @@ static void on_copy(void *arg, int status, const uint8_t *buf, size_t len, uint6
         return;
     }
     stage *t = &k->st[s];
+    struct expert_ckpt_info ci;
+    if (status == 0 && expert_ckpt_peek(buf, len, &ci) == 0 && ci.version > version)
+        version = ci.version; /* what the state says it is */
     if (status != 0) {
         say(k, "%s: cannot take a cold copy (%s); trying again next period", t->name, strerror(-status));
+    } else if (version > t->accept_max) {
+        say(k, "%s: not kept: the copy has weight version %" PRIu64 ", far above what the holders claim "
+            "(at most %" PRIu64 ")", t->name, version, t->accept_max);
     } else if (bytes_held(k) - t->len + len > k->cfg.max_bytes) {
         if (!k->full_said)
             say(k, "%s: not kept: cold copies would exceed %.0f MB (--keep-mb)", t->name,
@@ -195,10 +203,20 @@ static void fetch_next(peer_keeper *k)
         stage *t = &k->st[s];
         if (!t->want || t->nh == 0 || t->too_big)
             continue;
-        int best = 0;
-        for (int i = 1; i < t->nh; i++)
-            if (t->h[i].version > t->h[best].version)
+        /* The newest claim that is not far above the other holders'
+         * (peer_statesync_choose): a holder announcing version 10^9 is
+         * not copied, and a copy far newer than the claims is refused. */
+        uint64_t hv[MAX_HOLDERS];
+        uint8_t sus[MAX_HOLDERS];
+        for (int i = 0; i < t->nh; i++)
+            hv[i] = t->h[i].version;
+        t->accept_max = peer_statesync_choose(hv, t->nh, sus);
+        int best = -1;
+        for (int i = 0; i < t->nh; i++)
+            if (!sus[i] && (best < 0 || t->h[i].version > t->h[best].version))
                 best = i;
+        if (best < 0)
+            continue;
         if (t->copy && t->h[best].version <= t->version)
             continue;
         if (t->h[best].version == 0)

@@ -1,6 +1,7 @@
 #include "peer/statesync.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -168,4 +169,87 @@ int peer_statesync_start(uv_loop_t *loop, const dht_identity *self, const uint8_
         return rc;
     }
     return 0;
+}
+
+/* ---- Trust ---- */
+
+#define TRUST_MAX_CLAIMS 256
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+uint64_t peer_trust_median_u64(const uint64_t *v, int n, int skip)
+{
+    uint64_t s[TRUST_MAX_CLAIMS];
+    int m = 0;
+    for (int i = 0; v && i < n && i < TRUST_MAX_CLAIMS; i++)
+        if (i != skip && v[i] > 0)
+            s[m++] = v[i];
+    if (m == 0)
+        return 0;
+    qsort(s, (size_t)m, sizeof s[0], cmp_u64);
+    return s[m / 2];
+}
+
+double peer_trust_median(const double *v, int n, int skip)
+{
+    double s[TRUST_MAX_CLAIMS];
+    int m = 0;
+    for (int i = 0; v && i < n && i < TRUST_MAX_CLAIMS; i++)
+        if (i != skip && v[i] > 0 && isfinite(v[i]))
+            s[m++] = v[i];
+    if (m == 0)
+        return 0;
+    qsort(s, (size_t)m, sizeof s[0], cmp_double);
+    return s[m / 2];
+}
+
+/* a * f + b without wrapping around. */
+static uint64_t sat_mul_add(uint64_t a, uint64_t f, uint64_t b)
+{
+    if (f && a > (UINT64_MAX - b) / f)
+        return UINT64_MAX;
+    return a * f + b;
+}
+
+int peer_trust_version_suspect(const uint64_t *version, int n, int i)
+{
+    if (!version || i < 0 || i >= n)
+        return 0;
+    uint64_t med = peer_trust_median_u64(version, n, i);
+    if (med == 0)
+        return 0; /* nothing to compare with */
+    return version[i] > sat_mul_add(med, PEER_TRUST_VERSION_FACTOR, PEER_TRUST_VERSION_SLACK);
+}
+
+int peer_trust_tput_suspect(const double *tput, int n, int i)
+{
+    if (!tput || i < 0 || i >= n || !(tput[i] > 0))
+        return 0;
+    double med = peer_trust_median(tput, n, i);
+    if (med <= 0)
+        return 0;
+    return !isfinite(tput[i]) || tput[i] > PEER_TRUST_TPUT_FACTOR * med;
+}
+
+uint64_t peer_statesync_choose(const uint64_t *version, int n, uint8_t *suspect)
+{
+    uint64_t top = 0;
+    for (int i = 0; version && i < n; i++) {
+        int bad = peer_trust_version_suspect(version, n, i);
+        if (suspect)
+            suspect[i] = (uint8_t)bad;
+        if (!bad && version[i] > top)
+            top = version[i];
+    }
+    return sat_mul_add(top, PEER_TRUST_VERSION_FACTOR, PEER_TRUST_VERSION_SLACK);
 }

@@ -29,4 +29,56 @@ int peer_statesync_start(uv_loop_t *loop, const dht_identity *self, const uint8_
                          const uint8_t donor_id[DHT_ID_LEN], const char *donor_addr, const char *block,
                          double timeout_s, peer_statesync_cb cb, void *arg);
 
+/* ---- Trust: holders' claims checked against their peers' ----
+ *
+ * A holder's announced weight version and throughput are its own word. An
+ * attacker who announces version 10^9 would otherwise be every newcomer's
+ * donor (newcomers take the newest state), and one who announces 10^9
+ * samples/s every trainer's favourite replica. So a claim is checked
+ * against what the other holders of the same stage claim: a weight version
+ * is suspect when it is above PEER_TRUST_VERSION_FACTOR times the median
+ * of the others' plus PEER_TRUST_VERSION_SLACK, a throughput when it is
+ * above PEER_TRUST_TPUT_FACTOR times the median of the others'. The median
+ * is the upper median (of 2 others, the larger), so one honest holder
+ * that lags (it restarted from fresh weights) does not make its newer
+ * peers suspect; claims of 0 (initial weights; unknown throughput) are
+ * no evidence and are left out. Why 10x: replicas step at different
+ * rates (a trainer sends each about its share of the stage's throughput,
+ * and throughput is flagged only above 10x), and announcements lag by up
+ * to a renewal period, so honest versions can differ by about as much;
+ * the attack this stops claims 10^9. With no other claim there is nothing to
+ * compare: the claim is trusted (trust on first use); and holders that
+ * are the majority make their own claim the median (a Sybil majority
+ * wins: docs/operations.md, "Trust"). Pure functions. */
+#ifndef PEER_TRUST_VERSION_FACTOR
+#define PEER_TRUST_VERSION_FACTOR 10
+#endif
+#ifndef PEER_TRUST_VERSION_SLACK
+#define PEER_TRUST_VERSION_SLACK 256
+#endif
+#ifndef PEER_TRUST_TPUT_FACTOR
+#define PEER_TRUST_TPUT_FACTOR 10.0
+#endif
+
+/* The upper median of the non-zero values among v[0..n) other than v[skip]
+ * (skip < 0: none skipped); 0 when there is none. n <= 256 (more are
+ * ignored). */
+uint64_t peer_trust_median_u64(const uint64_t *v, int n, int skip);
+/* The same for positive finite doubles; 0 when there is none. */
+double peer_trust_median(const double *v, int n, int skip);
+
+/* 1 when version[i] is far above the others' (see above), else 0. */
+int peer_trust_version_suspect(const uint64_t *version, int n, int i);
+/* 1 when tput[i] is far above the others' (see above), else 0. */
+int peer_trust_tput_suspect(const double *tput, int n, int i);
+
+/* A newcomer's choice among the versions n holders of its stage claim:
+ * sets suspect[i] (1: ignore holder i, its claim is far above the
+ * others'), and returns the largest version a downloaded state may have:
+ * PEER_TRUST_VERSION_FACTOR times the largest trusted claim plus
+ * PEER_TRUST_VERSION_SLACK (saturating), so a donor that announces a
+ * plausible version and serves a state of version 10^9 is refused too,
+ * even when it is the only holder. suspect may be NULL. */
+uint64_t peer_statesync_choose(const uint64_t *version, int n, uint8_t *suspect);
+
 #endif

@@ -196,6 +196,7 @@ static void on_reply(void *arg, int status, const peer_msg *m)
         if (h->rep.inflight > 0)
             h->rep.inflight--;
         route_replica_success(&h->rep, (now_s(in) - u->t_call) / served);
+        route_replica_measured(&h->rep, u->rows, (now_s(in) - u->t_call) / served);
     }
     memcpy(u->prev, u->holder, DHT_ID_LEN);
     for (int i = 0; i < served; i++) {

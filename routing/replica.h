@@ -13,6 +13,14 @@
  * the one whose ban ends first (route_pick_probe) at most every
  * ROUTE_PROBE_S instead of waiting the ban out.
  *
+ * Announced throughput is the holder's own word, so it is capped
+ * (route_replica_tput): once we have measured a replica, by
+ * ROUTE_TPUT_MEASURED_FACTOR times the rate we measured (rows per second
+ * of round trip, an EWMA); before that, by the median of the other
+ * replicas' announcements. A holder that announces 10^9 samples/s thus
+ * gets about the share of a typical replica until it has served us, and
+ * then what it serves.
+ *
  * Everything here is plain data and pure functions of their arguments (time
  * is passed in), so it is deterministic under a seeded RNG and testable
  * without a network. Not thread-safe: one owner per route_replica_set.
@@ -33,6 +41,9 @@
 #ifndef ROUTE_PROBE_S
 #define ROUTE_PROBE_S 1.0       /* between probes of a stage whose replicas are all banned */
 #endif
+#ifndef ROUTE_TPUT_MEASURED_FACTOR
+#define ROUTE_TPUT_MEASURED_FACTOR 4.0 /* a claim may exceed our measured rate this much */
+#endif
 #ifndef ROUTE_LATENCY_ALPHA
 #define ROUTE_LATENCY_ALPHA 0.2 /* EWMA weight of a new latency sample */
 #endif
@@ -42,6 +53,7 @@ typedef struct route_replica {
     double tput;               /* announced samples/s; <= 0 when unknown */
     double load;               /* announced queue fullness in [0, 1] */
     double latency_s;          /* EWMA of observed round trips; < 0 when none yet */
+    double meas_tput;          /* EWMA of rows/s we observed (rows / round trip); <= 0 when none yet */
     int inflight;              /* our requests now in flight to it */
     int failures;              /* consecutive failures */
     double banned_until;       /* no requests before this time (seconds) */
@@ -56,9 +68,16 @@ void route_replica_init(route_replica *r, const uint8_t id[ROUTE_ID_LEN], double
  * banned one at time now. */
 double route_replica_weight(const route_replica *r, double now);
 
+/* The throughput to believe of r[i] among the replicas r[0..n) of one
+ * stage: its announcement, at most ROUTE_TPUT_MEASURED_FACTOR times our
+ * measured rate once there is one, else at most the (upper) median of the
+ * other replicas' positive announcements (no cap when there is none).
+ * <= 0 when it announced nothing usable. */
+double route_replica_tput(const route_replica *r, int n, int i);
+
 /* Picks a replica index among r[0..n), skipping banned ones and any whose
  * index has skip[i] != 0 (skip may be NULL), at random in proportion to
- * route_replica_weight. *rng is a xorshift64* state (never 0) and is advanced.
+ * route_replica_weight, with each throughput capped by route_replica_tput. *rng is a xorshift64* state (never 0) and is advanced.
  * Returns the index, or -EAGAIN when every candidate is banned or skipped
  * (then *retry_at, if not NULL, receives the earliest time a banned one is
  * free, or 0 when all were skipped), or -EINVAL for bad arguments. */
@@ -79,6 +98,11 @@ void route_replica_unban(route_replica *r);
 /* Records a success with its round-trip time: clears the failure count and
  * ban, updates the latency EWMA. */
 void route_replica_success(route_replica *r, double rtt_s);
+
+/* Records what one successful call measured: `rows` rows served in
+ * rtt_s seconds of round trip (an EWMA of rows / rtt_s, for the cap in
+ * route_replica_tput). Ignores non-positive or non-finite input. */
+void route_replica_measured(route_replica *r, int rows, double rtt_s);
 
 /* Records a failure at time now: bans for ROUTE_BAN_BASE_S * 2^(failures-1)
  * seconds, capped at ROUTE_BAN_MAX_S, times a jitter factor in [1, 1.25)

@@ -255,6 +255,7 @@ static void on_reply(void *arg, int status, const peer_msg *m)
         if (h->rep.inflight > 0)
             h->rep.inflight--;
         route_replica_success(&h->rep, now_s(t) - p->t0);
+        route_replica_measured(&h->rep, c->rows, now_s(t) - p->t0);
     }
     p->sent = 0;
     p->used = 0;

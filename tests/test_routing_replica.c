@@ -22,12 +22,15 @@ static void init3(route_replica r[3], double t0, double t1, double t2)
 }
 
 /* Picks follow the weights: a replica announcing twice the throughput gets
- * about twice the requests, and every replica gets some. */
+ * about twice the requests, and every replica gets some (once measured:
+ * unmeasured claims are capped by the others' median, below). */
 static void test_choice_is_proportional(void **state)
 {
     (void)state;
     route_replica r[3];
     init3(r, 100, 200, 400);
+    for (int i = 0; i < 3; i++)
+        route_replica_measured(&r[i], 100, 1.0); /* 100 rows/s: caps at 400 */
     uint64_t rng = 42;
     int counts[3] = {0};
     const int N = 70000;
@@ -45,6 +48,46 @@ static void test_choice_is_proportional(void **state)
             fail_msg("replica %d: share %.4f, want %.4f (seed 42)", i, got, want);
     }
     assert_true(counts[2] > counts[1] && counts[1] > counts[0]);
+}
+
+/* Issue 18 (6): a holder announcing 10^9 samples/s. Unmeasured, its claim
+ * counts as the others' median; measured, as at most 4x what we saw. */
+static void test_throughput_cap(void **state)
+{
+    (void)state;
+    route_replica r[3];
+    init3(r, 8000, 1e9, 6000);
+    assert_true(route_replica_tput(r, 3, 1) == 8000);  /* upper median of 8000, 6000 */
+    assert_true(route_replica_tput(r, 3, 0) == 8000);  /* below the median: as claimed */
+    assert_true(route_replica_tput(r, 3, 2) == 6000);
+    uint64_t rng = 7;
+    int counts[3] = {0};
+    for (int k = 0; k < 30000; k++)
+        counts[route_pick_replica(r, 3, NULL, 0.0, &rng, NULL)]++;
+    /* About a third each (8000 : 8000 : 6000), not nearly everything. */
+    if (counts[1] > 30000 / 2)
+        fail_msg("the 1e9 claim got %d of 30000 picks (seed 7)", counts[1]);
+    /* Measured at 500 rows/s: at most 2000. */
+    route_replica_measured(&r[1], 50, 0.1);
+    assert_true(fabs(route_replica_tput(r, 3, 1) - 4 * 500.0) < 1e-6);
+    assert_true(route_replica_weight(&r[1], 0) < route_replica_weight(&r[0], 0));
+    /* A replica measured faster than it claims keeps its claim. */
+    route_replica_measured(&r[2], 10000, 1.0);
+    assert_true(route_replica_tput(r, 3, 2) == 6000);
+    /* The EWMA moves toward new samples; bad samples are ignored. */
+    double before = r[1].meas_tput;
+    route_replica_measured(&r[1], 0, 1.0);
+    route_replica_measured(&r[1], 10, 0.0);
+    route_replica_measured(&r[1], 10, NAN);
+    assert_true(r[1].meas_tput == before);
+    route_replica_measured(&r[1], 1000, 1.0);
+    assert_true(r[1].meas_tput > before && r[1].meas_tput < 1000);
+    /* A lone replica: nothing to compare with, its claim stands. */
+    assert_true(route_replica_tput(r, 1, 0) == 8000);
+    /* Unknown claims stay unknown (the weight then uses a modest default). */
+    r[0].tput = -1;
+    assert_true(route_replica_tput(r, 3, 0) == 0);
+    assert_true(route_replica_tput(r, 3, 3) == 0 && route_replica_tput(NULL, 3, 0) == 0);
 }
 
 static void test_weight_orders(void **state)
@@ -197,6 +240,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_choice_is_proportional),
+        cmocka_unit_test(test_throughput_cap),
         cmocka_unit_test(test_weight_orders),
         cmocka_unit_test(test_bans_and_backoff),
         cmocka_unit_test(test_all_banned_or_skipped),

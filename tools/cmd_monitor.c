@@ -9,6 +9,7 @@
 #include "expert/model.h"
 #include "peer/announce.h"
 #include "peer/keeper.h"
+#include "peer/statesync.h"
 #include "routing/swarm.h"
 #include "tools/cli.h"
 #include "tools/client.h"
@@ -21,8 +22,9 @@ static const char monitor_help[] =
     "(or just --model) and shows, for every stage, its holders: short peer ID,\n"
     "address, state, announced throughput, load, age of the announcement and\n"
     "weight version. Stages with no online holder, or whose total throughput is\n"
-    "below --min-throughput, stand out. Totals: peers, blocks, throughput per\n"
-    "stage and the bottleneck stage.\n"
+    "below --min-throughput, stand out, and so do holders whose announced version\n"
+    "or throughput is far above their replicas' (SUSPECT). Totals: peers, blocks,\n"
+    "throughput per stage and the bottleneck stage.\n"
     "\n"
     "Options:\n"
     "  --initial-peers LIST   DHT addresses to join through (required)\n"
@@ -141,12 +143,41 @@ static int lookups_pending(view *v)
     return 0;
 }
 
+/* What the online holders of a stage claim, in holder order (offline
+ * holders claim 0: no evidence either way). */
+static void stage_claims(const route_stage *st, uint64_t *version, double *tput)
+{
+    for (int i = 0; i < st->n_holders; i++) {
+        int on = st->holders[i].ann.state == PEER_STATE_ONLINE;
+        version[i] = on ? st->holders[i].ann.weight_version : 0;
+        tput[i] = on ? st->holders[i].ann.throughput : 0;
+    }
+}
+
+/* Why holder h's claims look false (far above its replicas':
+ * peer_trust_version_suspect, peer_trust_tput_suspect), or NULL. */
+static const char *holder_suspect(const route_stage *st, int h)
+{
+    uint64_t version[ROUTE_MAX_HOLDERS];
+    double tput[ROUTE_MAX_HOLDERS];
+    stage_claims(st, version, tput);
+    int v = peer_trust_version_suspect(version, st->n_holders, h);
+    int t = peer_trust_tput_suspect(tput, st->n_holders, h);
+    return v && t ? "version and throughput far above its replicas"
+           : v    ? "version far above its replicas"
+           : t    ? "throughput far above its replicas"
+                  : NULL;
+}
+
+/* The stage's total throughput; a claim far above the other replicas'
+ * counts as their median, so one false claim cannot hide a bottleneck. */
 static double stage_tput(const route_stage *st)
 {
-    double t = 0;
+    uint64_t version[ROUTE_MAX_HOLDERS];
+    double tput[ROUTE_MAX_HOLDERS], t = 0;
+    stage_claims(st, version, tput);
     for (int i = 0; i < st->n_holders; i++)
-        if (st->holders[i].ann.state == PEER_STATE_ONLINE)
-            t += st->holders[i].ann.throughput;
+        t += peer_trust_tput_suspect(tput, st->n_holders, i) ? peer_trust_median(tput, st->n_holders, i) : tput[i];
     return t;
 }
 
@@ -234,7 +265,13 @@ static int render_json(FILE *f, view *v, double min_tput)
                             (unsigned long long)ho->ann.lost_from, (unsigned long long)ho->ann.lost_to);
                 else
                     fputs("\"state_lost\":null,", f);
-                fputs("\"device\":", f);
+                const char *why = holder_suspect(st, h);
+                fputs("\"suspect\":", f);
+                if (why)
+                    json_str(f, why);
+                else
+                    fputs("null", f);
+                fputs(",\"device\":", f);
                 json_str(f, ho->ann.device);
                 fputc('}', f);
             }
@@ -297,6 +334,17 @@ static int render_text(FILE *f, view *v, double min_tput, int color)
                     fprintf(f, "%s! %-14s STATE LOST: peer %.8s went back from weight version %llu to %llu%s\n", red,
                             st->name, hex, (unsigned long long)ho->ann.lost_from,
                             (unsigned long long)ho->ann.lost_to, off);
+                const char *why = holder_suspect(st, h);
+                if (why) {
+                    uint64_t version[ROUTE_MAX_HOLDERS];
+                    double tput[ROUTE_MAX_HOLDERS];
+                    stage_claims(st, version, tput);
+                    fprintf(f, "%s! %-14s SUSPECT: peer %.8s: %s (weight version %llu, %.0f samples/s; "
+                               "its replicas' median: %llu, %.0f)%s\n", red, st->name, hex, why,
+                            (unsigned long long)version[h], tput[h],
+                            (unsigned long long)peer_trust_median_u64(version, st->n_holders, h),
+                            peer_trust_median(tput, st->n_holders, h), off);
+                }
             }
             const struct cold *cc = &v->cold[k][i < PEER_KEEPER_MAX_STAGES ? i : 0];
             if (cc->copies)
