@@ -1,3 +1,4 @@
+/* peer/metrics.c: the Prometheus endpoint (see metrics.h). */
 #include "peer/metrics.h"
 
 #include <errno.h>
@@ -5,7 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_CONNS 32
+#include "peer/rpc_conn.h"
+
 #define REQ_MAX 8192
 #define BODY_MAX (256 * 1024)
 
@@ -17,6 +19,9 @@ typedef struct mconn {
     int answered;
     uv_write_t wr;
     char *out;               /* response bytes while writing */
+    uint8_t key[16];         /* peer__addr_key of the client */
+    uint64_t deadline;       /* closed at this uv_now */
+    int closing;
     struct mconn *prev, *next;
 } mconn;
 
@@ -25,9 +30,12 @@ struct peer_metrics {
     uv_loop_t *loop;
     peer_metrics_render_fn render;
     void *arg;
-    int nconns;
+    peer_metrics_limits lim;
+    peer_metrics_stats st;
+    uv_timer_t sweep;
+    int live;                /* connections not closing */
     int stopping;
-    int handles;             /* open handles (listener + conns) */
+    int handles;             /* open handles (listener, timer, conns) */
     mconn *conns;
 };
 
@@ -47,7 +55,6 @@ static void on_conn_closed(uv_handle_t *h)
         m->conns = c->next;
     if (c->next)
         c->next->prev = c->prev;
-    m->nconns--;
     m->handles--;
     free(c->out);
     free(c);
@@ -56,8 +63,11 @@ static void on_conn_closed(uv_handle_t *h)
 
 static void conn_close(mconn *c)
 {
-    if (!uv_is_closing((uv_handle_t *)&c->tcp))
-        uv_close((uv_handle_t *)&c->tcp, on_conn_closed);
+    if (c->closing)
+        return;
+    c->closing = 1;
+    c->m->live--;
+    uv_close((uv_handle_t *)&c->tcp, on_conn_closed);
 }
 
 static void on_written(uv_write_t *wr, int status)
@@ -109,6 +119,7 @@ static void handle_request(mconn *c)
     size_t n = c->m->render(body, BODY_MAX, c->m->arg);
     if (n > BODY_MAX)
         n = BODY_MAX;
+    c->m->st.served++;
     respond(c, 200, "OK", body, n);
     free(body);
 }
@@ -142,6 +153,44 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     }
 }
 
+static int same_addr(const mconn *a, const mconn *b)
+{
+    return memcmp(a->key, b->key, 16) == 0;
+}
+
+/* Live connections from c's address (c included when live). */
+static int addr_count(const peer_metrics *m, const mconn *c)
+{
+    int n = 0;
+    for (const mconn *o = m->conns; o; o = o->next)
+        n += !o->closing && same_addr(o, c);
+    return n;
+}
+
+/* Full: close the oldest connection (still reading first) of the address
+ * that holds the most, if it holds more than newcomer nc's. At most
+ * max_conns + 1 connections, so the quadratic scan stays small. */
+static int evict_for(peer_metrics *m, mconn *nc)
+{
+    int mine = addr_count(m, nc), most = 0;
+    mconn *best = NULL;
+    for (mconn *o = m->conns; o; o = o->next) {
+        if (o == nc || o->closing)
+            continue;
+        int n = addr_count(m, o);
+        /* The list is newest first: a later match of the same count is older. */
+        if (n > most || (n == most && (!o->answered || best->answered))) {
+            best = o;
+            most = n;
+        }
+    }
+    if (!best || most <= mine)
+        return 0;
+    m->st.evicted++;
+    conn_close(best);
+    return 1;
+}
+
 static void on_connection(uv_stream_t *server, int status)
 {
     peer_metrics *m = server->data;
@@ -156,18 +205,56 @@ static void on_connection(uv_stream_t *server, int status)
         return;
     }
     m->handles++;
-    m->nconns++;
+    m->live++;
     c->next = m->conns;
     if (m->conns)
         m->conns->prev = c;
     m->conns = c;
-    if (uv_accept(server, (uv_stream_t *)&c->tcp) != 0 || m->nconns > MAX_CONNS ||
-        uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) != 0)
+    c->deadline = uv_now(m->loop) + m->lim.timeout_ms;
+    if (uv_accept(server, (uv_stream_t *)&c->tcp) != 0) {
         conn_close(c);
+        return;
+    }
+    m->st.accepted++;
+    struct sockaddr_storage ss;
+    int len = sizeof ss;
+    memset(&ss, 0, sizeof ss);
+    uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&ss, &len);
+    peer__addr_key((const struct sockaddr *)&ss, c->key);
+    if (addr_count(m, c) > m->lim.max_conns_per_ip) {
+        m->st.refused_per_ip++;
+        conn_close(c);
+        return;
+    }
+    if (m->live > m->lim.max_conns && !evict_for(m, c)) {
+        m->st.refused_full++;
+        conn_close(c);
+        return;
+    }
+    if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) != 0)
+        conn_close(c);
+}
+
+static void sweep_cb(uv_timer_t *t)
+{
+    peer_metrics *m = t->data;
+    uint64_t now = uv_now(m->loop);
+    for (mconn *c = m->conns; c; c = c->next)
+        if (!c->closing && now >= c->deadline) {
+            m->st.timed_out++;
+            conn_close(c);
+        }
 }
 
 peer_metrics *peer_metrics_start(uv_loop_t *loop, const struct sockaddr *addr,
                                  peer_metrics_render_fn render, void *arg, int *err)
+{
+    return peer_metrics_start_ex(loop, addr, render, arg, NULL, err);
+}
+
+peer_metrics *peer_metrics_start_ex(uv_loop_t *loop, const struct sockaddr *addr,
+                                    peer_metrics_render_fn render, void *arg,
+                                    const peer_metrics_limits *lim, int *err)
 {
     int dummy, rc;
     if (!err)
@@ -184,6 +271,15 @@ peer_metrics *peer_metrics_start(uv_loop_t *loop, const struct sockaddr *addr,
     m->loop = loop;
     m->render = render;
     m->arg = arg;
+    if (lim)
+        m->lim = *lim;
+    if (m->lim.max_conns <= 0)
+        m->lim.max_conns = 64;
+    if (m->lim.max_conns_per_ip <= 0)
+        m->lim.max_conns_per_ip = 8;
+    if (!m->lim.timeout_ms)
+        m->lim.timeout_ms = 5000;
+    peer__ignore_sigpipe();
     if ((rc = uv_tcp_init(loop, &m->listener)) != 0) {
         free(m);
         *err = rc;
@@ -191,14 +287,25 @@ peer_metrics *peer_metrics_start(uv_loop_t *loop, const struct sockaddr *addr,
     }
     m->handles = 1;
     m->listener.data = m;
+    uv_timer_init(loop, &m->sweep);
+    m->sweep.data = m;
+    m->handles++;
+    uint64_t tick = m->lim.timeout_ms / 4;
+    tick = tick < 10 ? 10 : tick > 250 ? 250 : tick;
+    uv_timer_start(&m->sweep, sweep_cb, tick, tick);
     if ((rc = uv_tcp_bind(&m->listener, addr, 0)) != 0 ||
-        (rc = uv_listen((uv_stream_t *)&m->listener, 16, on_connection)) != 0) {
+        (rc = uv_listen((uv_stream_t *)&m->listener, 128, on_connection)) != 0) {
         *err = rc;
         peer_metrics_stop(m);
         return NULL;
     }
     *err = 0;
     return m;
+}
+
+void peer_metrics_stats_get(const peer_metrics *m, peer_metrics_stats *out)
+{
+    *out = m->st;
 }
 
 int peer_metrics_port(const peer_metrics *m)
@@ -214,7 +321,7 @@ int peer_metrics_port(const peer_metrics *m)
     return -1;
 }
 
-static void on_listener_closed(uv_handle_t *h)
+static void on_handle_closed(uv_handle_t *h)
 {
     peer_metrics *m = h->data;
     m->handles--;
@@ -228,5 +335,7 @@ void peer_metrics_stop(peer_metrics *m)
     m->stopping = 1;
     for (mconn *c = m->conns; c; c = c->next)
         conn_close(c);
-    uv_close((uv_handle_t *)&m->listener, on_listener_closed);
+    uv_timer_stop(&m->sweep);
+    uv_close((uv_handle_t *)&m->sweep, on_handle_closed);
+    uv_close((uv_handle_t *)&m->listener, on_handle_closed);
 }

@@ -30,7 +30,8 @@ struct peer_rpc_client {
     peer_rpc_client_config cfg;
     dht_identity self;
     uint8_t expect[DHT_ID_LEN], swarm[32];
-    int have_expect, have_swarm;
+    int have_expect, have_swarm, have_local;
+    struct sockaddr_storage local; /* cfg.local_addr, copied */
     int state;
     int conn_inited, handles_open;
     uv_connect_t creq;
@@ -198,6 +199,15 @@ peer_rpc_client *peer_rpc_client_create(uv_loop_t *loop, const peer_rpc_client_c
         cl->have_swarm = 1;
     }
     cl->cfg.expect_id = cl->cfg.swarm_key = NULL;
+    if (cfg->local_addr) {
+        size_t len = cfg->local_addr->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6)
+                                                            : sizeof(struct sockaddr_in);
+        memcpy(&cl->local, cfg->local_addr, len);
+        cl->have_local = 1;
+    }
+    cl->cfg.local_addr = NULL;
+    /* A server that resets the connection must not kill the process. */
+    peer__ignore_sigpipe();
     if (!cl->cfg.max_frame)
         cl->cfg.max_frame = PEER_CHANNEL_MAX_RECORD;
     if (cl->cfg.max_pending <= 0)
@@ -237,7 +247,9 @@ int peer_rpc_client_connect(peer_rpc_client *cl, const struct sockaddr *addr,
     cl->timer.data = cl;
     cl->handles_open = 2;
     cl->creq.data = cl;
-    rc = uv_tcp_connect(&cl->creq, &cl->c.tcp, addr, connect_cb);
+    rc = cl->have_local ? uv_tcp_bind(&cl->c.tcp, (const struct sockaddr *)&cl->local, 0) : 0;
+    if (rc == 0)
+        rc = uv_tcp_connect(&cl->creq, &cl->c.tcp, addr, connect_cb);
     if (rc) {
         cl->state = ST_FAILED; /* the caller closes */
         return rc;

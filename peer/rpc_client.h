@@ -46,6 +46,9 @@ typedef struct peer_rpc_client_config {
     size_t max_frame;               /* largest message either way; 0 = 256 MiB */
     int max_pending;                /* outstanding requests; 0 = 256 */
     uint64_t connect_timeout_ms;    /* TCP connect + handshake; 0 = 5000 */
+    const struct sockaddr *local_addr; /* bind here before connecting (a source address
+                                          on a multi-homed host; tests: 127.0.0.2), or
+                                          NULL; copied */
 } peer_rpc_client_config;
 
 /* Returns NULL on bad arguments or no memory. */

@@ -34,11 +34,27 @@ void peer__buf_free(peer__buf *b)
     b->cap = 0;
 }
 
+/* Gives back this connection's share of the record budget (its record is
+ * complete or will never be). */
+static void budget_leave(peer__conn *c)
+{
+    peer__budget *b = c->budget;
+    if (!b)
+        return;
+    b->used -= c->charged;
+    c->charged = 0;
+    if (c->budget_wait) {
+        c->budget_wait = 0;
+        b->waiters--;
+    }
+}
+
 static void fail(peer__conn *c, int err)
 {
     if (c->failed)
         return;
     c->failed = 1;
+    budget_leave(c);
     if (c->reading) {
         uv_read_stop((uv_stream_t *)&c->tcp);
         c->reading = 0;
@@ -89,6 +105,7 @@ static void deliver(peer__conn *c)
     size_t plain_len;
     c->in_rec = 0;
     c->hdr_have = 0;
+    budget_leave(c);
     int rc;
     if (c->opening) {
         c->opening = 0;
@@ -103,6 +120,50 @@ static void deliver(peer__conn *c)
     peer_msg m;
     rc = peer_wire_decode(plain, plain_len, &c->lim, &m);
     c->ops->on_message(c, rc ? NULL : &m, rc);
+}
+
+/* The length prefix is in c->hdr: charge the record to the budget and
+ * make room for it. Returns 0 (receiving it, or already delivered when
+ * empty), 1 (no room in the budget: paused until resumed) or -1 (failed). */
+static int begin_record(peer__conn *c)
+{
+    int rc = peer_channel_record_len(c->ch, c->hdr, &c->rec_len);
+    if (rc) {
+        fail(c, rc);
+        return -1;
+    }
+    peer__budget *b = c->budget;
+    if (b) {
+        /* Always admit a record when nothing is charged: one frame larger
+         * than the cap must not wedge the server. */
+        if (b->used && (b->used >= b->cap || c->rec_len > b->cap - b->used)) {
+            if (!c->budget_wait) {
+                c->budget_wait = 1;
+                b->waiters++;
+                b->waits++;
+            }
+            c->paused = 1;
+            return 1;
+        }
+        if (c->budget_wait) {
+            c->budget_wait = 0;
+            b->waiters--;
+        }
+        b->used += c->rec_len;
+        c->charged = c->rec_len;
+        if (b->used > b->high)
+            b->high = b->used;
+    }
+    if (peer__buf_reserve(&c->rec, c->rec_len) != 0) {
+        fail(c, -ENOMEM);
+        return -1;
+    }
+    memcpy(c->rec.p, c->hdr, PEER_CHANNEL_HDR_LEN);
+    c->rec_have = PEER_CHANNEL_HDR_LEN;
+    c->in_rec = 1;
+    if (c->rec_have == c->rec_len) /* plaintext mode, empty record */
+        deliver(c);
+    return 0;
 }
 
 /* Consumes staged bytes until they run out, the owner pauses, or we fail. */
@@ -147,18 +208,8 @@ static void process(peer__conn *c)
             c->stage_off += take;
             if (c->hdr_have < PEER_CHANNEL_HDR_LEN)
                 continue;
-            int rc = peer_channel_record_len(c->ch, c->hdr, &c->rec_len);
-            if (rc == 0 && peer__buf_reserve(&c->rec, c->rec_len) != 0)
-                rc = -ENOMEM;
-            if (rc) {
-                fail(c, rc);
+            if (begin_record(c) != 0)
                 return;
-            }
-            memcpy(c->rec.p, c->hdr, PEER_CHANNEL_HDR_LEN);
-            c->rec_have = PEER_CHANNEL_HDR_LEN;
-            c->in_rec = 1;
-            if (c->rec_have == c->rec_len) /* plaintext mode, empty record */
-                deliver(c);
             continue;
         }
         take = c->rec_len - c->rec_have < n ? c->rec_len - c->rec_have : n;
@@ -216,7 +267,7 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
  * not the process: libuv writes with write(2), which raises SIGPIPE on a
  * reset socket, and its default action kills. Ignore it (once, and only if
  * nobody installed a handler). */
-static void ignore_sigpipe(void)
+static void ignore_sigpipe_once(void)
 {
     struct sigaction sa;
     if (sigaction(SIGPIPE, NULL, &sa) == 0 && sa.sa_handler == SIG_DFL && !(sa.sa_flags & SA_SIGINFO)) {
@@ -227,11 +278,29 @@ static void ignore_sigpipe(void)
     }
 }
 
+void peer__ignore_sigpipe(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, ignore_sigpipe_once);
+}
+
+void peer__addr_key(const struct sockaddr *sa, uint8_t key[16])
+{
+    memset(key, 0, 16);
+    if (sa->sa_family == AF_INET) {
+        key[10] = key[11] = 0xff;
+        memcpy(key + 12, &((const struct sockaddr_in *)sa)->sin_addr, 4);
+    } else if (sa->sa_family == AF_INET6) {
+        const uint8_t *a = ((const struct sockaddr_in6 *)sa)->sin6_addr.s6_addr;
+        static const uint8_t mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+        memcpy(key, a, memcmp(a, mapped, 12) == 0 ? 16 : 8);
+    }
+}
+
 int peer__conn_init(peer__conn *c, uv_loop_t *loop, const peer_channel_config *cc, int initiator,
                     const peer__conn_ops *ops, void *owner, size_t max_frame)
 {
-    static pthread_once_t sigpipe_once = PTHREAD_ONCE_INIT;
-    pthread_once(&sigpipe_once, ignore_sigpipe);
+    peer__ignore_sigpipe();
     memset(c, 0, sizeof *c);
     c->ops = ops;
     c->owner = owner;
@@ -251,6 +320,11 @@ int peer__conn_init(peer__conn *c, uv_loop_t *loop, const peer_channel_config *c
     }
     c->tcp.data = c;
     return 0;
+}
+
+void peer__conn_set_budget(peer__conn *c, peer__budget *b)
+{
+    c->budget = b;
 }
 
 int peer__conn_start(peer__conn *c)
@@ -282,6 +356,9 @@ void peer__conn_resume(peer__conn *c)
     if (!c->paused || c->failed || c->closing)
         return;
     c->paused = 0;
+    /* A record that waited for the budget: its prefix is already read. */
+    if (c->budget_wait && begin_record(c) != 0)
+        return;
     process(c);
     if (!c->paused && !c->failed && !c->closing && !c->reading) {
         if (uv_read_start((uv_stream_t *)&c->tcp, alloc_cb, read_cb) == 0)
@@ -388,6 +465,7 @@ void peer__conn_close(peer__conn *c, uv_close_cb close_cb)
 
 void peer__conn_free(peer__conn *c)
 {
+    budget_leave(c);
     peer_channel_destroy(&c->ch);
     peer__buf_free(&c->rec);
     free(c->stage);

@@ -30,6 +30,26 @@ void peer__buf_free(peer__buf *b);
 
 typedef struct peer__conn peer__conn;
 
+/* Bytes of records being received, shared by the connections of one server
+ * (so many half-sent records cannot add up to unbounded memory). A record is
+ * charged its whole length when its length prefix arrives and released when
+ * it is complete or the connection dies. A record that does not fit waits:
+ * its connection stops reading (c->budget_wait) until the owner resumes it,
+ * which it should try whenever used drops. A record is always admitted when
+ * nothing else is charged, so a cap below one frame cannot wedge a server. */
+typedef struct peer__budget {
+    size_t used, cap;
+    size_t high;                   /* high-water mark of used */
+    uint64_t waits;                /* records that had to wait */
+    int waiters;                   /* connections waiting now */
+} peer__budget;
+
+/* Sets SIGPIPE to ignored when its action is the default, once per process.
+ * libuv writes with write(2), which raises SIGPIPE on a reset socket, and the
+ * default action kills: every module that writes to a socket a stranger can
+ * reset calls this before its first write. */
+void peer__ignore_sigpipe(void);
+
 typedef struct peer__conn_ops {
     /* The handshake succeeded. */
     void (*on_established)(peer__conn *c);
@@ -63,9 +83,17 @@ struct peer__conn {
     int alloc_direct;
     int opening;                   /* streaming decryption of c->rec begun */
     int reading, paused, failed, closing;
+    peer__budget *budget;          /* NULL: unbounded (clients) */
+    size_t charged;                /* this record's charge in *budget */
+    int budget_wait;               /* paused until the budget has room */
 };
 
 #define PEER__STAGE_LEN 65536
+
+/* The address a per-address limit counts: an IPv4 address (written as
+ * ::ffff:a.b.c.d) or an IPv6 /64 (the block one subscriber usually holds;
+ * the low 64 bits are zero). Anything else is all zeros. */
+void peer__addr_key(const struct sockaddr *sa, uint8_t key[16]);
 
 /* Sets up c (caller-owned memory, zeroed here) on loop with a fresh channel.
  * Returns 0, -ENOMEM, or a libuv error. On failure nothing needs closing.
@@ -74,11 +102,15 @@ struct peer__conn {
 int peer__conn_init(peer__conn *c, uv_loop_t *loop, const peer_channel_config *cc, int initiator,
                     const peer__conn_ops *ops, void *owner, size_t max_frame);
 
+/* Charges this connection's records to b (call before start; NULL: none). */
+void peer__conn_set_budget(peer__conn *c, peer__budget *b);
+
 /* Starts reading (and, as initiator, sends msg1). Returns 0 or a libuv error. */
 int peer__conn_start(peer__conn *c);
 
 /* Stops / resumes delivering messages (backpressure). Resuming first
- * delivers records already buffered. */
+ * delivers records already buffered; a connection waiting for the record
+ * budget stays paused if the budget still has no room. */
 void peer__conn_pause(peer__conn *c);
 void peer__conn_resume(peer__conn *c);
 

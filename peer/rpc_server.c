@@ -5,11 +5,24 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <sodium.h>
+
 #include "peer/rpc_conn.h"
 #include "peer/rpc_server.h"
 #include "peer/wake.h"
 
 typedef struct sconn sconn;
+
+/* Connections per remote address (IPv4 address, IPv6 /64), counted from
+ * accept until close. Keyed with a random SipHash key, so an attacker who
+ * picks addresses cannot aim at one bucket. */
+#define IP_BUCKETS 1024
+
+typedef struct ipent {
+    uint8_t key[16];
+    int conns, hs;         /* open connections, of them still in the handshake */
+    struct ipent *next;
+} ipent;
 
 struct peer_rpc_request {
     sconn *conn;
@@ -20,6 +33,8 @@ struct peer_rpc_request {
     uint64_t id;
     peer_method method;
     size_t held;           /* bytes of in counted in srv->held */
+    size_t queued;         /* bytes of out handed to the socket, not yet written */
+    size_t retained;       /* bytes counted in srv->retained while on the free list */
     peer_msg msg;
     uv_write_t wr;
     peer_rpc_request *next; /* free list or completion queue */
@@ -34,6 +49,10 @@ struct sconn {
     int handle_closed;
     int close_after_write;
     uint64_t hs_deadline;
+    ipent *ip;             /* NULL once closing */
+    int in_hs;             /* counted in ip->hs and srv->st.handshaking */
+    uint64_t last_active;  /* handshake done, request taken or reply written */
+    size_t queued;         /* reply bytes not yet written */
 };
 
 struct peer_rpc_server {
@@ -54,6 +73,13 @@ struct peer_rpc_server {
     peer_rpc_request *done_head, *done_tail; /* answered off the loop thread */
     peer_rpc_server_stats st;
     size_t held;                 /* request bytes held by unanswered requests */
+    size_t retained, retain_cap; /* buffers kept on free lists */
+    size_t queued;               /* reply bytes not yet written, all connections */
+    int live;                    /* connections not closing */
+    int resuming;                /* in resume_waiters */
+    peer__budget budget;         /* records being received */
+    ipent *ip_tab[IP_BUCKETS];
+    uint8_t ip_salt[crypto_shorthash_KEYBYTES];
     void (*close_cb)(peer_rpc_server *, void *);
     void *close_arg;
 };
@@ -67,6 +93,8 @@ static peer_rpc_request *take_req(sconn *sc)
     peer_rpc_request *r = sc->free_reqs;
     if (r) {
         sc->free_reqs = r->next;
+        sc->srv->retained -= r->retained;
+        r->retained = 0;
     } else {
         r = calloc(1, sizeof *r);
         if (!r)
@@ -84,16 +112,33 @@ static void conn_maybe_free(sconn *sc);
 
 static int can_read(const sconn *sc)
 {
-    return sc->inflight < sc->srv->cfg.max_inflight && sc->srv->held < sc->srv->cfg.max_held_bytes;
+    const peer_rpc_server *srv = sc->srv;
+    return sc->inflight < srv->cfg.max_inflight && srv->held < srv->cfg.max_held_bytes &&
+           sc->queued < srv->cfg.max_queued_bytes && srv->queued < srv->cfg.max_queued_total;
+}
+
+static void free_req_bufs(peer_rpc_request *r)
+{
+    peer__buf_free(&r->in);
+    peer__buf_free(&r->out);
 }
 
 static void release_req(peer_rpc_request *r)
 {
     sconn *sc = r->conn;
+    peer_rpc_server *srv = sc->srv;
+    /* Keep the buffers for the next request while the kept ones are few: a
+     * burst of huge frames must not stay allocated for good. */
+    size_t keep = r->in.cap + r->out.cap;
+    if (srv->retained + keep > srv->retain_cap) {
+        free_req_bufs(r);
+        keep = 0;
+    }
+    r->retained = keep;
+    srv->retained += keep;
     r->next = sc->free_reqs;
     sc->free_reqs = r;
     sc->inflight--;
-    peer_rpc_server *srv = sc->srv;
     srv->held -= r->held;
     r->held = 0;
     if (sc->c.closing) {
@@ -108,7 +153,7 @@ static void release_req(peer_rpc_request *r)
     while (again) {
         again = 0;
         for (sconn *o = srv->conns; o; o = o->next)
-            if (o->c.paused && !o->c.closing && !o->c.failed && can_read(o)) {
+            if (o->c.paused && !o->c.budget_wait && !o->c.closing && !o->c.failed && can_read(o)) {
                 peer__conn_resume(&o->c);
                 again = 1;
                 break;
@@ -123,6 +168,12 @@ static void reply_written(uv_write_t *wr, int status)
     (void)status;
     peer_rpc_request *r = wr->data;
     sconn *sc = r->conn;
+    peer_rpc_server *srv = sc->srv;
+    sc->queued -= r->queued;
+    srv->queued -= r->queued;
+    r->queued = 0;
+    if (status == 0)
+        sc->last_active = uv_now(srv->loop);
     /* Close before releasing: releasing the last request of a closed
      * connection frees it. */
     if (sc->close_after_write && !sc->c.closing)
@@ -140,7 +191,13 @@ static void send_reply(peer_rpc_request *r, size_t head_len, const peer_msg *m)
         release_req(r);
         return;
     }
-    sc->srv->st.replies++;
+    peer_rpc_server *srv = sc->srv;
+    srv->st.replies++;
+    r->queued = PEER_CHANNEL_HDR_LEN + r->plain_len + peer_channel_tag_len(sc->c.ch);
+    sc->queued += r->queued;
+    srv->queued += r->queued;
+    if (srv->queued > srv->st.queued_bytes_max)
+        srv->st.queued_bytes_max = srv->queued;
 }
 
 static void finish(peer_rpc_request *r)
@@ -256,6 +313,58 @@ static void wake_cb(peer__wake *w)
 
 /* ---- connections ---- */
 
+/* Records that waited for the budget get another try, in list order. A
+ * resume may deliver records and run handlers, but never frees a
+ * connection (that happens in close callbacks), so the walk is safe. */
+static void resume_waiters(peer_rpc_server *srv)
+{
+    if (srv->resuming || !srv->budget.waiters)
+        return;
+    srv->resuming = 1;
+    for (sconn *o = srv->conns, *next; o && srv->budget.waiters; o = next) {
+        next = o->next;
+        if (o->c.budget_wait && !o->c.closing && !o->c.failed && can_read(o))
+            peer__conn_resume(&o->c);
+    }
+    srv->resuming = 0;
+}
+
+/* ---- addresses ---- */
+
+static ipent **ip_slot(peer_rpc_server *srv, const uint8_t key[16])
+{
+    uint8_t h[crypto_shorthash_BYTES];
+    crypto_shorthash(h, key, 16, srv->ip_salt);
+    uint32_t b = ((uint32_t)h[0] | (uint32_t)h[1] << 8) % IP_BUCKETS;
+    ipent **pp = &srv->ip_tab[b];
+    while (*pp && memcmp((*pp)->key, key, 16) != 0)
+        pp = &(*pp)->next;
+    return pp;
+}
+
+/* Stops counting sc against its address and the server's totals (at
+ * close: a closing connection no longer holds a place). */
+static void detach(sconn *sc)
+{
+    peer_rpc_server *srv = sc->srv;
+    ipent *e = sc->ip;
+    if (!e)
+        return;
+    sc->ip = NULL;
+    srv->live--;
+    e->conns--;
+    if (sc->in_hs) {
+        sc->in_hs = 0;
+        e->hs--;
+        srv->st.handshaking--;
+    }
+    if (e->conns == 0) {
+        ipent **pp = ip_slot(srv, e->key);
+        *pp = e->next;
+        free(e);
+    }
+}
+
 static void conn_maybe_free(sconn *sc)
 {
     if (!sc->handle_closed || sc->inflight > 0)
@@ -270,13 +379,14 @@ static void conn_maybe_free(sconn *sc)
     while (sc->free_reqs) {
         peer_rpc_request *r = sc->free_reqs;
         sc->free_reqs = r->next;
-        peer__buf_free(&r->in);
-        peer__buf_free(&r->out);
+        srv->retained -= r->retained;
+        free_req_bufs(r);
         free(r);
     }
     peer__conn_free(&sc->c);
     free(sc);
     srv->st.conns_open--;
+    resume_waiters(srv);
     maybe_finish_close(srv);
 }
 
@@ -289,7 +399,43 @@ static void conn_closed(uv_handle_t *h)
 
 static void close_conn(sconn *sc)
 {
+    detach(sc);
     peer__conn_close(&sc->c, conn_closed);
+}
+
+/* Which of a and b to close first: handshaking, then idle, then the one
+ * quiet longest. */
+static int evict_before(const sconn *a, const sconn *b)
+{
+    if (a->in_hs != b->in_hs)
+        return a->in_hs;
+    if ((a->inflight == 0) != (b->inflight == 0))
+        return a->inflight == 0;
+    return a->last_active < b->last_active;
+}
+
+/* Makes room for newcomer nc (already counted) by closing a connection of
+ * the address holding the most (connections, or handshakes when hs), if it
+ * holds more than nc's address. Returns 1 if one was closed. */
+static int evict_for(peer_rpc_server *srv, sconn *nc, int hs)
+{
+    int mine = hs ? nc->ip->hs : nc->ip->conns;
+    sconn *best = NULL;
+    int most = 0;
+    for (sconn *o = srv->conns; o; o = o->next) {
+        if (o == nc || !o->ip || (hs && !o->in_hs))
+            continue;
+        int n = hs ? o->ip->hs : o->ip->conns;
+        if (n > most || (n == most && evict_before(o, best))) {
+            best = o;
+            most = n;
+        }
+    }
+    if (!best || most <= mine)
+        return 0;
+    srv->st.evicted++;
+    close_conn(best);
+    return 1;
 }
 
 /* Answers a frame the handler never sees. */
@@ -307,17 +453,31 @@ static void server_error(sconn *sc, uint64_t id, peer_method method, int code, c
 
 static void on_established(peer__conn *c)
 {
-    (void)c;
+    sconn *sc = (sconn *)c;
+    sc->last_active = uv_now(sc->srv->loop);
+    if (sc->in_hs) {
+        sc->in_hs = 0;
+        sc->ip->hs--;
+        sc->srv->st.handshaking--;
+    }
 }
 
 static void on_message(peer__conn *c, const peer_msg *m, int rc)
 {
     sconn *sc = (sconn *)c;
     peer_rpc_server *srv = sc->srv;
+    sc->last_active = uv_now(srv->loop);
     if (rc || m->kind != PEER_KIND_REQUEST) {
         srv->st.bad_frames++;
+        /* Decoded past a limit (too many tensors or dimensions, a shape
+         * larger than the frame limit, meta over 64 KiB): EMSGSIZE; any
+         * other garbage: EBADMSG. The id is unknown when decoding failed. */
         server_error(sc, rc ? 0 : m->id, rc ? 0 : m->method, rc == -EMSGSIZE ? EMSGSIZE : EBADMSG,
-                     rc ? "malformed frame" : "expected a request");
+                     rc == -EMSGSIZE ? "frame exceeds a limit" : rc ? "malformed frame" : "expected a request");
+        /* A junk record must not pin a frame-sized buffer on an idle
+         * connection. */
+        if (c->rec.cap > PEER__STAGE_LEN)
+            peer__buf_free(&c->rec);
     } else {
         peer_rpc_request *r = take_req(sc);
         if (!r) {
@@ -339,6 +499,7 @@ static void on_message(peer__conn *c, const peer_msg *m, int rc)
     }
     if (!c->closing && !can_read(sc))
         peer__conn_pause(c);
+    resume_waiters(srv);
 }
 
 static void on_error(peer__conn *c, int err)
@@ -352,9 +513,11 @@ static void on_error(peer__conn *c, int err)
         sc->srv->st.oversize_frames++;
         sc->close_after_write = 1;
         server_error(sc, 0, 0, EMSGSIZE, "frame exceeds the server's limit");
+        resume_waiters(sc->srv);
         return;
     }
     close_conn(sc);
+    resume_waiters(sc->srv);
 }
 
 static const peer__conn_ops server_ops = {on_established, on_message, on_error};
@@ -374,6 +537,7 @@ static void on_connection(uv_stream_t *l, int status)
         free(sc);
         return;
     }
+    peer__conn_set_budget(&sc->c, &srv->budget);
     sc->srv = srv;
     sc->next = srv->conns;
     if (srv->conns)
@@ -381,9 +545,51 @@ static void on_connection(uv_stream_t *l, int status)
     srv->conns = sc;
     srv->st.conns_accepted++;
     srv->st.conns_open++;
-    sc->hs_deadline = uv_now(srv->loop) + srv->cfg.handshake_timeout_ms;
-    if (uv_accept(l, (uv_stream_t *)&sc->c.tcp) != 0 ||
-        srv->st.conns_open > (uint64_t)srv->cfg.max_conns || peer__conn_start(&sc->c) != 0)
+    uint64_t now = uv_now(srv->loop);
+    sc->hs_deadline = now + srv->cfg.handshake_timeout_ms;
+    sc->last_active = now;
+    if (uv_accept(l, (uv_stream_t *)&sc->c.tcp) != 0) {
+        close_conn(sc);
+        return;
+    }
+    /* Count the newcomer against its address before deciding, so that the
+     * comparisons below see what each address would hold. */
+    struct sockaddr_storage ss;
+    int len = sizeof ss;
+    memset(&ss, 0, sizeof ss);
+    uv_tcp_getpeername(&sc->c.tcp, (struct sockaddr *)&ss, &len);
+    uint8_t key[16];
+    peer__addr_key((const struct sockaddr *)&ss, key);
+    ipent **pp = ip_slot(srv, key);
+    if (!*pp) {
+        if (!(*pp = calloc(1, sizeof **pp))) {
+            close_conn(sc);
+            return;
+        }
+        memcpy((*pp)->key, key, 16);
+    }
+    sc->ip = *pp;
+    sc->ip->conns++;
+    sc->ip->hs++;
+    sc->in_hs = 1;
+    srv->live++;
+    srv->st.handshaking++;
+    if (sc->ip->conns > srv->cfg.max_conns_per_ip) {
+        srv->st.refused_per_ip++;
+        close_conn(sc);
+        return;
+    }
+    if (srv->live > srv->cfg.max_conns && !evict_for(srv, sc, 0)) {
+        srv->st.refused_full++;
+        close_conn(sc);
+        return;
+    }
+    if (srv->st.handshaking > (uint64_t)srv->cfg.max_handshakes && !evict_for(srv, sc, 1)) {
+        srv->st.refused_handshakes++;
+        close_conn(sc);
+        return;
+    }
+    if (peer__conn_start(&sc->c) != 0)
         close_conn(sc);
 }
 
@@ -391,11 +597,40 @@ static void sweep_cb(uv_timer_t *t)
 {
     peer_rpc_server *srv = t->data;
     uint64_t now = uv_now(srv->loop);
-    for (sconn *sc = srv->conns; sc; sc = sc->next)
-        if (!sc->c.closing && !peer_channel_established(sc->c.ch) && now >= sc->hs_deadline) {
-            srv->st.handshakes_failed++;
-            close_conn(sc);
+    for (sconn *sc = srv->conns; sc; sc = sc->next) {
+        if (sc->c.closing)
+            continue;
+        if (!peer_channel_established(sc->c.ch)) {
+            if (now >= sc->hs_deadline) {
+                srv->st.handshakes_failed++;
+                srv->st.closed_hs_timeout++;
+                close_conn(sc);
+            }
+            continue;
         }
+        uint64_t quiet = now - sc->last_active;
+        /* Idle: nothing asked (a record begun long ago included), or
+         * replies that stopped draining because the client stopped reading.
+         * A request the handler is still working on keeps it open. */
+        if ((sc->inflight == 0 || sc->queued > 0) && quiet >= srv->cfg.idle_timeout_ms) {
+            srv->st.closed_idle++;
+            close_conn(sc);
+            continue;
+        }
+        /* An idle connection gives back its buffers; traffic reallocates
+         * them once. */
+        if (sc->inflight == 0 && !sc->c.in_rec && quiet >= 1000) {
+            peer__buf_free(&sc->c.rec);
+            while (sc->free_reqs) {
+                peer_rpc_request *r = sc->free_reqs;
+                sc->free_reqs = r->next;
+                srv->retained -= r->retained;
+                free_req_bufs(r);
+                free(r);
+            }
+        }
+    }
+    resume_waiters(srv);
 }
 
 /* ---- server ---- */
@@ -427,6 +662,24 @@ peer_rpc_server *peer_rpc_server_create(uv_loop_t *loop, const peer_rpc_server_c
         srv->cfg.max_conns = 1024;
     if (!srv->cfg.handshake_timeout_ms)
         srv->cfg.handshake_timeout_ms = 5000;
+    if (srv->cfg.max_conns_per_ip <= 0)
+        srv->cfg.max_conns_per_ip = 64;
+    if (srv->cfg.max_handshakes <= 0)
+        srv->cfg.max_handshakes = 64;
+    if (!srv->cfg.idle_timeout_ms)
+        srv->cfg.idle_timeout_ms = 120000;
+    if (!srv->cfg.max_incomplete_bytes)
+        srv->cfg.max_incomplete_bytes = (size_t)256 << 20;
+    if (!srv->cfg.max_queued_bytes)
+        srv->cfg.max_queued_bytes = (size_t)16 << 20;
+    if (!srv->cfg.max_queued_total)
+        srv->cfg.max_queued_total = (size_t)256 << 20;
+    srv->budget.cap = srv->cfg.max_incomplete_bytes;
+    srv->retain_cap = srv->cfg.max_held_bytes / 4;
+    randombytes_buf(srv->ip_salt, sizeof srv->ip_salt);
+    /* Replies to a client that reset the connection must not kill us, even
+     * before the first connection sets up the channel code. */
+    peer__ignore_sigpipe();
     srv->port = -1;
     if (pthread_mutex_init(&srv->mu, NULL) != 0) {
         free(srv);
@@ -465,7 +718,11 @@ int peer_rpc_server_listen(peer_rpc_server *srv, const struct sockaddr *addr)
         else if (ss.ss_family == AF_INET6)
             srv->port = ntohs(((struct sockaddr_in6 *)&ss)->sin6_port);
     }
-    uv_timer_start(&srv->sweep, sweep_cb, 250, 250);
+    /* Timeouts fire within a quarter of the shorter one (at most 250 ms). */
+    uint64_t tick = srv->cfg.handshake_timeout_ms < srv->cfg.idle_timeout_ms
+                        ? srv->cfg.handshake_timeout_ms : srv->cfg.idle_timeout_ms;
+    tick = tick / 4 < 10 ? 10 : tick / 4 > 250 ? 250 : tick / 4;
+    uv_timer_start(&srv->sweep, sweep_cb, tick, tick);
     return 0;
 }
 
@@ -477,6 +734,10 @@ int peer_rpc_server_port(const peer_rpc_server *srv)
 void peer_rpc_server_stats_get(const peer_rpc_server *srv, peer_rpc_server_stats *out)
 {
     *out = srv->st;
+    out->record_waits = srv->budget.waits;
+    out->incomplete_bytes = srv->budget.used;
+    out->incomplete_bytes_max = srv->budget.high;
+    out->queued_bytes = srv->queued;
 }
 
 static void handle_closed(uv_handle_t *h)

@@ -16,9 +16,29 @@
  * the handler has not answered, and all unanswered requests together hold at
  * most about max_held_bytes of frames (so a few clients pipelining huge
  * frames cannot make the server allocate without bound); beyond either the
- * server stops reading (TCP backpressure) until answers go out. Receive
- * buffers are kept for reuse and not shrunk, so memory stays at its
- * high-water mark.
+ * server stops reading (TCP backpressure) until answers go out.
+ *
+ * Hostile clients (docs/rpc.md, "Limits"): the server bounds what a stranger
+ * can hold. At accept, before any handshake, it counts connections per
+ * address (IPv4 address, IPv6 /64): beyond max_conns_per_ip the newcomer is
+ * closed. When max_conns connections or max_handshakes unfinished handshakes
+ * are open, it closes one connection of the address that holds the most
+ * (handshaking and idle ones first) if that address holds more than the
+ * newcomer's would, else it closes the newcomer: a flood from a few
+ * addresses costs those addresses, not newcomers. A handshake must finish
+ * within handshake_timeout_ms; an established connection with no request in
+ * flight, or whose replies stopped draining, is closed after
+ * idle_timeout_ms without a request or a finished reply. Records being
+ * received are charged their whole length against max_incomplete_bytes (all
+ * connections together); a record that does not fit waits, its connection
+ * not read, until others complete. Replies handed to the socket and not yet
+ * written count against max_queued_bytes per connection and
+ * max_queued_total together; at either bound the connection's requests are
+ * not read, so a client that pipelines and never reads holds at most
+ * max_queued_bytes plus the replies to the requests already taken (at most
+ * max_inflight). Buffers of answered requests are kept for reuse up to
+ * max_held_bytes / 4 all together, and a connection idle for a second gives
+ * its buffers back.
  *
  * Thread-safety: everything runs on the loop thread except peer_rpc_respond*
  * and peer_rpc_request_* getters, which may be called from any thread for a
@@ -52,15 +72,33 @@ typedef struct peer_rpc_server_config {
     int max_inflight;               /* unanswered requests per connection; 0 = 64 */
     size_t max_held_bytes;          /* request bytes held by unanswered requests, all
                                        connections together; 0 = 1 GiB */
-    int max_conns;                  /* 0 = 1024; extra connections are closed */
+    int max_conns;                  /* 0 = 1024; see the header comment for who is closed */
     uint64_t handshake_timeout_ms;  /* 0 = 5000 */
+    int max_conns_per_ip;           /* per IPv4 address or IPv6 /64; 0 = 64 */
+    int max_handshakes;             /* unfinished handshakes; 0 = 64 */
+    uint64_t idle_timeout_ms;       /* established, nothing happening; 0 = 120000 */
+    size_t max_incomplete_bytes;    /* records being received, all connections; 0 = 256 MiB */
+    size_t max_queued_bytes;        /* replies not yet written, per connection; 0 = 16 MiB */
+    size_t max_queued_total;        /* replies not yet written, all connections; 0 = 256 MiB */
     peer_rpc_handler handler;       /* required */
     void *arg;
 } peer_rpc_server_config;
 
 typedef struct peer_rpc_server_stats {
-    uint64_t conns_accepted, conns_open, handshakes_failed;
+    uint64_t conns_accepted, conns_open, handshakes_failed; /* failed includes timed out */
     uint64_t requests, replies, bad_frames, oversize_frames;
+    /* Connections refused or closed by the limits, per reason (counters). */
+    uint64_t refused_per_ip;        /* at accept: its address had max_conns_per_ip */
+    uint64_t refused_full;          /* at accept: max_conns open, no address holds more */
+    uint64_t refused_handshakes;    /* at accept: max_handshakes running, none to take */
+    uint64_t evicted;               /* closed to make room for a newcomer's address */
+    uint64_t closed_hs_timeout;     /* handshake unfinished after handshake_timeout_ms */
+    uint64_t closed_idle;           /* idle (or replies not draining) for idle_timeout_ms */
+    uint64_t record_waits;          /* records that waited for max_incomplete_bytes */
+    /* Gauges (now) and their high-water marks. */
+    uint64_t handshaking;
+    uint64_t incomplete_bytes, incomplete_bytes_max;
+    uint64_t queued_bytes, queued_bytes_max;
 } peer_rpc_server_stats;
 
 /* Call on the thread that runs loop: the server remembers it to tell loop
