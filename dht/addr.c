@@ -21,6 +21,57 @@ int dht_addr_equal(const dht_addr *a, const dht_addr *b)
     return a->family == b->family && a->port == b->port && memcmp(a->ip, b->ip, 16) == 0;
 }
 
+int dht_addr_is_local(const dht_addr *a)
+{
+    static const uint8_t mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+    const uint8_t *v4 = NULL;
+    if (a->family == 4)
+        v4 = a->ip;
+    else if (a->family == 6 && !memcmp(a->ip, mapped, 12))
+        v4 = a->ip + 12;
+    if (v4)
+        return v4[0] == 127 || v4[0] == 10 || v4[0] == 0 ||
+               (v4[0] == 172 && (v4[1] & 0xf0) == 16) || (v4[0] == 192 && v4[1] == 168) ||
+               (v4[0] == 100 && (v4[1] & 0xc0) == 64) || (v4[0] == 169 && v4[1] == 254);
+    if (a->family != 6)
+        return 0;
+    int zero15 = 1;
+    for (int i = 0; i < 15; i++)
+        zero15 &= a->ip[i] == 0;
+    if (zero15 && a->ip[15] <= 1)
+        return 1; /* :: and ::1 */
+    return (a->ip[0] & 0xfe) == 0xfc || (a->ip[0] == 0xfe && (a->ip[1] & 0xc0) == 0x80);
+}
+
+int dht_addr_limited(const dht_addr *a, int mode)
+{
+    if (mode == DHT_DIVERSITY_OFF)
+        return 0;
+    return mode == DHT_DIVERSITY_ALL || !dht_addr_is_local(a);
+}
+
+unsigned dht_addr_net_bits(const dht_addr *a)
+{
+    static const uint8_t mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+    if (a->family != 6)
+        return 24;
+    return memcmp(a->ip, mapped, 12) == 0 ? 96 + 24 : 48;
+}
+
+void dht_addr_prefix(dht_addr *out, const dht_addr *a, unsigned bits)
+{
+    unsigned len = a->family == 6 ? 128 : 32;
+    *out = *a;
+    out->port = 0;
+    if (bits > len)
+        bits = len;
+    for (unsigned i = 0; i < 16; i++) {
+        unsigned keep = bits > 8 * i ? bits - 8 * i : 0;
+        if (keep < 8)
+            out->ip[i] &= (uint8_t)(0xff00u >> keep);
+    }
+}
+
 static int parse_port(const char *s, uint16_t *out, int allow0)
 {
     /* Digits only: strtoul would accept "+1", " 1" and "0x1". */

@@ -49,6 +49,35 @@ void dht_addr_v4(dht_addr *a, const uint8_t ip4[4], uint16_t port);
 /* 1 if a and b are the same family, address and port, else 0. */
 int dht_addr_equal(const dht_addr *a, const dht_addr *b);
 
+/* Which addresses the per-network limits of the routing table and of
+ * lookups apply to (dht_config.diversity). */
+enum dht_diversity {
+    DHT_DIVERSITY_PUBLIC = 0, /* every address but local ones (the default) */
+    DHT_DIVERSITY_ALL = 1,    /* every address, loopback and private included */
+    DHT_DIVERSITY_OFF = 2,    /* none */
+};
+
+/* 1 if the limits of mode apply to a. */
+int dht_addr_limited(const dht_addr *a, int mode);
+
+/* 1 if a is a loopback, private or link-local address: IPv4 127/8, 10/8,
+ * 172.16/12, 192.168/16, 100.64/10 (carrier-grade NAT), 169.254/16, 0/8;
+ * IPv6 ::1, ::, fc00::/7 (unique local), fe80::/10, and IPv4-mapped forms of
+ * the above. Such addresses are one operator's network: the routing table's
+ * per-address limits (dht/table.h) exempt them by default. */
+int dht_addr_is_local(const dht_addr *a);
+
+/* The network group of a for per-address limits: a copy with port 0 and the
+ * address cut to its first `bits` bits (IPv4 /24 and IPv6 /48 are the
+ * prefixes a single operator typically holds; 32 or 128 = the exact IP).
+ * bits is clamped to the family's length. Two addresses are in the same
+ * group when dht_addr_equal says their groups are equal. */
+void dht_addr_prefix(dht_addr *out, const dht_addr *a, unsigned bits);
+
+/* The prefix length of a's network for per-network limits: 24 for IPv4, 48
+ * for IPv6, 120 for an IPv4-mapped IPv6 address (its IPv4 /24). */
+unsigned dht_addr_net_bits(const dht_addr *a);
+
 /* Parses "HOST:PORT" or "[V6]:PORT" (numeric hosts only). Returns 0 or
  * -EINVAL; out is untouched on failure. */
 int dht_addr_parse(dht_addr *out, const char *s);

@@ -111,9 +111,10 @@ int dht_join_strerror(const dht *d, int status, char *buf, size_t cap);
 /* Stores (key, subkey) -> value until expires_ms (absolute, dht_now_ms clock,
  * at most 24 h ahead). With sign != 0 the subkey argument is ignored: the
  * entry's subkey is our node ID and it is signed with our identity, so
- * nobody else can overwrite it. value is copied. Returns 0 or -EINVAL
- * (sizes: value <= DHT_MAX_VALUE, subkey <= DHT_MAX_SUBKEY), -EAGAIN, -ENOMEM,
- * -ECANCELED (closing). */
+ * nobody else can overwrite it; unsigned entries get a small share of
+ * each node and are not republished by others (dht_node_put). value is
+ * copied. Returns 0 or -EINVAL (sizes: value <= DHT_MAX_VALUE, subkey <=
+ * DHT_MAX_SUBKEY), -EAGAIN, -ENOMEM, -ECANCELED (closing). */
 int dht_put(dht *d, const uint8_t key[DHT_ID_LEN], const uint8_t *subkey, size_t subkey_len,
             const void *value, size_t value_len, uint64_t expires_ms, int sign, dht_done_cb cb,
             void *ud);

@@ -505,8 +505,26 @@ static void merge_entry(lookup *l, const dht_entry *e)
             return;
         }
     }
-    if (l->n_res >= MAX_RESULTS)
+    if (l->n_res >= MAX_RESULTS) {
+        /* Full: a signed entry takes the place of an unsigned one, so that
+         * holders answering with unsigned junk cannot crowd out the owners'
+         * entries that other holders return. */
+        size_t u = l->n_res;
+        while (u > 0 && l->res[u - 1].is_signed)
+            u--;
+        if (!e->is_signed || u == 0)
+            return;
+        own_entry *o = &l->res[u - 1];
+        uint8_t *v = malloc(e->value_len ? e->value_len : 1);
+        if (!v)
+            return;
+        free(o->val);
+        own_from(o, e);
+        o->val = v;
+        if (e->value_len)
+            memcpy(v, e->value, e->value_len);
         return;
+    }
     if (l->n_res == l->cap_res) {
         size_t nc = l->cap_res ? l->cap_res * 2 : 4;
         own_entry *nr = realloc(l->res, nc * sizeof *nr);
@@ -544,11 +562,13 @@ static void node_seen(dht_node *n, const uint8_t id[DHT_ID_LEN], const dht_addr 
     } else if (rc == DHT_TABLE_CACHED && ping) {
         dht_table_entry copy = *ping;
         send_ping(n, &copy.addr, copy.id, RPC_EVICT, now);
+    } else if (rc == -EDQUOT) {
+        n->st.table_refused++;
     }
 }
 
-/* Stores our records on a newcomer that is closer to their keys than we
- * are: it will be asked for them from now on. */
+/* Stores our signed records on a newcomer that is closer to their keys than
+ * we are: it will be asked for them from now on. */
 static void handover(dht_node *n, const dht_table_entry *nc, uint64_t now)
 {
     uint8_t keys[64][DHT_ID_LEN];
@@ -562,7 +582,11 @@ static void handover(dht_node *n, const dht_table_entry *nc, uint64_t now)
             if (dht_id_distance_cmp(keys[i], nc->id, n->ident.id) >= 0)
                 continue;
             size_t ne = dht_store_get(n->store, keys[i], now, 0, ents, 8, NULL);
-            for (size_t j = 0; j < ne && budget; j++, budget--) {
+            /* Signed entries only (they come first): an unsigned entry has
+             * no owner to vouch for it, and relaying it would spread
+             * whatever anyone wrote here to every newcomer. Its writer
+             * stores it where it should be. */
+            for (size_t j = 0; j < ne && budget && ents[j].is_signed; j++, budget--) {
                 dht_msg m;
                 memset(&m, 0, sizeof m);
                 m.type = DHT_MSG_STORE;
@@ -619,11 +643,45 @@ static void cand_add(dht_node *n, lookup *l, const uint8_t id[DHT_ID_LEN], const
         pos--;
     if (pos >= LOOKUP_MAX)
         return;
+    /* At most DHT_LOOKUP_PER_NET candidates per network: the nearest. IDs
+     * cost nothing to grind near a key, networks do, so this bounds how
+     * much of the k nearest (and of a get's quorum) one network can hold.
+     * The target's own ID is exempt: a find for a node must find it. */
+    int limited = dht_addr_limited(addr, n->cfg.diversity) &&
+                  memcmp(id, l->target, DHT_ID_LEN) != 0;
+    dht_addr net, y;
+    if (limited) {
+        size_t closer = 0;
+        dht_addr_prefix(&net, addr, dht_addr_net_bits(addr));
+        for (size_t i = 0; i < pos; i++) {
+            dht_addr_prefix(&y, &l->c[i].addr, dht_addr_net_bits(addr));
+            closer += !l->c[i].anon && dht_addr_equal(&y, &net);
+        }
+        if (closer >= DHT_LOOKUP_PER_NET) {
+            n->st.lookup_refused++;
+            return;
+        }
+    }
     size_t keep = l->n < LOOKUP_MAX ? l->n : LOOKUP_MAX - 1;
     memmove(&l->c[pos + 1], &l->c[pos], (keep - pos) * sizeof x);
     l->c[pos] = x;
     if (l->n < LOOKUP_MAX)
         l->n++;
+    if (limited) {
+        /* The network may now have one too many: its farthest goes. */
+        size_t seen = 0;
+        for (size_t i = 0; i < l->n; i++) {
+            if (l->c[i].anon || memcmp(l->c[i].id, l->target, DHT_ID_LEN) == 0)
+                continue;
+            dht_addr_prefix(&y, &l->c[i].addr, dht_addr_net_bits(addr));
+            if (dht_addr_equal(&y, &net) && ++seen > DHT_LOOKUP_PER_NET) {
+                memmove(&l->c[i], &l->c[i + 1], (l->n - i - 1) * sizeof x);
+                l->n--;
+                n->st.lookup_refused++;
+                break;
+            }
+        }
+    }
 }
 
 static lookup *lookup_by_id(dht_node *n, uint32_t id)
@@ -1023,15 +1081,24 @@ static void store_phase(dht_node *n, lookup *l, uint64_t now)
     size_t done = 0;
     const uint8_t *kth = NULL;
     if (l->op == OP_REPUBLISH) {
-        /* Republish what we hold now (fresh copies: some may have expired). */
+        /* Republish the signed entries we hold now (fresh copies: some may
+         * have expired). Unsigned ones are not relayed: a node that stored
+         * junk on us must not have every honest holder spread it to the k
+         * nearest every republish period (its writer re-stores it, if it
+         * wants it kept). Signed entries sort first. */
         dht_entry local[32];
         size_t off = 0, total = 0, got;
+        int more = 1;
         do {
             got = dht_store_get(n->store, l->target, now, off, local, 32, &total);
-            for (size_t i = 0; i < got; i++)
-                merge_entry(l, &local[i]);
+            for (size_t i = 0; i < got && more; i++) {
+                if (!local[i].is_signed)
+                    more = 0;
+                else
+                    merge_entry(l, &local[i]);
+            }
             off += got;
-        } while (got && off < total);
+        } while (more && got && off < total);
     }
     for (size_t i = 0; i < l->n && done < n->cfg.k; i++) {
         cand *c = &l->c[i];
@@ -1110,7 +1177,7 @@ static void handle_request(dht_node *n, const dht_msg *m, const dht_addr *from, 
     if (e && dht_addr_equal(&e->addr, from)) {
         e->last_seen = now;
         e->fails = 0;
-    } else if (!e && !m->read_only && dht_table_has_room(n->table, m->id)) {
+    } else if (!e && !m->read_only && dht_table_has_room(n->table, m->id, from)) {
         if (!n->cfg.verify_ids)
             node_seen(n, m->id, from, NULL, now);
         else if (verify_due(n, m->id, now))
@@ -1145,7 +1212,7 @@ static void handle_request(dht_node *n, const dht_msg *m, const dht_addr *from, 
             n->st.store_rejected++;
             break;
         }
-        rc = dht_store_put(n->store, m->target, &m->entries[0], now);
+        rc = dht_store_put_from(n->store, m->target, &m->entries[0], now, from);
         r.status = rc == 1 ? DHT_ST_OK : rc == 0 ? DHT_ST_OLDER
                  : (rc == -ENOSPC || rc == -ENOMEM) ? DHT_ST_FULL : DHT_ST_INVALID;
         if (rc < 0)
@@ -1366,6 +1433,12 @@ void dht_config_default(dht_config *c)
     c->rate_burst = 400;
     c->verify_ids = 1;
     c->quorum = DHT_QUORUM;
+    /* Operators of an open swarm on a shared private network (or tests
+     * with many addresses on one host) turn the per-network limits on for
+     * every address; "off" is for measurements. */
+    const char *lim = getenv("STARLING_DHT_LIMITS");
+    c->diversity = lim && !strcmp(lim, "all") ? DHT_DIVERSITY_ALL
+                 : lim && !strcmp(lim, "off") ? DHT_DIVERSITY_OFF : DHT_DIVERSITY_PUBLIC;
 }
 
 dht_node *dht_node_create(const dht_identity *ident, const dht_config *cfg, uint64_t now)
@@ -1401,6 +1474,7 @@ dht_node *dht_node_create(const dht_identity *ident, const dht_config *cfg, uint
         n->cfg.republish_ms = 10 * 60 * 1000;
     if (!n->cfg.rate_burst)
         n->cfg.rate_burst = 1;
+    memset(&lim, 0, sizeof lim); /* zero fields: the store's defaults */
     lim.max_keys = n->cfg.store_max_keys ? n->cfg.store_max_keys : DHT_STORE_MAX_KEYS;
     lim.max_subkeys = n->cfg.store_max_subkeys ? n->cfg.store_max_subkeys : DHT_STORE_MAX_SUBKEYS;
     lim.max_bytes = n->cfg.store_max_bytes ? n->cfg.store_max_bytes : DHT_STORE_MAX_BYTES;
@@ -1416,6 +1490,7 @@ dht_node *dht_node_create(const dht_identity *ident, const dht_config *cfg, uint
         dht_node_destroy(&n);
         return NULL;
     }
+    dht_table_set_diversity(n->table, n->cfg.diversity);
     rng(n, n->tok_cur, 32);
     rng(n, n->tok_prev, 32);
     rng(n, n->rl_key, sizeof n->rl_key);
@@ -1630,6 +1705,9 @@ static void maintain(dht_node *n, uint64_t now)
         uint8_t keys[REPUBLISH_BATCH][DHT_ID_LEN];
         size_t nk = dht_store_keys(n->store, &n->republish_cursor, keys, REPUBLISH_BATCH);
         for (size_t i = 0; i < nk; i++) {
+            dht_entry first;
+            if (dht_store_get(n->store, keys[i], now, 0, &first, 1, NULL) == 0 || !first.is_signed)
+                continue; /* nothing we relay (unsigned only) */
             lookup *l = lookup_new(n, OP_REPUBLISH, keys[i], NULL, NULL);
             if (l)
                 lookup_step(n, l, now, 0);

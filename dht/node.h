@@ -35,6 +35,15 @@
 #define DHT_QUORUM 8
 #endif
 
+/* A lookup keeps at most this many candidates of one /24 (IPv4) or /48
+ * (IPv6) network, the nearest it heard of (a node whose ID is the target
+ * itself is always kept). Nodes with IDs ground near a key from one network
+ * then hold at most 2 of the quorum a get asks and 2 of the k a put stores
+ * on: see docs/protocol.md, "Security properties". */
+#ifndef DHT_LOOKUP_PER_NET
+#define DHT_LOOKUP_PER_NET 2
+#endif
+
 typedef struct dht_node dht_node;
 
 typedef struct dht_config {
@@ -61,6 +70,11 @@ typedef struct dht_config {
     uint8_t seed[32];           /* all-zero: random; else deterministic
                                    transaction IDs, nonces and secrets (tests) */
     size_t store_max_keys, store_max_subkeys, store_max_bytes; /* 0 = defaults */
+    int diversity;              /* which addresses the per-network limits of the
+                                   routing table (dht/table.h) and of lookups
+                                   (DHT_LOOKUP_PER_NET) apply to: enum
+                                   dht_diversity, default DHT_DIVERSITY_PUBLIC
+                                   (loopback and private addresses exempt) */
 } dht_config;
 
 /* Counters, for tests, benchmarks and monitoring. */
@@ -82,6 +96,9 @@ typedef struct dht_node_stats {
                                    swarm key (or none) */
     uint64_t rejects_sent;      /* notices we sent to requests under another key */
     uint64_t id_collisions;     /* another node proved our own ID from another address */
+    uint64_t table_refused;     /* proven nodes kept out of the table by the
+                                   per-network limits */
+    uint64_t lookup_refused;    /* lookup candidates dropped by DHT_LOOKUP_PER_NET */
     int table_depth;            /* deepest non-empty bucket, -1 if empty */
     size_t table_size, store_keys, store_entries, store_bytes;
     size_t pending_rpcs, lookups;
@@ -114,7 +131,9 @@ typedef struct dht_join_diag {
     int have_swarm_key;            /* -EKEYREJECTED: whether we have a key */
 } dht_join_diag;
 
-/* Fills cfg with the defaults above. */
+/* Fills cfg with the defaults above. diversity comes from the environment
+ * variable STARLING_DHT_LIMITS: "all" (DHT_DIVERSITY_ALL), "off"
+ * (DHT_DIVERSITY_OFF), anything else or unset DHT_DIVERSITY_PUBLIC. */
 void dht_config_default(dht_config *cfg);
 
 /* ident is copied (and wiped on destroy). cfg NULL = defaults. Returns NULL
@@ -191,7 +210,11 @@ int dht_node_get(dht_node *n, const uint8_t key[DHT_ID_LEN], dht_node_cb cb, voi
  * (status: acknowledgements so far); the stores to the rest go on. With
  * sign != 0 the subkey is ignored and replaced by our node ID, and the
  * entry is signed with our identity. expires is absolute
- * (ms, same clock as now). Returns 0, or -EINVAL (sizes, expiration not in
+ * (ms, same clock as now). An unsigned entry (sign == 0) gets only the small
+ * share of each node that unsigned entries have (dht/store.h) and is never
+ * republished or handed over by the nodes that hold it: it stays on the
+ * nodes it was stored on until it expires (put it again to follow churn).
+ * Returns 0, or -EINVAL (sizes, expiration not in
  * (now, now + DHT_MAX_TTL_MS]), -ENOMEM, -EAGAIN (too many operations). */
 int dht_node_put(dht_node *n, const uint8_t key[DHT_ID_LEN], const uint8_t *subkey,
                  size_t subkey_len, const uint8_t *value, size_t value_len, uint64_t expires,

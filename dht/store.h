@@ -10,8 +10,25 @@
  *
  * Per entry the newest expiration wins; an entry whose expiration has passed
  * is never returned and is freed by dht_store_expire. Everything is bounded
- * (keys, entries per key, value size, total bytes): when full, a put that
- * would need more room is refused with -ENOSPC rather than evicting someone.
+ * (keys, entries per key, value size, total bytes).
+ *
+ * Unsigned entries cost their writer nothing but a write token, so they get
+ * a small, separate share that can never crowd out signed ones:
+ *
+ *   - signed entries come first in every key (dht_store_get's order), so a
+ *     reader that follows a bounded number of pages sees every signed entry
+ *     before any unsigned one;
+ *   - per key at most max_unsigned unsigned entries, max_unsigned_key_bytes
+ *     bytes of them, and max_unsigned_per_source from one source network
+ *     (the /24 or /48 of the address that stored it; the exact IP for
+ *     loopback and private addresses); in the whole store at most
+ *     max_unsigned_bytes of them;
+ *   - a signed entry that finds its key, the key table or the byte budget
+ *     full first evicts unsigned entries (of its own key first, soonest
+ *     expiring first) and only then is refused.
+ *
+ * When full otherwise, a put that would need more room is refused with
+ * -ENOSPC rather than evicting a signed entry.
  *
  * Not thread-safe: one owner (a dht_node) uses it.
  */
@@ -21,6 +38,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "dht/addr.h"
 #include "dht/identity.h"
 #include "dht/wire.h"
 
@@ -33,14 +51,26 @@
 #ifndef DHT_STORE_MAX_BYTES
 #define DHT_STORE_MAX_BYTES (16u << 20)
 #endif
+#ifndef DHT_STORE_MAX_UNSIGNED
+#define DHT_STORE_MAX_UNSIGNED 64 /* unsigned entries per key */
+#endif
+#ifndef DHT_STORE_MAX_UNSIGNED_KEY_BYTES
+#define DHT_STORE_MAX_UNSIGNED_KEY_BYTES (32u << 10) /* per key, 160 per entry included */
+#endif
+#ifndef DHT_STORE_MAX_UNSIGNED_PER_SOURCE
+#define DHT_STORE_MAX_UNSIGNED_PER_SOURCE 8 /* per key and source network */
+#endif
 #ifndef DHT_MAX_TTL_MS
 #define DHT_MAX_TTL_MS (24ull * 3600 * 1000) /* farther expirations are refused */
 #endif
 
 typedef struct dht_store dht_store;
 
+/* Zero fields take the defaults above; max_unsigned_bytes defaults to a
+ * quarter of max_bytes. */
 typedef struct dht_store_limits {
     size_t max_keys, max_subkeys, max_bytes;
+    size_t max_unsigned, max_unsigned_key_bytes, max_unsigned_per_source, max_unsigned_bytes;
 } dht_store_limits;
 
 /* Signs e in place for key with ident: sets is_signed, pk and sig. The
@@ -58,14 +88,26 @@ int dht_entry_check(const dht_entry *e, const uint8_t key[DHT_ID_LEN], uint64_t 
 dht_store *dht_store_create(const dht_store_limits *limits);
 void dht_store_destroy(dht_store **s);
 
-/* Checks e (dht_entry_check) and stores a copy. Returns 1 if stored or
- * replaced, 0 if an entry with the same or a later expiration is held (it is
- * kept), or -EINVAL/-EPERM/-ESTALE/-ENOSPC/-ENOMEM. e is borrowed. */
+/* Checks e (dht_entry_check) and stores a copy, as written by this node
+ * itself (no per-source limit). Returns 1 if stored or replaced, 0 if an
+ * entry with the same or a later expiration is held (it is kept), or
+ * -EINVAL/-EPERM/-ESTALE/-ENOSPC/-ENOMEM. e is borrowed. The checks, in
+ * order: sizes (-EINVAL); a copy with the same or a later expiration held
+ * (0, no signature check); expiration range (-ESTALE) and owner/signature
+ * (-EINVAL/-EPERM); then room (-ENOSPC): unsigned quotas, entries per key,
+ * keys, bytes, where a signed entry first evicts unsigned ones. */
 int dht_store_put(dht_store *s, const uint8_t key[DHT_ID_LEN], const dht_entry *e, uint64_t now);
 
+/* As dht_store_put for an entry that src stored (a store request from that
+ * address): unsigned entries count against src's network's share of the key.
+ * src NULL = our own entry. */
+int dht_store_put_from(dht_store *s, const uint8_t key[DHT_ID_LEN], const dht_entry *e,
+                       uint64_t now, const dht_addr *src);
+
 /* Copies up to max live entries of key, starting at index offset in a stable
- * order (signed flag, subkey), into out. Pointers in out borrow from the
- * store and stay valid until the next put/expire. *total_out (if not NULL)
+ * order (signed entries first, then by subkey length and subkey), into
+ * out. Pointers in out borrow from the store and stay valid until the next
+ * put/expire. *total_out (if not NULL)
  * receives the number of live entries. Returns the count written. */
 size_t dht_store_get(dht_store *s, const uint8_t key[DHT_ID_LEN], uint64_t now, size_t offset,
                      dht_entry *out, size_t max, size_t *total_out);
@@ -81,5 +123,6 @@ size_t dht_store_keys(dht_store *s, size_t *cursor, uint8_t (*keys)[DHT_ID_LEN],
 size_t dht_store_count_keys(const dht_store *s);
 size_t dht_store_count_entries(const dht_store *s);
 size_t dht_store_bytes(const dht_store *s);
+size_t dht_store_unsigned_bytes(const dht_store *s);
 
 #endif

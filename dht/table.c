@@ -15,6 +15,7 @@ typedef struct bucket {
 struct dht_table {
     uint8_t self[DHT_ID_LEN];
     size_t k, size;
+    int diversity;          /* enum dht_diversity */
     bucket b[DHT_BUCKETS];
 };
 
@@ -67,6 +68,49 @@ void dht_table_destroy(dht_table **p)
     *p = NULL;
 }
 
+void dht_table_set_diversity(dht_table *t, int mode)
+{
+    t->diversity = mode;
+}
+
+/* 1 if an entry at addr may join bucket bi: its network has fewer than
+ * DHT_TABLE_PER_BUCKET_NET entries there and fewer than DHT_TABLE_PER_NET in
+ * the table, its IP fewer than DHT_TABLE_PER_IP. skip and skip2 (if not
+ * NULL) are not counted: an entry about to leave, the node's own copy.
+ * Replacements count too, so that one network cannot fill a replacement
+ * cache either. O(table size), paid only for nodes not yet in the table. */
+static int fits(const dht_table *t, int bi, const dht_addr *addr, const dht_table_entry *skip,
+                const dht_table_entry *skip2)
+{
+    dht_addr net, ip, x;
+    size_t in_bucket = 0, in_table = 0, same_ip = 0;
+    if (!dht_addr_limited(addr, t->diversity))
+        return 1;
+    unsigned bits = dht_addr_net_bits(addr);
+    dht_addr_prefix(&net, addr, bits);
+    dht_addr_prefix(&ip, addr, 128);
+    for (int j = 0; j < DHT_BUCKETS; j++) {
+        const bucket *b = &t->b[j];
+        for (int pass = 0; pass < 2; pass++) {
+            const dht_table_entry *e = pass ? b->repl : b->e;
+            size_t n = pass ? b->n_repl : b->n;
+            for (size_t i = 0; i < n; i++) {
+                if (&e[i] == skip || &e[i] == skip2 || e[i].addr.family != addr->family)
+                    continue;
+                dht_addr_prefix(&x, &e[i].addr, bits);
+                if (!dht_addr_equal(&x, &net))
+                    continue;
+                in_bucket += j == bi;
+                in_table++;
+                dht_addr_prefix(&x, &e[i].addr, 128);
+                same_ip += dht_addr_equal(&x, &ip);
+            }
+        }
+    }
+    return in_bucket < DHT_TABLE_PER_BUCKET_NET && in_table < DHT_TABLE_PER_NET &&
+           same_ip < DHT_TABLE_PER_IP;
+}
+
 static dht_table_entry *find_in(dht_table_entry *e, size_t n, const uint8_t id[DHT_ID_LEN])
 {
     for (size_t i = 0; i < n; i++)
@@ -111,6 +155,9 @@ int dht_table_insert(dht_table *t, const uint8_t id[DHT_ID_LEN], const dht_addr 
         }
         return DHT_TABLE_UPDATED;
     }
+    e = b->repl ? find_in(b->repl, b->n_repl, id) : NULL;
+    if (!fits(t, i, addr, e, NULL))
+        return -EDQUOT;
     if (b->n < t->k) {
         if (b->n == b->cap) {
             size_t nc = b->cap ? b->cap * 2u : 4u;
@@ -180,9 +227,16 @@ int dht_table_failed(dht_table *t, const uint8_t id[DHT_ID_LEN], int force)
     e->pinging = 0;
     if (!force && ++e->fails < DHT_TABLE_MAX_FAILS)
         return 0;
-    if (b->n_repl) {
-        /* Promote the newest replacement into the freed slot. */
-        *e = b->repl[--b->n_repl];
+    /* Promote the newest replacement that is within the per-network limits
+     * once e is gone. (Replacements were counted when cached, so one fails
+     * this only after dht_table_set_diversity tightened the limits.) */
+    for (size_t r = b->n_repl; r-- > 0;) {
+        dht_table_entry *rp = &b->repl[r];
+        if (!fits(t, i, &rp->addr, e, rp))
+            continue;
+        *e = *rp;
+        memmove(rp, rp + 1, (size_t)(b->n_repl - r - 1) * sizeof *rp);
+        b->n_repl--;
         return 1;
     }
     *e = b->e[--b->n];
@@ -241,13 +295,13 @@ size_t dht_table_size(const dht_table *t)
     return t->size;
 }
 
-int dht_table_has_room(const dht_table *t, const uint8_t id[DHT_ID_LEN])
+int dht_table_has_room(const dht_table *t, const uint8_t id[DHT_ID_LEN], const dht_addr *addr)
 {
     int i = dht_id_common_prefix(t->self, id);
     if (i < 0)
         return 0;
     const bucket *b = &t->b[i];
-    return b->n < t->k && !find_in(b->e, b->n, id);
+    return b->n < t->k && !find_in(b->e, b->n, id) && (!addr || fits(t, i, addr, NULL, NULL));
 }
 
 int dht_table_depth(const dht_table *t)

@@ -89,12 +89,60 @@ static void test_sockaddr_conversion(void **state)
     assert_true(dht_addr_equal(&a, &b));
 }
 
+/* Networks for the per-network limits (issue 18). */
+static void test_networks(void **state)
+{
+    (void)state;
+    static const char *local[] = {"127.0.0.1:1", "10.1.2.3:1", "172.16.0.1:1", "172.31.255.1:1",
+                                  "192.168.1.1:1", "100.64.0.1:1", "169.254.1.1:1", "[::1]:1",
+                                  "[fd00::1]:1", "[fe80::1]:1", "[::ffff:10.0.0.1]:1"};
+    static const char *pub[] = {"8.8.8.8:1", "172.32.0.1:1", "100.128.0.1:1", "198.51.100.7:1",
+                                "[2001:db8::1]:1", "[::ffff:8.8.8.8]:1"};
+    dht_addr a, b, pa, pb;
+    for (size_t i = 0; i < sizeof local / sizeof *local; i++) {
+        assert_int_equal(dht_addr_parse(&a, local[i]), 0);
+        assert_int_equal(dht_addr_is_local(&a), 1);
+        assert_int_equal(dht_addr_limited(&a, DHT_DIVERSITY_PUBLIC), 0);
+        assert_int_equal(dht_addr_limited(&a, DHT_DIVERSITY_ALL), 1);
+    }
+    for (size_t i = 0; i < sizeof pub / sizeof *pub; i++) {
+        assert_int_equal(dht_addr_parse(&a, pub[i]), 0);
+        assert_int_equal(dht_addr_is_local(&a), 0);
+        assert_int_equal(dht_addr_limited(&a, DHT_DIVERSITY_PUBLIC), 1);
+        assert_int_equal(dht_addr_limited(&a, DHT_DIVERSITY_OFF), 0);
+    }
+    /* /24, /48, and a mapped address's IPv4 /24. */
+    static const char *same[][2] = {{"198.51.100.7:1", "198.51.100.200:9"},
+                                    {"[2001:db8:1:2::1]:1", "[2001:db8:1:ffff::9]:2"},
+                                    {"[::ffff:8.8.8.8]:1", "[::ffff:8.8.8.9]:1"}};
+    static const char *other[][2] = {{"198.51.100.7:1", "198.51.101.7:1"},
+                                     {"[2001:db8:1::1]:1", "[2001:db8:2::1]:1"},
+                                     {"[::ffff:8.8.8.8]:1", "[::ffff:8.8.9.8]:1"}};
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(dht_addr_parse(&a, same[i][0]), 0);
+        assert_int_equal(dht_addr_parse(&b, same[i][1]), 0);
+        dht_addr_prefix(&pa, &a, dht_addr_net_bits(&a));
+        dht_addr_prefix(&pb, &b, dht_addr_net_bits(&b));
+        assert_true(dht_addr_equal(&pa, &pb));
+        assert_int_equal(pa.port, 0);
+        assert_int_equal(dht_addr_parse(&a, other[i][0]), 0);
+        assert_int_equal(dht_addr_parse(&b, other[i][1]), 0);
+        dht_addr_prefix(&pa, &a, dht_addr_net_bits(&a));
+        dht_addr_prefix(&pb, &b, dht_addr_net_bits(&b));
+        assert_false(dht_addr_equal(&pa, &pb));
+    }
+    assert_int_equal(dht_addr_parse(&a, "198.51.100.7:1"), 0);
+    dht_addr_prefix(&pa, &a, 128);
+    assert_int_equal(pa.ip[3], 7);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_round_trips),
         cmocka_unit_test(test_garbage_is_rejected),
         cmocka_unit_test(test_sockaddr_conversion),
+        cmocka_unit_test(test_networks),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

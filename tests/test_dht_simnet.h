@@ -3,7 +3,10 @@
  * A discrete-event network: every datagram a node emits is delivered to its
  * destination after a random latency (or lost), node timers fire at the
  * node's next deadline, and time only moves from event to event, so a run is
- * a pure function of the seed. Node i lives at 10.i>>16.i>>8.i:4000.
+ * a pure function of the seed. Node i lives at 10.i>>16.i>>8.i:4000 unless
+ * a test moves it (sim_set_addr: attacks from one network, public
+ * addresses). A test may also watch and rewrite every datagram (hook): how
+ * misbehaving nodes are made, and how an outsider gets its replies.
  * Used by tests/test_dht_sim.c and tests/bench/dht_sim.c (header-only so
  * that neither the library nor the test harness grows a test-only module).
  */
@@ -38,7 +41,17 @@ typedef struct sim_node {
     uint64_t sched;    /* time of the pending timer event, UINT64_MAX none */
     int alive;
     uint8_t id[DHT_ID_LEN];
+    dht_addr addr;
 } sim_node;
+
+struct simnet;
+
+/* Sees every datagram node `from` sends to `to` (to_idx: the node there, or
+ * UINT32_MAX for an address outside the simnet, which only the hook sees).
+ * May rewrite buf (up to DHT_MAX_DATAGRAM bytes) and *len. Returns 1 to
+ * deliver, 0 to drop. */
+typedef int (*sim_hook_fn)(struct simnet *s, uint32_t from, uint32_t to_idx, const dht_addr *to,
+                           uint8_t *buf, size_t *len, void *ud);
 
 typedef struct simnet {
     sim_node *n;
@@ -51,6 +64,9 @@ typedef struct simnet {
     size_t hn, hcap;
     uint64_t seq;
     uint64_t delivered, lost;
+    int custom_addrs;  /* some node was moved: find destinations by search */
+    sim_hook_fn hook;
+    void *hook_ud;
 } simnet;
 
 static inline uint64_t sim_rand(simnet *s)
@@ -120,6 +136,28 @@ static inline sim_ev sim_pop(simnet *s)
     return top;
 }
 
+/* The node at a, or UINT32_MAX. */
+static inline uint32_t sim_index_of(const simnet *s, const dht_addr *a)
+{
+    if (s->custom_addrs) {
+        for (uint32_t i = 0; i < s->count; i++)
+            if (dht_addr_equal(&s->n[i].addr, a))
+                return i;
+        return UINT32_MAX;
+    }
+    uint32_t dst = (uint32_t)a->ip[1] << 16 | (uint32_t)a->ip[2] << 8 | a->ip[3];
+    if (a->family != 4 || a->ip[0] != 10 || dst >= s->count)
+        return UINT32_MAX;
+    return dst;
+}
+
+/* Moves node i to a (before it joins or is named to anyone). */
+static inline void sim_set_addr(simnet *s, uint32_t i, const dht_addr *a)
+{
+    s->n[i].addr = *a;
+    s->custom_addrs = 1;
+}
+
 /* Sends what node i queued and re-arms its timer. Call after every call
  * into node i. */
 static inline void sim_after(simnet *s, uint32_t i)
@@ -128,10 +166,14 @@ static inline void sim_after(simnet *s, uint32_t i)
     dht_addr to, from;
     int len;
     sim_node *sn = &s->n[i];
-    sim_addr(&from, i);
+    from = sn->addr;
     while ((len = dht_node_pop_output(sn->node, buf, sizeof buf, &to)) > 0) {
-        uint32_t dst = (uint32_t)to.ip[1] << 16 | (uint32_t)to.ip[2] << 8 | to.ip[3];
-        if (to.family != 4 || to.ip[0] != 10 || dst >= s->count)
+        uint32_t dst = sim_index_of(s, &to);
+        size_t plen = (size_t)len;
+        if (s->hook && !s->hook(s, i, dst, &to, buf, &plen, s->hook_ud))
+            continue;
+        len = (int)plen;
+        if (dst == UINT32_MAX)
             continue;
         if (sim_uniform(s) < s->loss) {
             s->lost++;
@@ -193,6 +235,7 @@ static inline simnet *sim_create(size_t count, uint64_t seed, double loss, const
             exit(1);
         }
         memcpy(s->n[i].id, ident.id, DHT_ID_LEN);
+        sim_addr(&s->n[i].addr, (uint32_t)i);
         s->n[i].alive = 1;
         s->n[i].sched = UINT64_MAX;
         sim_after(s, (uint32_t)i);

@@ -112,8 +112,12 @@ static void test_newest_expiration_wins_and_expiry(void **state)
 static void test_limits_and_paging(void **state)
 {
     (void)state;
-    /* 160 bytes of bookkeeping are charged per entry: 40 entries fill it. */
-    dht_store_limits lim = {.max_keys = 3, .max_subkeys = 40, .max_bytes = 40 * (200 + 160)};
+    /* 160 bytes of bookkeeping are charged per entry: 40 entries fill it.
+     * (The unsigned entries used here get the whole store: their own
+     * quotas are tested in test_unsigned_quotas.) */
+    dht_store_limits lim = {.max_keys = 3, .max_subkeys = 40, .max_bytes = 40 * (200 + 160),
+                            .max_unsigned = 1000, .max_unsigned_key_bytes = 1 << 20,
+                            .max_unsigned_bytes = 1 << 20};
     dht_store *s = dht_store_create(&lim);
     dht_entry e, got[64];
     uint8_t sub[4], val[200] = {0};
@@ -174,12 +178,163 @@ static void test_limits_and_paging(void **state)
     dht_store_destroy(&s);
 }
 
+static dht_entry unsigned_entry(uint8_t *sub, uint32_t i, const uint8_t *val, size_t len,
+                                uint64_t exp)
+{
+    dht_entry e;
+    memcpy(sub, &i, 4);
+    memset(&e, 0, sizeof e);
+    e.subkey = sub;
+    e.subkey_len = 4;
+    e.value = val;
+    e.value_len = len;
+    e.expires = exp;
+    return e;
+}
+
+static void src4(dht_addr *a, uint8_t b0, uint8_t b1, uint8_t b2, uint8_t b3)
+{
+    uint8_t ip[4] = {b0, b1, b2, b3};
+    dht_addr_v4(a, ip, 4000);
+}
+
+/* Issue 18: unsigned entries (anyone with a token writes them) cannot hide
+ * or crowd out signed ones. */
+static void test_unsigned_quotas(void **state)
+{
+    (void)state;
+    dht_store *s = dht_store_create(NULL);
+    uint8_t sub[4], val[700] = {0};
+    dht_entry got[8], e;
+    dht_addr a;
+    size_t ok = 0, total;
+    /* 256 unsigned 700-byte entries from many networks: the key's unsigned
+     * share (count and bytes) stops them. */
+    for (uint32_t i = 0; i < 256; i++) {
+        e = unsigned_entry(sub, i, val, sizeof val, NOW + 60000);
+        src4(&a, 198, 18, (uint8_t)(i / 8), (uint8_t)(1 + i % 8));
+        int rc = dht_store_put_from(s, key, &e, NOW, &a);
+        assert_true(rc == 1 || rc == -ENOSPC);
+        ok += rc == 1;
+    }
+    assert_int_equal(ok, DHT_STORE_MAX_UNSIGNED_KEY_BYTES / (700 + 160));
+    /* Signed entries still go in, and sort first. */
+    dht_entry se = signed_entry(&alice, "alice", NOW + 60000);
+    assert_int_equal(dht_store_put_from(s, key, &se, NOW, &a), 1);
+    assert_int_equal(dht_store_get(s, key, NOW, 0, got, 1, &total), 1);
+    assert_true(got[0].is_signed);
+    assert_int_equal(total, ok + 1);
+    dht_store_destroy(&s);
+
+    /* Per source network: 8 per key from one public /24 (any of its IPs),
+     * from one exact IP when it is private; IPv6 by /48. */
+    s = dht_store_create(NULL);
+    ok = 0;
+    for (uint32_t i = 0; i < 20; i++) {
+        e = unsigned_entry(sub, i, val, 10, NOW + 60000);
+        src4(&a, 203, 0, 113, (uint8_t)(1 + i));
+        ok += dht_store_put_from(s, key, &e, NOW, &a) == 1;
+    }
+    assert_int_equal(ok, DHT_STORE_MAX_UNSIGNED_PER_SOURCE);
+    src4(&a, 203, 0, 114, 1); /* the next /24 is another source */
+    e = unsigned_entry(sub, 100, val, 10, NOW + 60000);
+    assert_int_equal(dht_store_put_from(s, key, &e, NOW, &a), 1);
+    /* Our own entries (no source) are not charged to anyone. */
+    e = unsigned_entry(sub, 101, val, 10, NOW + 60000);
+    assert_int_equal(dht_store_put(s, key, &e, NOW), 1);
+    ok = 0;
+    for (uint32_t i = 0; i < 20; i++) {
+        e = unsigned_entry(sub, 200 + i, val, 10, NOW + 60000);
+        src4(&a, 10, 0, 0, (uint8_t)(1 + i % 2)); /* two private IPs */
+        ok += dht_store_put_from(s, key, &e, NOW, &a) == 1;
+    }
+    assert_int_equal(ok, 2 * DHT_STORE_MAX_UNSIGNED_PER_SOURCE);
+    ok = 0;
+    for (uint32_t i = 0; i < 20; i++) {
+        e = unsigned_entry(sub, 300 + i, val, 10, NOW + 60000);
+        memset(&a, 0, sizeof a);
+        a.family = 6;
+        a.ip[0] = 0x20;
+        a.ip[1] = 0x01;
+        a.ip[2] = 0x0d;
+        a.ip[3] = 0xb8;
+        a.ip[6] = (uint8_t)i; /* another /64 of the same /48 */
+        a.port = 4000;
+        ok += dht_store_put_from(s, key, &e, NOW, &a) == 1;
+    }
+    assert_int_equal(ok, DHT_STORE_MAX_UNSIGNED_PER_SOURCE);
+    /* Replacing one's own entry is not a new one. */
+    src4(&a, 203, 0, 113, 50);
+    e = unsigned_entry(sub, 0, val, 20, NOW + 70000);
+    assert_int_equal(dht_store_put_from(s, key, &e, NOW, &a), 1);
+    dht_store_destroy(&s);
+
+    /* A key full of unsigned entries takes a signed one: the unsigned
+     * entry that expires first makes room. */
+    dht_store_limits lim = {.max_subkeys = 16, .max_unsigned = 16};
+    s = dht_store_create(&lim);
+    for (uint32_t i = 0; i < 16; i++) {
+        e = unsigned_entry(sub, i, val, 10, NOW + 60000 + (i == 5 ? 0 : 1000));
+        assert_int_equal(dht_store_put(s, key, &e, NOW), 1);
+    }
+    e = unsigned_entry(sub, 16, val, 10, NOW + 60000);
+    assert_int_equal(dht_store_put(s, key, &e, NOW), -ENOSPC);
+    se = signed_entry(&alice, "alice", NOW + 60000);
+    assert_int_equal(dht_store_put(s, key, &se, NOW), 1);
+    assert_int_equal(dht_store_count_entries(s), 16);
+    size_t n = dht_store_get(s, key, NOW, 0, got, 8, &total);
+    assert_int_equal(n, 8);
+    assert_int_equal(total, 16);
+    assert_true(got[0].is_signed);
+    for (size_t off = 0; off < total; off += n) {
+        n = dht_store_get(s, key, NOW, off, got, 8, NULL);
+        for (size_t j = 0; j < n; j++) {
+            uint32_t idx;
+            memcpy(&idx, got[j].subkey, 4);
+            assert_true(got[j].is_signed || idx != 5); /* the first to expire went */
+        }
+    }
+    dht_store_destroy(&s);
+
+    /* A store whose keys or bytes are taken by unsigned entries takes a
+     * signed one: a key holding only unsigned entries, or unsigned entries
+     * of other keys, make room. */
+    uint8_t k1[20] = {0x11}, k2[20] = {0x22}, k3[20] = {0x33};
+    dht_entry s3;
+    memset(&s3, 0, sizeof s3);
+    s3.subkey = alice.id;
+    s3.subkey_len = 20;
+    s3.value = val;
+    s3.value_len = sizeof val;
+    s3.expires = NOW + 60000;
+    assert_int_equal(dht_entry_sign(&s3, k3, &alice), 0);
+    for (int bytes_full = 0; bytes_full < 2; bytes_full++) {
+        dht_store_limits lim2 = {.max_keys = bytes_full ? 3 : 2, .max_bytes = 4 * (700 + 160),
+                                 .max_unsigned_bytes = 4 * (700 + 160)};
+        s = dht_store_create(&lim2);
+        for (uint32_t i = 0; i < 2; i++) {
+            e = unsigned_entry(sub, i, val, sizeof val, NOW + 60000);
+            assert_int_equal(dht_store_put(s, k1, &e, NOW), 1);
+            assert_int_equal(dht_store_put(s, k2, &e, NOW), 1);
+        }
+        assert_int_equal(dht_store_put(s, k3, &e, NOW), -ENOSPC); /* keys or bytes */
+        assert_int_equal(dht_store_put(s, k3, &s3, NOW), 1);
+        assert_true(dht_store_bytes(s) <= lim2.max_bytes);
+        assert_int_equal(dht_store_count_keys(s), bytes_full ? 3 : 2);
+        assert_int_equal(dht_store_count_entries(s), bytes_full ? 4 : 3);
+        assert_int_equal(dht_store_get(s, k3, NOW, 0, got, 8, &total), 1);
+        assert_int_equal(dht_store_unsigned_bytes(s), (bytes_full ? 3 : 2) * (700 + 160));
+        dht_store_destroy(&s);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_signed_entries_and_forgeries),
         cmocka_unit_test(test_newest_expiration_wins_and_expiry),
         cmocka_unit_test(test_limits_and_paging),
+        cmocka_unit_test(test_unsigned_quotas),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

@@ -143,12 +143,141 @@ static void test_closest_matches_brute_force(void **state)
     dht_table_destroy(&t);
 }
 
+/* An ID in bucket b of self = all-zero (b leading zero bits, then a 1),
+ * distinct per i. */
+static void id_in_bucket(uint8_t id[20], int b, uint32_t i)
+{
+    memset(id, 0, 20);
+    id[b / 8] = (uint8_t)(0x80 >> (b % 8));
+    id[16] = (uint8_t)(i >> 24);
+    id[17] = (uint8_t)(i >> 16);
+    id[18] = (uint8_t)(i >> 8);
+    id[19] = (uint8_t)i;
+}
+
+static void v4(dht_addr *a, uint8_t b0, uint8_t b1, uint8_t b2, uint8_t b3, uint16_t port)
+{
+    uint8_t ip[4] = {b0, b1, b2, b3};
+    dht_addr_v4(a, ip, port);
+}
+
+/* Issue 18: cheap identities from one network fill at most a few slots of
+ * each bucket and of the table (go-libp2p-kad-dht's diversity filter,
+ * S/Kademlia); loopback and private addresses are exempt by default. */
+static void test_per_network_limits(void **state)
+{
+    (void)state;
+    uint8_t self[20] = {0}, id[20];
+    dht_addr a;
+    dht_table_entry *ping;
+    dht_table *t = dht_table_create(self, 20);
+    /* One public /24, one bucket: DHT_TABLE_PER_BUCKET_NET, then refused
+     * (not even as a replacement). */
+    for (uint32_t i = 0; i < 10; i++) {
+        id_in_bucket(id, 0, i);
+        v4(&a, 198, 51, 100, (uint8_t)(1 + i), 4000);
+        int rc = dht_table_insert(t, id, &a, NULL, 1, &ping);
+        assert_int_equal(rc, i < DHT_TABLE_PER_BUCKET_NET ? DHT_TABLE_ADDED : -EDQUOT);
+        assert_int_equal(dht_table_has_room(t, id, &a), 0);
+    }
+    /* Known entries are still refreshed. */
+    id_in_bucket(id, 0, 0);
+    v4(&a, 198, 51, 100, 1, 4000);
+    assert_int_equal(dht_table_insert(t, id, &a, NULL, 2, NULL), DHT_TABLE_UPDATED);
+    /* Across buckets: DHT_TABLE_PER_NET in the table. */
+    size_t added = 0;
+    for (int b = 1; b < 20; b++) {
+        id_in_bucket(id, b, 0);
+        v4(&a, 198, 51, 100, (uint8_t)(50 + b), 4000);
+        added += dht_table_insert(t, id, &a, NULL, 1, NULL) == DHT_TABLE_ADDED;
+    }
+    assert_int_equal(added + DHT_TABLE_PER_BUCKET_NET, DHT_TABLE_PER_NET);
+    /* One exact IP (many ports) gets DHT_TABLE_PER_IP. */
+    added = 0;
+    for (int b = 1; b < 20; b++) {
+        id_in_bucket(id, b, 1);
+        v4(&a, 192, 0, 2, 7, (uint16_t)(4000 + b));
+        added += dht_table_insert(t, id, &a, NULL, 1, NULL) == DHT_TABLE_ADDED;
+    }
+    assert_int_equal(added, DHT_TABLE_PER_IP);
+    /* IPv6: by /48. */
+    added = 0;
+    for (uint32_t i = 0; i < 10; i++) {
+        id_in_bucket(id, 0, 100 + i);
+        memset(&a, 0, sizeof a);
+        a.family = 6;
+        a.ip[0] = 0x20;
+        a.ip[1] = 0x01;
+        a.ip[2] = 0x0d;
+        a.ip[3] = 0xb8;
+        a.ip[7] = (uint8_t)i; /* another /64, same /48 */
+        a.ip[15] = 1;
+        a.port = 4000;
+        added += dht_table_insert(t, id, &a, NULL, 1, NULL) == DHT_TABLE_ADDED;
+    }
+    assert_int_equal(added, DHT_TABLE_PER_BUCKET_NET);
+    /* Other networks are unaffected. */
+    id_in_bucket(id, 0, 200);
+    v4(&a, 203, 0, 113, 1, 4000);
+    assert_int_equal(dht_table_insert(t, id, &a, NULL, 1, NULL), DHT_TABLE_ADDED);
+    /* Loopback and private: a local swarm (every process on 127.0.0.1)
+     * fills a bucket... */
+    for (uint32_t i = 0; i < 10; i++) {
+        id_in_bucket(id, 1, 300 + i);
+        v4(&a, 127, 0, 0, 1, (uint16_t)(5000 + i));
+        assert_int_equal(dht_table_insert(t, id, &a, NULL, 1, NULL), DHT_TABLE_ADDED);
+        v4(&a, 10, 0, 0, 1, (uint16_t)(5000 + i));
+        id_in_bucket(id, 2, 300 + i);
+        assert_int_equal(dht_table_insert(t, id, &a, NULL, 1, NULL), DHT_TABLE_ADDED);
+    }
+    /* ...unless the limits are asked for everywhere. */
+    dht_table_set_diversity(t, DHT_DIVERSITY_ALL);
+    id_in_bucket(id, 1, 400);
+    v4(&a, 127, 0, 0, 2, 5000);
+    assert_int_equal(dht_table_insert(t, id, &a, NULL, 1, NULL), -EDQUOT);
+    dht_table_set_diversity(t, DHT_DIVERSITY_OFF);
+    assert_int_equal(dht_table_insert(t, id, &a, NULL, 1, NULL), DHT_TABLE_ADDED);
+    dht_table_destroy(&t);
+
+    /* Replacements count against the limits, and a promoted one is still
+     * within them. */
+    t = dht_table_create(self, 2);
+    id_in_bucket(id, 0, 1);
+    v4(&a, 203, 0, 113, 1, 4000);
+    assert_int_equal(dht_table_insert(t, id, &a, NULL, 1, NULL), DHT_TABLE_ADDED);
+    id_in_bucket(id, 0, 2);
+    v4(&a, 192, 0, 2, 1, 4000);
+    assert_int_equal(dht_table_insert(t, id, &a, NULL, 1, NULL), DHT_TABLE_ADDED);
+    id_in_bucket(id, 0, 3); /* same /24 as entry 1: cached (2 of its net) */
+    v4(&a, 203, 0, 113, 2, 4000);
+    assert_int_equal(dht_table_insert(t, id, &a, NULL, 1, NULL), DHT_TABLE_CACHED);
+    id_in_bucket(id, 0, 4); /* a third of that /24: refused */
+    v4(&a, 203, 0, 113, 3, 4000);
+    assert_int_equal(dht_table_insert(t, id, &a, NULL, 1, NULL), -EDQUOT);
+    id_in_bucket(id, 0, 5); /* another net, newest replacement */
+    v4(&a, 198, 51, 100, 1, 4000);
+    assert_int_equal(dht_table_insert(t, id, &a, NULL, 1, NULL), DHT_TABLE_CACHED);
+    /* Entry 2 fails: the newest replacement (5) takes its place. */
+    id_in_bucket(id, 0, 2);
+    assert_int_equal(dht_table_failed(t, id, 1), 1);
+    id_in_bucket(id, 0, 5);
+    assert_non_null(dht_table_find(t, id));
+    /* Entry 5 fails: replacement 3 (same /24 as entry 1) may come in, two of
+     * its network in the bucket. */
+    assert_int_equal(dht_table_failed(t, id, 1), 1);
+    id_in_bucket(id, 0, 3);
+    assert_non_null(dht_table_find(t, id));
+    assert_int_equal(dht_table_size(t), 2);
+    dht_table_destroy(&t);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_prefix_and_distance),
         cmocka_unit_test(test_full_bucket_keeps_live_nodes),
         cmocka_unit_test(test_closest_matches_brute_force),
+        cmocka_unit_test(test_per_network_limits),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
