@@ -2,6 +2,7 @@
  * flat parameter/gradient/optimizer arrays, double-buffered weights, the
  * recomputing backward, optimizer steps and serialisation. */
 #include "expert/block.h"
+#include "expert/guard.h"
 #include "expert/model.h"
 #include "expert/pool.h"
 #include "expert/ops.h"
@@ -46,7 +47,14 @@ struct expert_block {
     int accum;
     uint64_t steps;
     int optim_kind;        /* 0 until the first step */
-    uint64_t dropped_steps; /* steps refused for non-finite gradients */
+    uint64_t dropped_steps; /* steps refused (expert_block_step) */
+    struct expert_guard_config guard_cfg; /* resolved */
+    struct expert_guard guard;  /* accepted step gradient norms */
+
+    /* Health of the steps (expert_block_health), under health_mu: a leaf
+     * lock, so a reader never waits for a backward that holds grad_mu. */
+    pthread_mutex_t health_mu;
+    struct expert_block_health health;
 
     /* Stage identity (expert_block_set_stage): "" / 0 when none. */
     char model[EXPERT_CKPT_NAME_LEN];
@@ -262,6 +270,13 @@ expert_block *expert_block_create(const struct expert_block_config *cfg, uint64_
         pthread_mutex_destroy(&b->mu);
         goto fail;
     }
+    if (pthread_mutex_init(&b->health_mu, NULL) != 0) {
+        pthread_mutex_destroy(&b->grad_mu);
+        pthread_cond_destroy(&b->cv);
+        pthread_mutex_destroy(&b->mu);
+        goto fail;
+    }
+    b->guard_cfg = expert_guard_resolve(NULL);
     init_params(b, b->params, seed);
     memcpy(b->params + b->n, b->params, b->n * sizeof(float));
     memset(b->grads, 0, b->n * sizeof(float));
@@ -282,6 +297,7 @@ void expert_block_destroy(expert_block **p)
     if (!p || !*p)
         return;
     expert_block *b = *p;
+    pthread_mutex_destroy(&b->health_mu);
     pthread_mutex_destroy(&b->grad_mu);
     pthread_cond_destroy(&b->cv);
     pthread_mutex_destroy(&b->mu);
@@ -726,6 +742,7 @@ struct step_ctx {
     const float *src;
     float gscale;
     uint64_t t;
+    double sums[EXPERT__POOL_MAX][2]; /* per part: Σ Δp², Σ p'² (+ 0·(m + v)) */
 };
 
 /* Σ grads² over the thread budget. The gradient is cut into at most
@@ -766,19 +783,23 @@ static double grads_sqnorm(const float *g, size_t n)
     return s;
 }
 
+/* Each part also sums what its update did (expert_adamw_update_checked):
+ * the checks of the step cost no extra pass over memory. */
 static void step_part(void *ctx, int i, int n)
 {
     struct step_ctx *c = ctx;
     size_t lo, hi;
     expert__split(c->b->n, i, n, 16, &lo, &hi);
+    c->sums[i][0] = c->sums[i][1] = 0;
     if (hi <= lo)
         return;
+    expert_block *b = c->b;
     if (c->o->kind == EXPERT_OPTIM_ADAMW)
-        expert_adamw_update(c->dst + lo, c->src + lo, c->b->grads + lo, c->b->m + lo, c->b->v + lo,
-                            hi - lo, c->gscale, c->o, c->t);
+        expert_adamw_update_checked(c->dst + lo, c->src + lo, b->grads + lo, b->m + lo, b->v + lo, hi - lo,
+                                    c->gscale, c->o, c->t, c->sums[i]);
     else
-        expert_sgd_update(c->dst + lo, c->src + lo, c->b->grads + lo, c->b->m + lo, hi - lo, c->gscale,
-                          c->o);
+        expert_sgd_update_checked(c->dst + lo, c->src + lo, b->grads + lo, b->m + lo, hi - lo, c->gscale, c->o,
+                                  c->sums[i]);
 }
 
 int expert_block_accumulated(expert_block *b)
@@ -813,6 +834,19 @@ void expert_block_zero_grad(expert_block *b)
     pthread_mutex_unlock(&b->grad_mu);
 }
 
+/* A refused step: drops the accumulation, counts it, keeps the sentence. */
+static int step_refused(expert_block *b, const char *why)
+{
+    memset(b->grads, 0, b->n * sizeof(float));
+    b->accum = 0;
+    b->dropped_steps++;
+    pthread_mutex_lock(&b->health_mu);
+    b->health.refused_steps = b->dropped_steps;
+    snprintf(b->health.last_refusal, sizeof b->health.last_refusal, "%s", why);
+    pthread_mutex_unlock(&b->health_mu);
+    return -ERANGE;
+}
+
 static int step_locked(expert_block *b, const struct expert_optim *o,
                        struct expert_step_info *info)
 {
@@ -824,14 +858,13 @@ static int step_locked(expert_block *b, const struct expert_optim *o,
         return -EAGAIN;
     float gscale = 1.0f / (float)b->accum;
     double norm = sqrt(grads_sqnorm(b->grads, b->n)) * gscale;
-    if (!isfinite(norm)) {
-        /* A NaN/Inf gradient (e.g. a bad grad_output from a peer) would
-         * poison every weight for good: drop the whole accumulation. */
-        memset(b->grads, 0, b->n * sizeof(float));
-        b->accum = 0;
-        b->dropped_steps++;
-        return -ERANGE;
-    }
+    char why[sizeof b->health.last_refusal];
+    /* A NaN/Inf gradient would poison every weight for good; a finite but
+     * huge one (a grad_output of 1e30) overflows AdamW's v, after which
+     * the weights never move again. Either is refused before it touches
+     * the moments, and the whole accumulation is dropped (guard.h). */
+    if (expert_guard_check(&b->guard, &b->guard_cfg, norm, "averaged gradient", why, sizeof why) < 0)
+        return step_refused(b, why);
     if (o->clip_norm > 0.0f && norm > o->clip_norm)
         gscale *= (float)(o->clip_norm / (norm + 1e-6)); /* torch clip_grad_norm_ */
     const float *src = current_params(b);
@@ -840,12 +873,46 @@ static int step_locked(expert_block *b, const struct expert_optim *o,
     /* The update is elementwise and memory bound (it streams parameters,
      * gradients and moments once), so it is split over the BLAS thread
      * budget; every element is computed exactly as in one pass. */
-    struct step_ctx sc = {b, o, dst, src, gscale, t};
+    struct step_ctx sc = {b, o, dst, src, gscale, t, {{0}}};
     expert__parallel(step_part, &sc, b->n * 7);
+    double dd = 0, pp = 0;
+    for (int i = 0; i < EXPERT__POOL_MAX; i++) {
+        dd += sc.sums[i][0];
+        pp += sc.sums[i][1];
+    }
+    if (!isfinite(dd) || !isfinite(pp)) {
+        /* The new weights or moments are not finite although the gradient
+         * passed (the bounds were turned off, or SGD's momentum grew
+         * without bound). The new weights are in the spare slot, which
+         * is not published: forget that it held the version before last.
+         * The moments were updated in place and cannot be recovered, so
+         * they start again from zero. */
+        pthread_mutex_lock(&b->mu);
+        b->slot_valid[1 - b->cur] = 0;
+        pthread_mutex_unlock(&b->mu);
+        memset(b->m, 0, b->n * sizeof(float));
+        memset(b->v, 0, b->n * sizeof(float));
+        snprintf(why, sizeof why,
+                 "the step from an averaged gradient of norm %.3g would have made weights or optimizer "
+                 "state non-finite; rolled back (optimizer moments reset)", norm);
+        return step_refused(b, why);
+    }
+    expert_guard_accept(&b->guard, &b->guard_cfg, norm);
     uint64_t version = b->version + 1; /* only writers change it; we are one */
     spare_publish(b, version);
     b->steps = t;
     b->optim_kind = o->kind;
+    /* A step that applied a non-zero gradient at lr > 0 but changed no
+     * weight: the block is frozen (e.g. a second moment that a huge
+     * gradient made enormous). Counted while it lasts. */
+    double rel = pp > 0 ? sqrt(dd / pp) : dd > 0 ? 1.0 : 0.0;
+    int still = o->lr > 0 && norm > 0 && rel <= EXPERT_GUARD_STILL_REL;
+    pthread_mutex_lock(&b->health_mu);
+    b->health.last_change = rel;
+    b->health.grad_ref = b->guard.ref;
+    b->health.still_steps = still ? b->health.still_steps + 1 : 0;
+    b->health.frozen = b->health.still_steps >= (uint64_t)b->guard_cfg.frozen_steps;
+    pthread_mutex_unlock(&b->health_mu);
     if (info) {
         info->grad_norm = norm;
         info->version = version;
@@ -854,6 +921,23 @@ static int step_locked(expert_block *b, const struct expert_optim *o,
     memset(b->grads, 0, b->n * sizeof(float));
     b->accum = 0;
     return 0;
+}
+
+int expert_block_set_guard(expert_block *b, const struct expert_guard_config *c)
+{
+    if (!b)
+        return -EINVAL;
+    pthread_mutex_lock(&b->grad_mu);
+    b->guard_cfg = expert_guard_resolve(c);
+    pthread_mutex_unlock(&b->grad_mu);
+    return 0;
+}
+
+void expert_block_health(expert_block *b, struct expert_block_health *out)
+{
+    pthread_mutex_lock(&b->health_mu);
+    *out = b->health;
+    pthread_mutex_unlock(&b->health_mu);
 }
 
 int expert_block_step(expert_block *b, const struct expert_optim *o,

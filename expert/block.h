@@ -42,6 +42,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "expert/guard.h"
 #include "expert/optim.h"
 
 enum expert_block_kind {
@@ -221,9 +222,14 @@ struct expert_step_info {
  * new version, zeroes the gradients and the sample count. Waits for readers
  * of the old spare slot. Returns 0, -EINVAL (bad optimizer config, or a
  * kind that differs from the block's earlier steps' state), -EAGAIN (no
- * samples accumulated), -ERANGE (the gradient holds NaN/Inf, e.g. from a
- * bad grad_output: the accumulation is dropped, the weights are unchanged
- * and expert_block_dropped_steps() counts it). info may be NULL. */
+ * samples accumulated), -ERANGE (refused: the accumulation is dropped, the
+ * weights and version are unchanged, expert_block_dropped_steps() counts
+ * it and expert_block_health() holds a sentence saying why). A step is
+ * refused when the averaged gradient's norm is not finite or out of the
+ * bounds of expert_block_set_guard (before it touches the optimizer
+ * state), or when the update would make a weight or optimizer moment
+ * non-finite (the new weights are discarded and the moments reset to
+ * zero). info may be NULL. */
 int expert_block_step(expert_block *b, const struct expert_optim *o,
                       struct expert_step_info *info);
 /* Steps only when at least o->target_batch samples have accumulated.
@@ -234,6 +240,26 @@ int expert_block_maybe_step(expert_block *b, const struct expert_optim *o,
 void expert_block_zero_grad(expert_block *b);
 /* Steps refused with -ERANGE since create. */
 uint64_t expert_block_dropped_steps(expert_block *b);
+
+/* The bounds every step's averaged gradient is checked against
+ * (expert/guard.h; zero fields: defaults, which a new block has), and how
+ * many steps that change no weight make the block count as frozen. The
+ * history of accepted norms is kept. Returns 0 or -EINVAL. */
+int expert_block_set_guard(expert_block *b, const struct expert_guard_config *c);
+
+/* What the checks of the steps saw. */
+struct expert_block_health {
+    uint64_t refused_steps;   /* = expert_block_dropped_steps */
+    uint64_t still_steps;     /* consecutive steps (the latest ones) that applied a non-zero
+                                 gradient at lr > 0 and changed no weight (relative change
+                                 <= EXPERT_GUARD_STILL_REL); 0 once a step moves them */
+    int frozen;               /* still_steps >= the guard's frozen_steps */
+    double last_change;       /* ‖Δp‖ / ‖p‖ of the latest step */
+    double grad_ref;          /* reference norm of the averaged gradient (guard.h) */
+    char last_refusal[192];   /* why the latest refused step was refused ("" if none) */
+};
+/* A consistent copy. Never waits for a backward or a step in progress. */
+void expert_block_health(expert_block *b, struct expert_block_health *out);
 /* Optimizer steps taken (the AdamW t). */
 uint64_t expert_block_steps(expert_block *b);
 

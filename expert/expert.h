@@ -6,6 +6,7 @@
  *   expert/blas.h   OpenBLAS threads and kernel family
  *   expert/ops.h    the backend interface (ops with _forward/_backward)
  *   expert/optim.h  AdamW, SGD with momentum
+ *   expert/guard.h  gradient norm bounds from a block's own history
  *   expert/block.h  blocks: params/grads/state, snapshots, steps, checkpoints
  *   expert/model.h  named models and their stages
  */
@@ -13,6 +14,7 @@
 #define EXPERT_EXPERT_H
 
 #include "expert/blas.h"
+#include "expert/guard.h"
 #include "expert/block.h"
 #include "expert/model.h"
 #include "expert/ops.h"

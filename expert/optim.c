@@ -64,6 +64,111 @@ void expert_adamw_update(float *p_out, const float *p_in, const float *g,
           1.0f - o->lr * o->weight_decay, step_size, bc2_sqrt);
 }
 
+/* The checked kernels: the same formulas in the same order per element,
+ * plus two sums kept in 16 float lanes (lane l takes elements l mod 16),
+ * so GCC vectorises the loop without reassociating anything. The arrays
+ * must not overlap (restrict), which lets the lanes' loads and stores be
+ * reordered. Float lanes are enough: the sums only feed a relative
+ * change and a finiteness test. */
+#define CK_LANES 16
+
+static void lanes_out(const float dd[CK_LANES], const float pp[CK_LANES], double sums[2])
+{
+    double a = 0, b = 0;
+    for (int l = 0; l < CK_LANES; l++) {
+        a += dd[l];
+        b += pp[l];
+    }
+    sums[0] += a;
+    sums[1] += b;
+}
+
+EXPERT__CLONES
+static void adamw_ck(float *restrict p_out, const float *restrict p_in, const float *restrict g,
+                     float *restrict m, float *restrict v, size_t n, float gscale, float b1, float b2,
+                     float eps, float decay, float step_size, float bc2_sqrt, double sums[2])
+{
+    float dd[CK_LANES] = {0}, pp[CK_LANES] = {0};
+    size_t i = 0;
+    for (; i + CK_LANES <= n; i += CK_LANES)
+        for (int l = 0; l < CK_LANES; l++) {
+            size_t k = i + (size_t)l;
+            float gi = g[k] * gscale;
+            float p = p_in[k] * decay;
+            float mi = m[k] * b1 + (1.0f - b1) * gi;
+            float vi = v[k] * b2 + (1.0f - b2) * gi * gi;
+            m[k] = mi;
+            v[k] = vi;
+            float po = p - step_size * (mi / (sqrtf(vi) / bc2_sqrt + eps));
+            p_out[k] = po;
+            float d = po - p_in[k];
+            dd[l] += d * d;
+            pp[l] += po * po + (mi + vi) * 0.0f;
+        }
+    for (int l = 0; i < n; i++, l++) {
+        float gi = g[i] * gscale;
+        float p = p_in[i] * decay;
+        float mi = m[i] * b1 + (1.0f - b1) * gi;
+        float vi = v[i] * b2 + (1.0f - b2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        float po = p - step_size * (mi / (sqrtf(vi) / bc2_sqrt + eps));
+        p_out[i] = po;
+        float d = po - p_in[i];
+        dd[l] += d * d;
+        pp[l] += po * po + (mi + vi) * 0.0f;
+    }
+    lanes_out(dd, pp, sums);
+}
+
+void expert_adamw_update_checked(float *restrict p_out, const float *restrict p_in, const float *restrict g,
+                                 float *restrict m, float *restrict v, size_t n, float gscale,
+                                 const struct expert_optim *o, uint64_t t, double sums[2])
+{
+    double bc1 = 1.0 - pow((double)o->beta1, (double)t);
+    double bc2 = 1.0 - pow((double)o->beta2, (double)t);
+    adamw_ck(p_out, p_in, g, m, v, n, gscale, o->beta1, o->beta2, o->eps, 1.0f - o->lr * o->weight_decay,
+             (float)(o->lr / bc1), (float)sqrt(bc2), sums);
+}
+
+EXPERT__CLONES
+static void sgd_ck(float *restrict p_out, const float *restrict p_in, const float *restrict g,
+                   float *restrict buf, size_t n, float gscale, float lr, float wd, float mom, double sums[2])
+{
+    float dd[CK_LANES] = {0}, pp[CK_LANES] = {0};
+    size_t i = 0;
+    for (; i + CK_LANES <= n; i += CK_LANES)
+        for (int l = 0; l < CK_LANES; l++) {
+            size_t k = i + (size_t)l;
+            float gi = g[k] * gscale + wd * p_in[k];
+            float b = mom * buf[k] + gi;
+            buf[k] = b;
+            float po = p_in[k] - lr * b;
+            p_out[k] = po;
+            float d = po - p_in[k];
+            dd[l] += d * d;
+            pp[l] += po * po + b * 0.0f;
+        }
+    for (int l = 0; i < n; i++, l++) {
+        float gi = g[i] * gscale + wd * p_in[i];
+        float b = mom * buf[i] + gi;
+        buf[i] = b;
+        float po = p_in[i] - lr * b;
+        p_out[i] = po;
+        float d = po - p_in[i];
+        dd[l] += d * d;
+        pp[l] += po * po + b * 0.0f;
+    }
+    lanes_out(dd, pp, sums);
+}
+
+void expert_sgd_update_checked(float *restrict p_out, const float *restrict p_in, const float *restrict g,
+                               float *restrict buf, size_t n, float gscale, const struct expert_optim *o,
+                               double sums[2])
+{
+    sgd_ck(p_out, p_in, g, buf, n, gscale, o->lr, o->weight_decay, o->momentum, sums);
+}
+
 EXPERT__CLONES
 static void sgd(float *p_out, const float *p_in, const float *g, float *buf, size_t n,
                 float gscale, float lr, float wd, float mom)

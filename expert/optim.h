@@ -52,6 +52,19 @@ void expert_sgd_update(float *p_out, const float *p_in, const float *g,
                        float *buf, size_t n, float gscale,
                        const struct expert_optim *o);
 
+/* The two updates above with the step's checks folded in (the same
+ * results, element for element), for arrays that do not overlap: adds to
+ * sums[0] Σ (p_out − p_in)² and to sums[1] Σ p_out² + 0·(m + v) (AdamW) or
+ * + 0·buf (SGD), which is NaN or Inf when any new weight or moment is. The
+ * block's step uses them to refuse a non-finite update and to see a step
+ * that changed nothing, without a second pass over memory. */
+void expert_adamw_update_checked(float *restrict p_out, const float *restrict p_in, const float *restrict g,
+                                 float *restrict m, float *restrict v, size_t n, float gscale,
+                                 const struct expert_optim *o, uint64_t t, double sums[2]);
+void expert_sgd_update_checked(float *restrict p_out, const float *restrict p_in, const float *restrict g,
+                               float *restrict buf, size_t n, float gscale, const struct expert_optim *o,
+                               double sums[2]);
+
 /* Σ g² in double (for global-norm clipping across several blocks). */
 double expert_sqnorm(const float *g, size_t n);
 

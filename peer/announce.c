@@ -39,8 +39,8 @@ long peer_announce_encode(const peer_announce *a, uint8_t *buf, size_t cap)
     dht_mp_writer w;
     dht_mp_writer_init(&w, buf, cap < PEER_ANNOUNCE_MAX_BYTES ? cap : PEER_ANNOUNCE_MAX_BYTES);
     msgpack_packer *pk = &w.pk;
-    int lost = a->lost_from > a->lost_to;
-    msgpack_pack_map(pk, 13 + 2 * lost);
+    int lost = a->lost_from > a->lost_to, gr = a->grads_refused > 0, fz = a->frozen_steps > 0;
+    msgpack_pack_map(pk, 13 + 2 * lost + gr + fz);
     dht_mp_pack_cstr(pk, "v");
     msgpack_pack_uint64(pk, PEER_ANNOUNCE_VERSION);
     dht_mp_pack_cstr(pk, "b");
@@ -72,6 +72,14 @@ long peer_announce_encode(const peer_announce *a, uint8_t *buf, size_t cap)
         msgpack_pack_uint64(pk, a->lost_from);
         dht_mp_pack_cstr(pk, "lt");
         msgpack_pack_uint64(pk, a->lost_to);
+    }
+    if (gr) {
+        dht_mp_pack_cstr(pk, "gr");
+        msgpack_pack_uint64(pk, a->grads_refused);
+    }
+    if (fz) {
+        dht_mp_pack_cstr(pk, "fz");
+        msgpack_pack_uint64(pk, a->frozen_steps);
     }
     return dht_mp_writer_finish(&w);
 }
@@ -180,6 +188,12 @@ static int announce_field(dht_mp_reader *r, const char *key, void *outp, int *ha
             return -1;
     } else if (!strcmp(key, "lt")) {
         if (dht_mp_uint(r, &out->lost_to))
+            return -1;
+    } else if (!strcmp(key, "gr")) {
+        if (dht_mp_uint(r, &out->grads_refused))
+            return -1;
+    } else if (!strcmp(key, "fz")) {
+        if (dht_mp_uint(r, &out->frozen_steps))
             return -1;
     } else {
         return 1;

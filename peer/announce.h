@@ -19,6 +19,13 @@
  *     "lf" u   state lost: the weight version this holder had before it
  *              restarted with older weights (optional; with "lt")
  *     "lt" u   the weight version it restarted from (optional)
+ *     "gr" u   gradients refused: backward requests and optimizer steps that
+ *              failed the training-integrity checks since the peer started
+ *              (optional; absent when 0)
+ *     "fz" u   frozen: the holder's latest N optimizer steps applied
+ *              gradients but changed no weight (optional; present only
+ *              once N reaches the peer's threshold, 8 by default, so a
+ *              reader flags the holder when "fz" is present)
  * It expires about a minute after it is written and is renewed every ~20 s,
  * so a peer that dies disappears within a minute. Unknown keys are skipped
  * (newer peers may add fields); missing required keys ("v", "b", "a", "st",
@@ -75,6 +82,8 @@ typedef struct peer_announce {
     int avg_group;
     uint64_t avg_abandoned;
     uint64_t lost_from, lost_to;  /* lost_from > lost_to: state went back */
+    uint64_t grads_refused;       /* "gr": 0 = not sent */
+    uint64_t frozen_steps;        /* "fz": 0 = not frozen (not sent) */
 } peer_announce;
 
 typedef struct peer_model_record {

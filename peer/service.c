@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -12,6 +13,7 @@
 #include <time.h>
 
 #include "expert/block.h"
+#include "expert/guard.h"
 #include "expert/model.h"
 #include "peer/log.h"
 #include "peer/rpc_server.h"
@@ -47,6 +49,14 @@ struct svc_block {
     int pool_size, pool_cap;
     expert_workspace *inline_ws; /* loop thread: small inference requests, made on first use */
     uint64_t avg_mark;         /* backward rows at the last averaging round */
+    /* Training integrity (loop thread only): the history of backward
+     * requests' per-sample norms, what was refused, what was logged. */
+    struct expert_guard in_guard, go_guard;
+    uint64_t refused_requests;
+    uint64_t refused_logged;   /* refusals (requests + steps) already in the log */
+    double refused_log_t;      /* when the last refusal line was written */
+    uint64_t steps_logged;     /* refused steps already in the log */
+    int frozen_logged;         /* "weights have not moved" written, not yet taken back */
     uint8_t *state;            /* the latest serialized snapshot for downloads */
     size_t state_len;
     uint64_t state_id, state_version;
@@ -163,6 +173,17 @@ static void task_reply(svc_task *t, int status)
 {
     peer_task *pt = &t->t;
     svc_block *b = t->blk;
+    if (status == -ERANGE) {
+        /* The optimizer step this backward completed was refused
+         * (expert_block_step): say why, so the trainer's log shows it. */
+        struct expert_block_health h;
+        char why[sizeof b->name + 64 + sizeof h.last_refusal];
+        expert_block_health(b->block, &h);
+        snprintf(why, sizeof why, "%s: the optimizer step this backward completed was dropped: %s", b->name,
+                 h.last_refusal);
+        task_fail(t, ERANGE, why);
+        return;
+    }
     if (status != 0) {
         task_fail(t, EIO, "compute failed");
         return;
@@ -426,6 +447,70 @@ static void handle_avg(peer_service *s, svc_block *b, peer_rpc_request *req, con
     avg_reply(req, round, b->avg.weight, b->avg.nflat, src, count);
 }
 
+/* Refusals and frozen weights go to the peer's log; refusals at most one
+ * line per PEER_GUARD_LOG_S per block (an attacker could send thousands),
+ * with the count since the last line. */
+#define PEER_GUARD_LOG_S 10.0
+
+static double mono_s(void);
+
+/* Logs what block b's checks saw since the last call. Loop thread. */
+static void guard_log(peer_service *s, svc_block *b, const char *request_why)
+{
+    struct expert_block_health h;
+    expert_block_health(b->block, &h);
+    uint64_t total = b->refused_requests + h.refused_steps;
+    double now = mono_s();
+    if (total > b->refused_logged && (b->refused_logged == 0 || now - b->refused_log_t >= PEER_GUARD_LOG_S)) {
+        const char *why = h.refused_steps > b->steps_logged ? h.last_refusal : request_why;
+        peer_log(s->cfg.log, "block %s: %" PRIu64 " gradient%s refused (%" PRIu64 " requests, %" PRIu64
+                 " steps in all); latest: %s",
+                 b->name, total - b->refused_logged, total - b->refused_logged == 1 ? "" : "s",
+                 b->refused_requests, h.refused_steps, why && why[0] ? why : h.last_refusal);
+        b->refused_logged = total;
+        b->steps_logged = h.refused_steps;
+        b->refused_log_t = now;
+    }
+    if (h.frozen && !b->frozen_logged) {
+        peer_log(s->cfg.log,
+                 "block %s: weights have not moved in %" PRIu64 " steps (version %" PRIu64
+                 "): its gradients are applied but change nothing; it needs fresh state (averaging, "
+                 "a download or a restart from a checkpoint)",
+                 b->name, h.still_steps, expert_block_version(b->block));
+        b->frozen_logged = 1;
+    } else if (!h.frozen && b->frozen_logged && h.still_steps == 0) {
+        peer_log(s->cfg.log, "block %s: weights move again", b->name);
+        b->frozen_logged = 0;
+    }
+}
+
+/* The per-request half of the training-integrity checks (expert/guard.h):
+ * a backward's inputs and grad_outputs must be finite, and their
+ * per-sample norms within the bounds of this block's recent requests.
+ * Refused before the request is queued, so nothing of it reaches the
+ * gradients. Returns 0 or -ERANGE with a sentence in why. */
+static int check_backward(peer_service *s, svc_block *b, const peer_msg *msg, int rows, char *why, size_t len)
+{
+    double sqi, sqg;
+    char what[160];
+    /* Non-finite sums (an element NaN or Inf) fail the checks below. */
+    (void)expert_guard_sqnorm(msg->t[0].data, (size_t)rows * (size_t)b->cfg.in, &sqi);
+    (void)expert_guard_sqnorm(msg->t[1].data, (size_t)rows * (size_t)b->cfg.out, &sqg);
+    double ni = sqrt(sqi / rows), ng = sqrt(sqg / rows);
+    int rc;
+    if ((rc = expert_guard_check(&b->go_guard, &s->cfg.guard, ng, "per-sample grad_output", what,
+                                 sizeof what)) != 0 ||
+        (rc = expert_guard_check(&b->in_guard, &s->cfg.guard, ni, "per-sample input", what, sizeof what)) != 0) {
+        snprintf(why, len, "%s: backward %s", b->name, what);
+        b->refused_requests++;
+    } else {
+        expert_guard_accept(&b->go_guard, &s->cfg.guard, ng);
+        expert_guard_accept(&b->in_guard, &s->cfg.guard, ni);
+    }
+    guard_log(s, b, rc != 0 ? what : NULL);
+    return rc;
+}
+
 static int is_f32_2d(const peer_tensor *t, int cols, int max_rows, uint64_t *rows_out)
 {
     if (t->dtype != PEER_DTYPE_F32 || t->ndim != 2 || t->shape[1] != (uint64_t)cols ||
@@ -485,6 +570,10 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
                  "%s of %s takes %s f32 tensors of shape (B, %d)%s with 1 <= B <= %d", fwd ? "forward" : "backward",
                  b->name, fwd ? "one" : "two", b->cfg.in, fwd ? "" : " and (B, out)", s->cfg.max_batch);
         peer_rpc_respond_error(req, EINVAL, why);
+        return;
+    }
+    if (!fwd && check_backward(s, b, msg, (int)rows, why, sizeof why) != 0) {
+        peer_rpc_respond_error(req, ERANGE, why);
         return;
     }
     /* infer may name a span: this stage and the ones after it, all hosted
@@ -736,6 +825,7 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
             snprintf(err, errlen, "cannot name block %s", b->name);
             goto fail;
         }
+        expert_block_set_guard(b->block, &cfg->guard);
         if (cfg->checkpoint_dir) {
             char name[sizeof b->name];
             memcpy(name, b->name, sizeof name); /* a copy: gcc's -Wrestrict sees b->name in *b */
@@ -830,6 +920,12 @@ int peer_service_block_info(peer_service *s, int i, peer_block_info *info)
     info->version = expert_block_version(b->block);
     if (b->batcher)
         peer_batcher_get_stats(b->batcher, &info->stats);
+    struct expert_block_health h;
+    expert_block_health(b->block, &h);
+    info->refused_requests = b->refused_requests;
+    info->refused_steps = h.refused_steps;
+    info->still_steps = h.still_steps;
+    info->frozen = h.frozen;
     return 0;
 }
 

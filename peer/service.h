@@ -28,6 +28,21 @@
  * starts again. The serialized bytes carry their own checksum and config
  * hash, which the receiver verifies when it installs them.
  *
+ * Gradient checks (training integrity, expert/guard.h). A backward whose
+ * inputs or grad_outputs hold NaN/Inf, or whose per-sample norms are above
+ * cfg.guard's absolute cap or, once the block has seen `warmup` backward
+ * requests, `factor` times their recent norm, is refused before it is
+ * queued: ERANGE with a sentence ("fmnist-mlp.3: backward per-sample
+ * grad_output norm 1e+30 is above the limit 1e+05; refused"). Every
+ * optimizer step checks the averaged gradient the same way and the update
+ * it makes (expert_block_step); a refused step drops the accumulation and
+ * the backward that completed it is answered ERANGE ("fmnist-mlp.3: the
+ * optimizer step this backward completed was dropped: ..."). A block whose steps
+ * apply gradients but change no weight for frozen_steps steps is logged
+ * ("block fmnist-mlp.3: weights have not moved in 8 steps ...") and
+ * reported in peer_block_info.frozen. Refusals are logged at most once per
+ * 10 s per block, with their count.
+ *
  * Thread-safety: create, listen, checkpoint, close and the getters run on
  * the loop thread.
  */
@@ -41,6 +56,7 @@
 #include <uv.h>
 
 #include "dht/identity.h"
+#include "expert/guard.h"
 #include "expert/optim.h"
 #include "peer/batcher.h"
 
@@ -64,6 +80,10 @@ typedef struct peer_service_config {
                                      backward (peer_batcher_config.keep; 0: every
                                      backward recomputes its forward) */
     struct expert_optim optim;    /* optimizer, incl. target_batch */
+    struct expert_guard_config guard; /* training-integrity bounds (expert/guard.h; zeros:
+                                     the defaults): each backward request's per-sample
+                                     input and grad_output norms, and every step's
+                                     averaged gradient */
     uint64_t seed;                /* init seed when no checkpoint exists */
     const char *checkpoint_dir;   /* NULL: no checkpoints */
     FILE *log;                    /* warnings and notes about checkpoints (stale temp
@@ -81,6 +101,11 @@ typedef struct peer_block_info {
     uint64_t version;             /* current weight version */
     int restored;                 /* loaded from a checkpoint at start */
     peer_batcher_stats stats;
+    /* Training integrity (see "Gradient checks" above). */
+    uint64_t refused_requests;    /* backward requests refused (ERANGE) */
+    uint64_t refused_steps;       /* optimizer steps refused (accumulation dropped) */
+    uint64_t still_steps;         /* consecutive latest steps that changed no weight */
+    int frozen;                   /* still_steps reached the guard's frozen_steps */
 } peer_block_info;
 
 typedef struct peer_service peer_service;

@@ -233,6 +233,51 @@ static void test_keep_record_and_new_fields(void **state)
     assert_true(r2.period_ms == 0);
 }
 
+/* Training integrity: refused gradients ("gr") and a frozen holder ("fz")
+ * travel; 0 is left out, so an older reader sees the same value as before
+ * and a reader flags a holder when "fz" is present. Everything at its
+ * largest still fits. */
+static void test_integrity_fields(void **state)
+{
+    (void)state;
+    peer_announce a = sample(), b;
+    uint8_t buf[PEER_ANNOUNCE_MAX_BYTES];
+    long n0 = peer_announce_encode(&a, buf, sizeof buf);
+    assert_true(n0 > 0);
+    a.grads_refused = 17;
+    a.frozen_steps = 8;
+    long n = peer_announce_encode(&a, buf, sizeof buf);
+    assert_true(n > n0);
+    assert_int_equal(peer_announce_decode(&b, buf, (size_t)n), 0);
+    assert_true(b.grads_refused == 17 && b.frozen_steps == 8);
+    assert_memory_equal(&a, &b, sizeof a);
+    assert_non_null(memmem(buf, (size_t)n, "\xa2gr", 3));
+    assert_non_null(memmem(buf, (size_t)n, "\xa2" "fz", 3));
+    a.grads_refused = a.frozen_steps = 0;
+    n = peer_announce_encode(&a, buf, sizeof buf);
+    assert_true(n == n0);
+    assert_null(memmem(buf, (size_t)n, "\xa2" "fz", 3));
+    assert_int_equal(peer_announce_decode(&b, buf, (size_t)n), 0);
+    assert_true(b.grads_refused == 0 && b.frozen_steps == 0);
+    /* The largest announcement: long names, every optional field at 2^64-1. */
+    memset(a.block, 'b', 64);
+    a.block[64] = '\0';
+    memset(a.addr, 'a', 64);
+    a.addr[64] = '\0';
+    memset(a.device, 'd', 32);
+    a.device[32] = '\0';
+    a.stage_hash = a.weight_version = a.time_ms = a.avg_rounds = a.avg_abandoned = UINT64_MAX;
+    a.avg_group = 4096;
+    a.lost_from = UINT64_MAX;
+    a.lost_to = UINT64_MAX - 1;
+    a.grads_refused = a.frozen_steps = UINT64_MAX;
+    n = peer_announce_encode(&a, buf, sizeof buf);
+    fprintf(stderr, "  largest announcement: %ld bytes (limit %d)\n", n, PEER_ANNOUNCE_MAX_BYTES);
+    assert_true(n > 0 && n <= PEER_ANNOUNCE_MAX_BYTES);
+    assert_int_equal(peer_announce_decode(&b, buf, (size_t)n), 0);
+    assert_true(b.grads_refused == UINT64_MAX && b.frozen_steps == UINT64_MAX);
+}
+
 static void test_avg_record(void **state)
 {
     (void)state;
@@ -335,6 +380,7 @@ int main(void)
         cmocka_unit_test(test_hostile_bytes),
         cmocka_unit_test(test_avg_record),
         cmocka_unit_test(test_keep_record_and_new_fields),
+        cmocka_unit_test(test_integrity_fields),
         cmocka_unit_test(test_mp_reader),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -25,6 +25,7 @@ static uv_loop_t loop;
 static dht_identity id_srv, id_cli;
 static char dir[256];
 static FILE *svc_log; /* the services' log (NULL: stderr) */
+static struct expert_guard_config svc_guard; /* the services' gradient checks (zeros: defaults) */
 
 /* ---- a tiny synchronous call helper on top of the async client ---- */
 
@@ -139,6 +140,7 @@ static peer_service *start_inline(int *port, const int *blocks, int n, int inlin
     c.seed = 42;
     c.checkpoint_dir = dir;
     c.log = svc_log;
+    c.guard = svc_guard;
     c.infer_inline_rows = inline_rows;
     peer_service *s = peer_service_create(&loop, &c, err, sizeof err);
     if (!s)
@@ -579,6 +581,153 @@ static void test_stale_tmp_cleaned(void **state)
     svc_log = NULL;
 }
 
+/* The whole of what svc_log holds (the caller frees it). */
+static char *log_text(void)
+{
+    fflush(svc_log);
+    rewind(svc_log);
+    static char text[16384];
+    size_t got = fread(text, 1, sizeof text - 1, svc_log);
+    text[got] = '\0';
+    return text;
+}
+
+/* One backward of 8 rows on the head (stage 5: 512 -> 10) with grad_outputs
+ * of the scale a summed cross-entropy gives, times scale. */
+static void head_backward(peer_rpc_client *cl, unsigned seed, float scale, result *r)
+{
+    static float x[8 * 512], gy[8 * 10];
+    fill(x, sizeof x / sizeof x[0], seed);
+    fill(gy, sizeof gy / sizeof gy[0], seed + 1);
+    for (size_t i = 0; i < sizeof gy / sizeof gy[0]; i++)
+        gy[i] *= 0.3f * scale;
+    call(cl, PEER_METHOD_BACKWARD, "fmnist-mlp.5", x, 8, 512, gy, 10, r);
+}
+
+/* Issue 18's finding, over RPC: one backward with finite but huge
+ * grad_outputs (1e30) froze a replica for good (its version kept rising,
+ * its outputs never changed again). The peer now refuses it with ERANGE
+ * and a sentence; NaN/Inf are refused too; later honest backwards still
+ * change the outputs; the refusals are counted and logged. */
+static void test_backward_gradients_checked(void **state)
+{
+    (void)state;
+    static const int blocks[] = {5};
+    static float x[8 * 512], gy[8 * 10], probe[8 * 10];
+    static result r;
+    svc_log = tmpfile();
+    assert_non_null(svc_log);
+    int port;
+    peer_service *s = start(&port, blocks, 1);
+    peer_rpc_client *cl = connect_to(port);
+    fill(x, sizeof x / sizeof x[0], 99);
+    for (int i = 0; i < 40; i++) {
+        head_backward(cl, 100 + (unsigned)i, 1.0f, &r);
+        assert_int_equal(r.kind, PEER_KIND_REPLY);
+    }
+    call(cl, PEER_METHOD_FORWARD, "fmnist-mlp.5", x, 8, 512, NULL, 0, &r);
+    uint64_t v0 = r.version;
+    assert_true(v0 == 40);
+    memcpy(probe, r.data, sizeof probe);
+
+    head_backward(cl, 7, 1e30f / 0.3f, &r);
+    assert_int_equal(r.kind, PEER_KIND_ERROR);
+    assert_int_equal(r.err_code, ERANGE);
+    fprintf(stderr, "  1e30: %s\n", r.err_msg);
+    assert_non_null(strstr(r.err_msg, "fmnist-mlp.5"));
+    assert_non_null(strstr(r.err_msg, "grad_output"));
+    assert_non_null(strstr(r.err_msg, "refused"));
+    fill(gy, sizeof gy / sizeof gy[0], 5);
+    gy[3] = NAN;
+    call(cl, PEER_METHOD_BACKWARD, "fmnist-mlp.5", x, 8, 512, gy, 10, &r);
+    assert_int_equal(r.err_code, ERANGE);
+    fprintf(stderr, "  NaN: %s\n", r.err_msg);
+    assert_non_null(strstr(r.err_msg, "NaN or Inf"));
+    gy[3] = 0.1f;
+    float keep = x[17];
+    x[17] = INFINITY;
+    call(cl, PEER_METHOD_BACKWARD, "fmnist-mlp.5", x, 8, 512, gy, 10, &r);
+    assert_int_equal(r.err_code, ERANGE);
+    x[17] = keep;
+    head_backward(cl, 8, 1000.0f, &r); /* 1000x this block's recent norm */
+    assert_int_equal(r.err_code, ERANGE);
+    fprintf(stderr, "  1000x: %s\n", r.err_msg);
+    assert_non_null(strstr(r.err_msg, "recent norm"));
+    call(cl, PEER_METHOD_FORWARD, "fmnist-mlp.5", x, 8, 512, NULL, 0, &r);
+    assert_true(r.version == v0);
+    assert_memory_equal(r.data, probe, sizeof probe); /* nothing of them reached the weights */
+
+    /* Honest backwards still move the weights. */
+    for (int i = 0; i < 3; i++) {
+        head_backward(cl, 200 + (unsigned)i, 1.0f, &r);
+        assert_int_equal(r.kind, PEER_KIND_REPLY);
+        call(cl, PEER_METHOD_FORWARD, "fmnist-mlp.5", x, 8, 512, NULL, 0, &r);
+        assert_true(r.version == v0 + 1 + (uint64_t)i);
+        double d = 0;
+        for (int k = 0; k < 8 * 10; k++)
+            d = fmax(d, fabs((double)r.data[k] - (double)probe[k]));
+        assert_true(d > 1e-6);
+        memcpy(probe, r.data, sizeof probe);
+    }
+    peer_block_info info;
+    assert_int_equal(peer_service_block_info(s, 0, &info), 0);
+    assert_true(info.refused_requests == 4);
+    assert_true(info.refused_steps == 0);
+    assert_int_equal(info.frozen, 0);
+    stop(&s, &cl);
+    char *text = log_text();
+    fprintf(stderr, "%s", text);
+    assert_non_null(strstr(text, "block fmnist-mlp.5: 1 gradient refused"));
+    assert_null(strstr(text, "have not moved"));
+    fclose(svc_log);
+    svc_log = NULL;
+}
+
+/* A replica whose weights stop moving is detected and reported: with the
+ * bounds off, one finite 1e15 gradient leaves AdamW's second moment so
+ * large that, once the momentum has decayed, steps change no weight. The
+ * peer logs it once and block_info says frozen. */
+static void test_frozen_replica_reported(void **state)
+{
+    (void)state;
+    static const int blocks[] = {5};
+    static result r;
+    svc_log = tmpfile();
+    assert_non_null(svc_log);
+    svc_guard = (struct expert_guard_config){ .factor = -1, .max_norm = -1, .frozen_steps = 5 };
+    int port;
+    peer_service *s = start(&port, blocks, 1);
+    peer_rpc_client *cl = connect_to(port);
+    for (int i = 0; i < 3; i++)
+        head_backward(cl, 300 + (unsigned)i, 1.0f, &r);
+    head_backward(cl, 9, 1e15f, &r);
+    assert_int_equal(r.kind, PEER_KIND_REPLY);
+    peer_block_info info;
+    int i = 0;
+    for (; i < 600; i++) {
+        head_backward(cl, 400 + (unsigned)i, 1.0f, &r);
+        assert_int_equal(r.kind, PEER_KIND_REPLY);
+        assert_int_equal(peer_service_block_info(s, 0, &info), 0);
+        if (info.frozen)
+            break;
+    }
+    fprintf(stderr, "  frozen after %d honest steps (version %llu)\n", i + 1, (unsigned long long)info.version);
+    assert_int_equal(info.frozen, 1);
+    assert_true(info.still_steps == 5);
+    head_backward(cl, 1000, 1.0f, &r); /* the next request logs it */
+    for (int k = 0; k < 3; k++)
+        head_backward(cl, 1001 + (unsigned)k, 1.0f, &r);
+    stop(&s, &cl);
+    char *text = log_text();
+    fprintf(stderr, "%s", text);
+    const char *hit = strstr(text, "block fmnist-mlp.5: weights have not moved in 5 steps");
+    assert_non_null(hit);
+    assert_null(strstr(hit + strlen("block fmnist-mlp.5: weights have not moved"), "have not moved")); /* once */
+    fclose(svc_log);
+    svc_log = NULL;
+    svc_guard = (struct expert_guard_config){0};
+}
+
 static int setup(void **state)
 {
     (void)state;
@@ -607,6 +756,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_bad_configs, setup, teardown),
         cmocka_unit_test_setup_teardown(test_checkpoint_of_another_stage, setup, teardown),
         cmocka_unit_test_setup_teardown(test_stale_tmp_cleaned, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_backward_gradients_checked, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_frozen_replica_reported, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -75,6 +75,12 @@ static const char peer_help2[] =
     "  --target-batch N       samples accumulated per optimizer step (default 128)\n"
     "  --optimizer NAME       adamw (default) or sgd\n"
     "  --lr X                 learning rate (default 1e-3 adamw, 1e-2 sgd)\n"
+    "  --grad-factor X        refuse a backward or step whose gradient norm is over X\n"
+    "                         times the block's recent norm (default 100; 0 off)\n"
+    "  --grad-max-norm X      refuse any gradient norm over X (default 1e5; 0 off)\n"
+    "  --grad-warmup N        accepted gradients before --grad-factor applies (20)\n"
+    "  --frozen-steps N       steps that change no weight before a block is reported\n"
+    "                         frozen (log line, announcement) (default 8)\n"
     "  --seed N               initial weights seed when no checkpoint exists (default 0)\n"
     "  --metrics HOST:PORT    serve Prometheus metrics at http://HOST:PORT/metrics\n"
     "  --no-state-download    serve our own checkpoint or initial weights even when\n"
@@ -430,7 +436,7 @@ int cmd_peer(int argc, char **argv)
     enum { O_INITIAL = 256, O_MODEL, O_BLOCKS, O_DEVICE, O_LISTEN, O_ANNOUNCE, O_IDENTITY,
            O_CKPT_DIR, O_CKPT_EVERY, O_SWARM_KEY, O_THREADS, O_BLAS, O_TPRIO, O_INLINE, O_KEEP, O_MAX_BATCH, O_TARGET,
            O_OPT, O_LR, O_SEED, O_METRICS, O_ANN_EVERY, O_ANN_TTL, O_NO_SYNC, O_NUM_BLOCKS, O_REBALANCE, O_AVERAGE,
-           O_KEEP_EVERY, O_KEEP_COPIES, O_KEEP_MB };
+           O_KEEP_EVERY, O_KEEP_COPIES, O_KEEP_MB, O_GRAD_FACTOR, O_GRAD_MAX, O_GRAD_WARMUP, O_FROZEN };
     static const struct option opts[] = {
         {"initial-peers", required_argument, NULL, O_INITIAL},
         {"model", required_argument, NULL, O_MODEL},
@@ -451,6 +457,10 @@ int cmd_peer(int argc, char **argv)
         {"target-batch", required_argument, NULL, O_TARGET},
         {"optimizer", required_argument, NULL, O_OPT},
         {"lr", required_argument, NULL, O_LR},
+        {"grad-factor", required_argument, NULL, O_GRAD_FACTOR},
+        {"grad-max-norm", required_argument, NULL, O_GRAD_MAX},
+        {"grad-warmup", required_argument, NULL, O_GRAD_WARMUP},
+        {"frozen-steps", required_argument, NULL, O_FROZEN},
         {"seed", required_argument, NULL, O_SEED},
         {"metrics", required_argument, NULL, O_METRICS},
         {"announce-every", required_argument, NULL, O_ANN_EVERY},
@@ -471,6 +481,7 @@ int cmd_peer(int argc, char **argv)
     long threads = 1, blas = 0, max_batch = 256, target = 128, seed = 0, inline_rows = 0, keep = 16;
     int train_idle = 0;
     double ckpt_every = 300, lr = -1, ann_every = 20, ann_ttl = 60, rebalance = 60, average = 30;
+    struct expert_guard_config guard = {0}; /* zeros: the defaults (expert/guard.h) */
     long num_blocks = 0, keep_copies = 2, keep_mb = 2048;
     double keep_every = 60;
     int c, no_sync = 0;
@@ -564,6 +575,23 @@ int cmd_peer(int argc, char **argv)
             if (cli_parse_double("peer", "--lr", optarg, 1e-12, 10, &lr))
                 return CLI_EXIT_USAGE;
             break;
+        case O_GRAD_FACTOR:
+        case O_GRAD_MAX: {
+            double x;
+            if (cli_parse_double("peer", c == O_GRAD_FACTOR ? "--grad-factor" : "--grad-max-norm", optarg,
+                                 0, 1e30, &x))
+                return CLI_EXIT_USAGE;
+            *(c == O_GRAD_FACTOR ? &guard.factor : &guard.max_norm) = x > 0 ? x : -1; /* 0: off */
+            break;
+        }
+        case O_GRAD_WARMUP:
+        case O_FROZEN: {
+            long x;
+            if (cli_parse_long("peer", c == O_FROZEN ? "--frozen-steps" : "--grad-warmup", optarg, 1, 1 << 30, &x))
+                return CLI_EXIT_USAGE;
+            *(c == O_FROZEN ? &guard.frozen_steps : &guard.warmup) = (int)x;
+            break;
+        }
         case O_SEED:
             if (cli_parse_long("peer", "--seed", optarg, 0, LONG_MAX, &seed))
                 return CLI_EXIT_USAGE;
@@ -680,6 +708,7 @@ int cmd_peer(int argc, char **argv)
     dc->svc.infer_inline_rows = (int)inline_rows;
     dc->svc.keep_activations = (int)keep;
     dc->svc.optim = optim;
+    dc->svc.guard = guard;
     dc->svc.seed = (uint64_t)seed;
     dc->svc.checkpoint_dir = ckpt_dir;
     dc->device = "cpu";
