@@ -172,6 +172,8 @@ static int announce_block(peer_daemon *d, int i, peer_state state, uint64_t expi
     a.avg_abandoned = as.abandoned;
     a.lost_from = d->lost_from[i];
     a.lost_to = d->lost_to[i];
+    a.grads_refused = info.refused_requests + info.refused_steps;
+    a.frozen_steps = info.frozen ? info.still_steps : 0;
     long n = peer_announce_encode(&a, val, sizeof val);
     if (n < 0)
         return 0;
@@ -726,6 +728,27 @@ static size_t render_metrics(char *buf, size_t cap, void *arg)
             EMIT("%s{block=\"%s\"} %.6g\n", per_block[m].name, info.name, v);
         }
     }
+    /* Training integrity (peer/service.h, "Gradient checks"). */
+    EMIT("# HELP starling_gradients_refused_total Gradients refused by the training-integrity checks, by "
+         "block and kind (request: a backward answered ERANGE before it was queued; step: an optimizer "
+         "step dropped).\n# TYPE starling_gradients_refused_total counter\n");
+    for (int i = 0; i < nb; i++) {
+        if (peer_service_block_info(d->svc, i, &info) != 0)
+            continue;
+        EMIT("starling_gradients_refused_total{block=\"%s\",kind=\"request\"} %" PRIu64 "\n"
+             "starling_gradients_refused_total{block=\"%s\",kind=\"step\"} %" PRIu64 "\n",
+             info.name, info.refused_requests, info.name, info.refused_steps);
+    }
+    EMIT("# HELP starling_weights_frozen 1 while the block's latest --frozen-steps optimizer steps applied "
+         "gradients but changed no weight.\n# TYPE starling_weights_frozen gauge\n");
+    for (int i = 0; i < nb; i++)
+        if (peer_service_block_info(d->svc, i, &info) == 0)
+            EMIT("starling_weights_frozen{block=\"%s\"} %d\n", info.name, info.frozen ? 1 : 0);
+    EMIT("# HELP starling_weights_still_steps Consecutive latest optimizer steps that changed no weight.\n"
+         "# TYPE starling_weights_still_steps gauge\n");
+    for (int i = 0; i < nb; i++)
+        if (peer_service_block_info(d->svc, i, &info) == 0)
+            EMIT("starling_weights_still_steps{block=\"%s\"} %" PRIu64 "\n", info.name, info.still_steps);
     if (d->avg) {
         EMIT("# HELP starling_avg_rounds_total Replica averaging rounds, by block and result "
              "(abandoned: weights unchanged).\n# TYPE starling_avg_rounds_total counter\n");
@@ -739,6 +762,66 @@ static size_t render_metrics(char *buf, size_t cap, void *arg)
                  info.name, as.rounds, info.name, as.abandoned);
         }
     }
+    /* The tensor RPC server and its limits (docs/rpc.md, "Limits"). */
+    peer_rpc_server_stats rs;
+    peer_service_rpc_stats(d->svc, &rs);
+    EMIT("# HELP starling_rpc_connections Tensor RPC connections open.\n"
+         "# TYPE starling_rpc_connections gauge\nstarling_rpc_connections %" PRIu64 "\n"
+         "# HELP starling_rpc_connections_total Tensor RPC connections accepted.\n"
+         "# TYPE starling_rpc_connections_total counter\nstarling_rpc_connections_total %" PRIu64 "\n"
+         "# HELP starling_rpc_handshakes_failed_total Handshakes refused, failed or timed out.\n"
+         "# TYPE starling_rpc_handshakes_failed_total counter\n"
+         "starling_rpc_handshakes_failed_total %" PRIu64 "\n",
+         rs.conns_open, rs.conns_accepted, rs.handshakes_failed);
+    EMIT("# HELP starling_rpc_refused_total Connections closed at accept by the limits, by reason "
+         "(per_ip: --max-conns-per-ip; full: --max-conns; handshakes: too many unfinished handshakes).\n"
+         "# TYPE starling_rpc_refused_total counter\n"
+         "starling_rpc_refused_total{reason=\"per_ip\"} %" PRIu64 "\n"
+         "starling_rpc_refused_total{reason=\"full\"} %" PRIu64 "\n"
+         "starling_rpc_refused_total{reason=\"handshakes\"} %" PRIu64 "\n",
+         rs.refused_per_ip, rs.refused_full, rs.refused_handshakes);
+    EMIT("# HELP starling_rpc_closed_total Connections closed by the limits, by reason "
+         "(handshake_timeout; idle: --idle-timeout; evicted: to make room for another address).\n"
+         "# TYPE starling_rpc_closed_total counter\n"
+         "starling_rpc_closed_total{reason=\"handshake_timeout\"} %" PRIu64 "\n"
+         "starling_rpc_closed_total{reason=\"idle\"} %" PRIu64 "\n"
+         "starling_rpc_closed_total{reason=\"evicted\"} %" PRIu64 "\n",
+         rs.closed_hs_timeout, rs.closed_idle, rs.evicted);
+    EMIT("# HELP starling_rpc_bad_frames_total Frames answered with an error, by reason (malformed: not a "
+         "usable request, connection kept; oversize: over the frame limit, connection closed).\n"
+         "# TYPE starling_rpc_bad_frames_total counter\n"
+         "starling_rpc_bad_frames_total{reason=\"malformed\"} %" PRIu64 "\n"
+         "starling_rpc_bad_frames_total{reason=\"oversize\"} %" PRIu64 "\n"
+         "# HELP starling_rpc_record_waits_total Records that waited for the budget of records being "
+         "received.\n# TYPE starling_rpc_record_waits_total counter\n"
+         "starling_rpc_record_waits_total %" PRIu64 "\n",
+         rs.bad_frames, rs.oversize_frames, rs.record_waits);
+    EMIT("# HELP starling_rpc_handshaking Connections in the handshake.\n"
+         "# TYPE starling_rpc_handshaking gauge\nstarling_rpc_handshaking %" PRIu64 "\n"
+         "# HELP starling_rpc_incomplete_bytes Bytes charged to records being received.\n"
+         "# TYPE starling_rpc_incomplete_bytes gauge\nstarling_rpc_incomplete_bytes %" PRIu64 "\n"
+         "# HELP starling_rpc_incomplete_bytes_max High-water mark of starling_rpc_incomplete_bytes.\n"
+         "# TYPE starling_rpc_incomplete_bytes_max gauge\nstarling_rpc_incomplete_bytes_max %" PRIu64 "\n"
+         "# HELP starling_rpc_queued_bytes Reply bytes handed to the sockets and not yet written.\n"
+         "# TYPE starling_rpc_queued_bytes gauge\nstarling_rpc_queued_bytes %" PRIu64 "\n"
+         "# HELP starling_rpc_queued_bytes_max High-water mark of starling_rpc_queued_bytes.\n"
+         "# TYPE starling_rpc_queued_bytes_max gauge\nstarling_rpc_queued_bytes_max %" PRIu64 "\n",
+         rs.handshaking, rs.incomplete_bytes, rs.incomplete_bytes_max, rs.queued_bytes, rs.queued_bytes_max);
+    /* This endpoint's own limits (peer/metrics.h). */
+    peer_metrics_stats ms = {0};
+    if (d->metrics)
+        peer_metrics_stats_get(d->metrics, &ms);
+    EMIT("# HELP starling_metrics_endpoint_refused_total Metrics connections closed at accept, by reason "
+         "(per_ip: 8 per address; full: 64 in all, no address to take one from).\n"
+         "# TYPE starling_metrics_endpoint_refused_total counter\n"
+         "starling_metrics_endpoint_refused_total{reason=\"per_ip\"} %" PRIu64 "\n"
+         "starling_metrics_endpoint_refused_total{reason=\"full\"} %" PRIu64 "\n"
+         "# HELP starling_metrics_endpoint_closed_total Metrics connections closed early, by reason "
+         "(evicted: to make room for another address; timeout: the exchange took over 5 s).\n"
+         "# TYPE starling_metrics_endpoint_closed_total counter\n"
+         "starling_metrics_endpoint_closed_total{reason=\"evicted\"} %" PRIu64 "\n"
+         "starling_metrics_endpoint_closed_total{reason=\"timeout\"} %" PRIu64 "\n",
+         ms.refused_per_ip, ms.refused_full, ms.evicted, ms.timed_out);
     dht_node_stats ds;
     dht_get_stats(d->dht, &ds);
     EMIT("# HELP starling_dht_datagrams_total DHT datagrams, by direction.\n"
@@ -757,6 +840,12 @@ static size_t render_metrics(char *buf, size_t cap, void *arg)
          "starling_dht_dropped_total{reason=\"swarm_tag\"} %" PRIu64 "\n"
          "starling_dht_dropped_total{reason=\"rate\"} %" PRIu64 "\n",
          ds.drop_malformed, ds.drop_tag, ds.drop_rate);
+    EMIT("# HELP starling_dht_refused_total Nodes kept out by the DHT's per-network limits (--dht-limits), "
+         "by where (table: proven nodes not added to the routing table; lookup: lookup candidates "
+         "dropped).\n# TYPE starling_dht_refused_total counter\n"
+         "starling_dht_refused_total{where=\"table\"} %" PRIu64 "\n"
+         "starling_dht_refused_total{where=\"lookup\"} %" PRIu64 "\n",
+         ds.table_refused, ds.lookup_refused);
 #undef EMIT
     return off;
 }
@@ -842,6 +931,8 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
 
     dht_config dc;
     dht_config_default(&dc);
+    if (cfg->dht_diversity_given)
+        dc.diversity = cfg->dht_diversity;
     if (d->has_swarm_key) {
         dc.has_swarm_key = 1;
         memcpy(dc.swarm_key, d->swarm_key, 32);

@@ -49,6 +49,10 @@ typedef struct peer_daemon_config {
     double keep_every_s;               /* cold copies of other stages (peer/keeper.h); 0 = off */
     int keep_copies;                   /* keepers per stage; 0 = 2 */
     size_t keep_max_bytes;             /* memory for cold copies; 0 = 2 GiB */
+    int dht_diversity_given;           /* 1: use dht_diversity; 0: dht_config_default's
+                                          (STARLING_DHT_LIMITS, else public addresses) */
+    int dht_diversity;                 /* which addresses the DHT's per-network limits
+                                          apply to (enum dht_diversity) */
     FILE *log;                         /* status lines; NULL = stderr */
     /* Called on the loop when the daemon refuses to go on (another peer is
      * online with our identity; it has said why): the owner should stop it

@@ -874,6 +874,10 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
     rc.max_frame = (size_t)cfg->max_batch * widest * sizeof(float) + 65536;
     if (rc.max_frame < PEER_STATE_CHUNK + 65536)
         rc.max_frame = PEER_STATE_CHUNK + 65536; /* state downloads */
+    rc.max_conns = cfg->rpc_max_conns;
+    rc.max_conns_per_ip = cfg->rpc_max_conns_per_ip;
+    rc.max_handshakes = cfg->rpc_max_handshakes;
+    rc.idle_timeout_ms = cfg->rpc_idle_timeout_ms;
     rc.handler = handle;
     rc.arg = s;
     s->rpc = peer_rpc_server_create(loop, &rc);
@@ -898,6 +902,13 @@ int peer_service_listen(peer_service *s, const struct sockaddr *addr)
 int peer_service_port(const peer_service *s)
 {
     return s && s->rpc ? peer_rpc_server_port(s->rpc) : -1;
+}
+
+void peer_service_rpc_stats(const peer_service *s, peer_rpc_server_stats *out)
+{
+    memset(out, 0, sizeof *out);
+    if (s && s->rpc)
+        peer_rpc_server_stats_get(s->rpc, out);
 }
 
 int peer_service_n_blocks(const peer_service *s)

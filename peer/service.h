@@ -59,6 +59,7 @@
 #include "expert/guard.h"
 #include "expert/optim.h"
 #include "peer/batcher.h"
+#include "peer/rpc_server.h"
 
 #define PEER_SERVICE_MAX_BLOCKS 64
 #define PEER_STATE_CHUNK (256 * 1024)
@@ -85,6 +86,12 @@ typedef struct peer_service_config {
                                      input and grad_output norms, and every step's
                                      averaged gradient */
     uint64_t seed;                /* init seed when no checkpoint exists */
+    /* Limits of the RPC server against hostile clients (peer_rpc_server_config,
+     * docs/rpc.md "Limits"); 0 takes the server's default. */
+    int rpc_max_conns;            /* connections in all (1024) */
+    int rpc_max_conns_per_ip;     /* per IPv4 address or IPv6 /64 (64) */
+    int rpc_max_handshakes;       /* unfinished handshakes (64) */
+    uint64_t rpc_idle_timeout_ms; /* established connection with nothing happening (120000) */
     const char *checkpoint_dir;   /* NULL: no checkpoints */
     FILE *log;                    /* warnings and notes about checkpoints (stale temp
                                      files removed, a file that records no stage);
@@ -131,6 +138,11 @@ int peer_service_port(const peer_service *s);
 int peer_service_n_blocks(const peer_service *s);
 /* Fills info for hosted block i. Returns 0 or -EINVAL. */
 int peer_service_block_info(peer_service *s, int i, peer_block_info *info);
+
+/* The RPC server's counters and gauges (connections refused and closed by
+ * the limits, bytes held; peer_rpc_server_stats). s NULL: all zero. Loop
+ * thread. */
+void peer_service_rpc_stats(const peer_service *s, peer_rpc_server_stats *out);
 
 /* Installs serialized state (from a donor's PEER_METHOD_STATE download) into
  * hosted block i. Returns 0, -EINVAL, or expert_block_deserialize's error

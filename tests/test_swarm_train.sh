@@ -40,6 +40,23 @@ kept, recomputed = val("starling_backward_kept_samples_total"), val("starling_ba
 print("stage 4 backward rows: kept", kept, "recomputed", recomputed)
 assert kept >= 3000, (kept, recomputed)  # of 6000; the rest: slots reused, retries
 PYEOF
+    # Honest training: the gradient checks refused nothing and no block is
+    # frozen; the limits' counters are exported.
+    "$PY" - "$mport" <<'PYEOF' || fail "peer b's metrics: gradient checks or limits"
+import re, sys, urllib.request
+body = urllib.request.urlopen("http://127.0.0.1:%s/metrics" % sys.argv[1], timeout=60).read().decode()
+for blk in ("fmnist-mlp.3", "fmnist-mlp.4", "fmnist-mlp.5"):
+    for kind in ("request", "step"):
+        m = re.search(r'^starling_gradients_refused_total\{block="%s",kind="%s"\} (\S+)$' % (blk, kind), body, re.M)
+        assert m and float(m.group(1)) == 0, (blk, kind, m and m.group(0))
+    m = re.search(r'^starling_weights_frozen\{block="%s"\} (\S+)$' % blk, body, re.M)
+    assert m and float(m.group(1)) == 0, (blk, m and m.group(0))
+for name in ('starling_rpc_refused_total{reason="per_ip"}', 'starling_rpc_closed_total{reason="idle"}',
+             'starling_rpc_queued_bytes', 'starling_metrics_endpoint_refused_total{reason="per_ip"}',
+             'starling_dht_refused_total{where="table"}'):
+    assert re.search(r'^%s \S+$' % re.escape(name), body, re.M), name
+print("peer b: no gradient refused, no block frozen, limit counters exported")
+PYEOF
 fi
 # Synchronous groups (--sync): 100-sample groups (not a multiple of the
 # micro-batch, so groups cut micro-batches short) with 4 in flight still

@@ -80,6 +80,31 @@ expect 2 "peer --announce-ttl" -- "$S" peer --blocks 1 --announce-every 30 --ann
 expect 2 "peer --model" -- "$S" peer --blocks 1 --model nope
 contains "unknown model 'nope'" "unknown model message"
 expect 2 "peer --max-batch 0" -- "$S" peer --blocks 1 --max-batch 0
+# Gradient checks and the limits against hostile clients.
+expect 2 "peer --grad-factor garbage" -- "$S" peer --blocks 1 --grad-factor lots
+contains "--grad-factor expects a number, got 'lots'" "grad-factor message"
+expect 2 "peer --grad-max-norm -1" -- "$S" peer --blocks 1 --grad-max-norm -1
+contains "--grad-max-norm must be between" "grad-max-norm message"
+expect 2 "peer --grad-warmup 0" -- "$S" peer --blocks 1 --grad-warmup 0
+contains "--grad-warmup must be between 1 and" "grad-warmup message"
+expect 2 "peer --frozen-steps x" -- "$S" peer --blocks 1 --frozen-steps x
+contains "--frozen-steps expects an integer, got 'x'" "frozen-steps message"
+expect 2 "peer --max-conns-per-ip 0" -- "$S" peer --blocks 1 --max-conns-per-ip 0
+contains "--max-conns-per-ip must be between 1 and 65536, got 0" "max-conns-per-ip message"
+expect 2 "peer --max-conns-per-ip garbage" -- "$S" peer --blocks 1 --max-conns-per-ip many
+contains "--max-conns-per-ip expects an integer, got 'many'" "max-conns-per-ip garbage message"
+expect 2 "peer --max-conns -1" -- "$S" peer --blocks 1 --max-conns -1
+contains "--max-conns must be between 1 and 65536, got -1" "max-conns message"
+expect 2 "peer --idle-timeout garbage" -- "$S" peer --blocks 1 --idle-timeout 2m
+contains "--idle-timeout expects a number, got '2m'" "idle-timeout message"
+expect 2 "peer --idle-timeout 0" -- "$S" peer --blocks 1 --idle-timeout 0
+contains "--idle-timeout must be between 1 and 86400, got 0" "idle-timeout range message"
+expect 2 "peer --dht-limits garbage" -- "$S" peer --blocks 1 --dht-limits some
+contains "--dht-limits takes public, all or off, not 'some'" "peer dht-limits message"
+expect 2 "bootstrap --dht-limits garbage" -- "$S" bootstrap --listen 127.0.0.1:0 --dht-limits ALL
+contains "--dht-limits takes public, all or off, not 'ALL'" "bootstrap dht-limits message"
+expect 2 "STARLING_DHT_LIMITS garbage" -- env STARLING_DHT_LIMITS=bogus "$S" peer --blocks 99
+contains "STARLING_DHT_LIMITS='bogus' is not public, all or off; using public" "STARLING_DHT_LIMITS warning"
 expect 2 "train --lr" -- "$S" train --initial-peers 127.0.0.1:9 --lr 0.1
 contains "starling peer --lr" "train --lr message"
 expect 2 "train --batch x" -- "$S" train --initial-peers 127.0.0.1:9 --batch x

@@ -2,6 +2,7 @@
 #include <errno.h>
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <sodium.h>
@@ -12,7 +13,7 @@
 
 static const char bootstrap_help[] =
     "Usage: starling bootstrap --listen HOST:PORT [--identity FILE] [--swarm-key FILE]\n"
-    "                          [--initial-peers LIST]\n"
+    "                          [--initial-peers LIST] [--dht-limits public|all|off]\n"
     "\n"
     "Runs a DHT-only node and prints, on one line of stdout, the address string\n"
     "that peers, trainers and monitors pass to --initial-peers:\n"
@@ -32,6 +33,10 @@ static const char bootstrap_help[] =
     "  -k, --swarm-key FILE       pre-shared key of a private swarm: 64 hex digits,\n"
     "                             mode 0600; datagrams without its tag are dropped\n"
     "  -p, --initial-peers LIST   comma-separated address strings to join through\n"
+    "      --dht-limits MODE      which addresses the per-network limits of the\n"
+    "                             routing table and of lookups apply to: public\n"
+    "                             (default: all but loopback and private ones), all,\n"
+    "                             or off; overrides STARLING_DHT_LIMITS\n"
     "  -h, --help                 this text\n"
     "\n"
     "Exit status: 0 after SIGINT/SIGTERM, 1 on runtime errors, 2 on usage errors.\n";
@@ -92,13 +97,24 @@ static void on_signal(uv_signal_t *h, int signum)
     uv_close((uv_handle_t *)&s->retry, NULL);
 }
 
+/* --dht-limits: enum dht_diversity, or -1. */
+static int parse_dht_limits(const char *s)
+{
+    return !strcmp(s, "public") ? DHT_DIVERSITY_PUBLIC
+           : !strcmp(s, "all")  ? DHT_DIVERSITY_ALL
+           : !strcmp(s, "off")  ? DHT_DIVERSITY_OFF
+                                : -1;
+}
+
 int cmd_bootstrap(int argc, char **argv)
 {
+    enum { O_DHT_LIMITS = 256 };
     static const struct option opts[] = {
         {"listen", required_argument, NULL, 'l'},
         {"identity", required_argument, NULL, 'I'},
         {"swarm-key", required_argument, NULL, 'k'},
         {"initial-peers", required_argument, NULL, 'p'},
+        {"dht-limits", required_argument, NULL, O_DHT_LIMITS},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -108,7 +124,7 @@ int cmd_bootstrap(int argc, char **argv)
     dht_addr la;
     bs_state s;
     char line[DHT_ADDR_STRLEN];
-    int c, rc;
+    int c, rc, dht_limits = -1; /* -1: STARLING_DHT_LIMITS, else public (dht_config_default) */
 
     optind = 1;
     opterr = 0;
@@ -118,12 +134,20 @@ int cmd_bootstrap(int argc, char **argv)
         case 'I': identity = optarg; break;
         case 'k': swarm_key = optarg; break;
         case 'p': peers = optarg; break;
+        case O_DHT_LIMITS:
+            if ((dht_limits = parse_dht_limits(optarg)) < 0)
+                return cli_usage_error("bootstrap", "--dht-limits takes public, all or off, not '%s'", optarg);
+            break;
         case 'h': fputs(bootstrap_help, stdout); return CLI_EXIT_OK;
         default: return cli_bad_option("bootstrap", c, argv);
         }
     }
     if (cli_no_positional("bootstrap", argc, argv))
         return CLI_EXIT_USAGE;
+    const char *env_limits = getenv("STARLING_DHT_LIMITS");
+    if (dht_limits < 0 && env_limits && parse_dht_limits(env_limits) < 0)
+        fprintf(stderr, "starling bootstrap: warning: STARLING_DHT_LIMITS='%s' is not public, all or off; using public\n",
+                env_limits);
     if (!listen)
         return cli_usage_error("bootstrap", "--listen HOST:PORT is required");
     if (dht_addr_parse_listen(&la, listen) != 0)
@@ -135,6 +159,8 @@ int cmd_bootstrap(int argc, char **argv)
             return cli_usage_error("bootstrap", "--initial-peers: bad address list '%s'", peers);
     }
     dht_config_default(&cfg);
+    if (dht_limits >= 0)
+        cfg.diversity = dht_limits;
     if (swarm_key) {
         rc = dht_swarm_key_load(cfg.swarm_key, swarm_key);
         if (rc)

@@ -23,8 +23,9 @@ static const char monitor_help[] =
     "address, state, announced throughput, load, age of the announcement and\n"
     "weight version. Stages with no online holder, or whose total throughput is\n"
     "below --min-throughput, stand out, and so do holders whose announced version\n"
-    "or throughput is far above their replicas' (SUSPECT). Totals: peers, blocks,\n"
-    "throughput per stage and the bottleneck stage.\n"
+    "or throughput is far above their replicas' (SUSPECT), holders whose weights\n"
+    "stopped moving (FROZEN) and holders that refused gradients. Totals: peers,\n"
+    "blocks, throughput per stage and the bottleneck stage.\n"
     "\n"
     "Options:\n"
     "  --initial-peers LIST   DHT addresses to join through (required)\n"
@@ -256,10 +257,11 @@ static int render_json(FILE *f, view *v, double min_tput)
                 json_str(f, ho->ann.addr);
                 fprintf(f, ",\"state\":\"%s\",\"throughput\":%.1f,\"load\":%.3f,\"age_s\":%.1f,"
                            "\"weight_version\":%llu,\"avg_rounds\":%llu,\"avg_abandoned\":%llu,"
-                           "\"avg_group\":%d,",
+                           "\"avg_group\":%d,\"grads_refused\":%llu,\"frozen_steps\":%llu,",
                         peer_state_name(ho->ann.state), ho->ann.throughput, ho->ann.load, age,
                         (unsigned long long)ho->ann.weight_version, (unsigned long long)ho->ann.avg_rounds,
-                        (unsigned long long)ho->ann.avg_abandoned, ho->ann.avg_group);
+                        (unsigned long long)ho->ann.avg_abandoned, ho->ann.avg_group,
+                        (unsigned long long)ho->ann.grads_refused, (unsigned long long)ho->ann.frozen_steps);
                 if (ho->ann.lost_from > ho->ann.lost_to)
                     fprintf(f, "\"state_lost\":{\"from\":%llu,\"to\":%llu},",
                             (unsigned long long)ho->ann.lost_from, (unsigned long long)ho->ann.lost_to);
@@ -345,6 +347,15 @@ static int render_text(FILE *f, view *v, double min_tput, int color)
                             (unsigned long long)peer_trust_median_u64(version, st->n_holders, h),
                             peer_trust_median(tput, st->n_holders, h), off);
                 }
+                if (ho->ann.frozen_steps)
+                    fprintf(f, "%s! %-14s FROZEN: peer %.8s: weights have not moved in %llu steps (weight version "
+                               "%llu): its gradients change nothing%s\n", red, st->name, hex,
+                            (unsigned long long)ho->ann.frozen_steps, (unsigned long long)ho->ann.weight_version,
+                            off);
+                if (ho->ann.grads_refused)
+                    fprintf(f, "%s* %-14s peer %.8s refused %llu gradient%s (training-integrity checks; its log "
+                               "says why)%s\n", yel, st->name, hex, (unsigned long long)ho->ann.grads_refused,
+                            ho->ann.grads_refused == 1 ? "" : "s", off);
             }
             const struct cold *cc = &v->cold[k][i < PEER_KEEPER_MAX_STAGES ? i : 0];
             if (cc->copies)

@@ -83,6 +83,16 @@ static const char peer_help2[] =
     "                         frozen (log line, announcement) (default 8)\n"
     "  --seed N               initial weights seed when no checkpoint exists (default 0)\n"
     "  --metrics HOST:PORT    serve Prometheus metrics at http://HOST:PORT/metrics\n"
+    "  --max-conns-per-ip N   tensor RPC connections one address (IPv4, IPv6 /64) may\n"
+    "                         hold; its next one is closed at once (default 64)\n"
+    "  --max-conns N          tensor RPC connections in all; when full, one of the\n"
+    "                         address that holds the most is closed (default 1024)\n"
+    "  --idle-timeout S       close an RPC connection with nothing in flight (or\n"
+    "                         whose replies are not read) after S seconds (120)\n"
+    "  --dht-limits MODE      which addresses the DHT's per-network limits (routing\n"
+    "                         table, lookups) apply to: public (default: all but\n"
+    "                         loopback and private ones), all, or off; overrides\n"
+    "                         the STARLING_DHT_LIMITS environment variable\n"
     "  --no-state-download    serve our own checkpoint or initial weights even when\n"
     "                         other holders have newer ones (by default a joining\n"
     "                         peer first downloads the newest state from a holder)\n"
@@ -101,6 +111,15 @@ static const char peer_help2[] =
     "Example (second machine of a swarm):\n"
     "  starling peer --initial-peers 10.0.0.1:4000/3f0c... --blocks 1,2 \\\n"
     "                --listen 0.0.0.0:4001 --announce 10.0.0.2 --checkpoint-dir ckpt\n";
+
+/* --dht-limits: enum dht_diversity, or -1. */
+static int parse_dht_limits(const char *s)
+{
+    return !strcmp(s, "public") ? DHT_DIVERSITY_PUBLIC
+           : !strcmp(s, "all")  ? DHT_DIVERSITY_ALL
+           : !strcmp(s, "off")  ? DHT_DIVERSITY_OFF
+                                : -1;
+}
 
 /* Parses "1,2", "1-3", "0,2-4" into out; returns the count or -1. */
 static int parse_blocks(const char *s, int *out, int max)
@@ -436,7 +455,8 @@ int cmd_peer(int argc, char **argv)
     enum { O_INITIAL = 256, O_MODEL, O_BLOCKS, O_DEVICE, O_LISTEN, O_ANNOUNCE, O_IDENTITY,
            O_CKPT_DIR, O_CKPT_EVERY, O_SWARM_KEY, O_THREADS, O_BLAS, O_TPRIO, O_INLINE, O_KEEP, O_MAX_BATCH, O_TARGET,
            O_OPT, O_LR, O_SEED, O_METRICS, O_ANN_EVERY, O_ANN_TTL, O_NO_SYNC, O_NUM_BLOCKS, O_REBALANCE, O_AVERAGE,
-           O_KEEP_EVERY, O_KEEP_COPIES, O_KEEP_MB, O_GRAD_FACTOR, O_GRAD_MAX, O_GRAD_WARMUP, O_FROZEN };
+           O_KEEP_EVERY, O_KEEP_COPIES, O_KEEP_MB, O_GRAD_FACTOR, O_GRAD_MAX, O_GRAD_WARMUP, O_FROZEN,
+           O_MAX_CONNS_IP, O_MAX_CONNS, O_IDLE, O_DHT_LIMITS };
     static const struct option opts[] = {
         {"initial-peers", required_argument, NULL, O_INITIAL},
         {"model", required_argument, NULL, O_MODEL},
@@ -472,6 +492,10 @@ int cmd_peer(int argc, char **argv)
         {"keep-every", required_argument, NULL, O_KEEP_EVERY},
         {"keep-copies", required_argument, NULL, O_KEEP_COPIES},
         {"keep-mb", required_argument, NULL, O_KEEP_MB},
+        {"max-conns-per-ip", required_argument, NULL, O_MAX_CONNS_IP},
+        {"max-conns", required_argument, NULL, O_MAX_CONNS},
+        {"idle-timeout", required_argument, NULL, O_IDLE},
+        {"dht-limits", required_argument, NULL, O_DHT_LIMITS},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -484,6 +508,9 @@ int cmd_peer(int argc, char **argv)
     struct expert_guard_config guard = {0}; /* zeros: the defaults (expert/guard.h) */
     long num_blocks = 0, keep_copies = 2, keep_mb = 2048;
     double keep_every = 60;
+    long max_conns_ip = 64, max_conns = 1024;
+    double idle_timeout = 120;
+    int dht_limits = -1; /* -1: STARLING_DHT_LIMITS, else public (dht_config_default) */
     int c, no_sync = 0;
 
     optind = 1;
@@ -596,11 +623,31 @@ int cmd_peer(int argc, char **argv)
             if (cli_parse_long("peer", "--seed", optarg, 0, LONG_MAX, &seed))
                 return CLI_EXIT_USAGE;
             break;
+        case O_MAX_CONNS_IP:
+            if (cli_parse_long("peer", "--max-conns-per-ip", optarg, 1, 65536, &max_conns_ip))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_MAX_CONNS:
+            if (cli_parse_long("peer", "--max-conns", optarg, 1, 65536, &max_conns))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_IDLE:
+            if (cli_parse_double("peer", "--idle-timeout", optarg, 1, 86400, &idle_timeout))
+                return CLI_EXIT_USAGE;
+            break;
+        case O_DHT_LIMITS:
+            if ((dht_limits = parse_dht_limits(optarg)) < 0)
+                return cli_usage_error("peer", "--dht-limits takes public, all or off, not '%s'", optarg);
+            break;
         default: return cli_bad_option("peer", c, argv);
         }
     }
     if (cli_no_positional("peer", argc, argv))
         return CLI_EXIT_USAGE;
+    const char *env_limits = getenv("STARLING_DHT_LIMITS");
+    if (dht_limits < 0 && env_limits && parse_dht_limits(env_limits) < 0)
+        fprintf(stderr, "starling peer: warning: STARLING_DHT_LIMITS='%s' is not public, all or off; using public\n",
+                env_limits);
 
     /* Check everything before touching the network. */
     char err[512];
@@ -711,6 +758,11 @@ int cmd_peer(int argc, char **argv)
     dc->svc.guard = guard;
     dc->svc.seed = (uint64_t)seed;
     dc->svc.checkpoint_dir = ckpt_dir;
+    dc->svc.rpc_max_conns = (int)max_conns;
+    dc->svc.rpc_max_conns_per_ip = (int)max_conns_ip;
+    dc->svc.rpc_idle_timeout_ms = (uint64_t)(idle_timeout * 1000);
+    dc->dht_diversity_given = dht_limits >= 0;
+    dc->dht_diversity = dht_limits >= 0 ? dht_limits : DHT_DIVERSITY_PUBLIC;
     dc->device = "cpu";
     dc->checkpoint_every_s = ckpt_dir ? ckpt_every : 0;
     dc->metrics_listen = metrics;
