@@ -10,6 +10,7 @@
 #include "peer/rpc_client.h"
 #include "peer/wire.h"
 #include "routing/conns.h"
+#include "routing/pipeline.h"
 #include "routing/replica.h"
 #include "routing/swarm.h"
 
@@ -50,6 +51,7 @@ typedef struct infer {
     long n_lat, units_done;
     double t0;
     route_waits waits;
+    route_errlog errs;          /* failures logged: the first of each kind, then summaries */
 } infer;
 
 static double now_s(const infer *in)
@@ -62,7 +64,7 @@ static double now_s(const infer *in)
 static void note(infer *in, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void note(infer *in, const char *fmt, ...)
 {
-    char msg[400];
+    char msg[640];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
@@ -81,11 +83,72 @@ static void on_conn_ready(void *arg, const uint8_t id[DHT_ID_LEN], const char *a
     pump(arg);
 }
 
+#define ERRLOG_PERIOD_S 10.0
+
+static const char *stage_name(infer *in, int stage)
+{
+    route_stage *st = stage >= 0 && stage < in->S ? route_swarm_stage(in->swarm, stage) : NULL;
+    return st ? st->name : "?";
+}
+
+/* A failed call or connection: the first of each (stage, code) is logged
+ * at once, later ones in a summary line at most every ERRLOG_PERIOD_S.
+ * code: an error reply's errno (> 0) or a transport failure's -errno. */
+static void log_failure(infer *in, int stage, const uint8_t id[DHT_ID_LEN], const char *addr, int code,
+                        const char *why)
+{
+    if (in->finishing || code == -ECANCELED)
+        return; /* we cancelled it (closing, or dropping a connection) */
+    char sentence[160], hex[DHT_ID_HEX_LEN + 1];
+    snprintf(sentence, sizeof sentence, "%s", code < 0 ? strerror(-code) : why && *why ? why : "(no reason given)");
+    if (!route_errlog_add(&in->errs, stage, code, sentence))
+        return;
+    dht_id_to_hex(hex, id);
+    if (stage < 0)
+        note(in, "cannot connect to holder %.12s at %s: %s; trying other replicas", hex, addr, sentence);
+    else if (code > 0)
+        note(in, "stage %s (holder %.8s) answered with error %d: %s; trying other replicas", stage_name(in, stage),
+             hex, code, sentence);
+    else
+        note(in, "a call to stage %s (holder %.8s) failed: %s; trying other replicas", stage_name(in, stage), hex,
+             sentence);
+}
+
+typedef struct summary {
+    infer *in;
+    char buf[600];
+    size_t len;
+} summary;
+
+static void summary_line(void *arg, const route_errlog_kind *k)
+{
+    summary *sm = arg;
+    if (sm->len >= sizeof sm->buf - 1)
+        return;
+    char where[80];
+    if (k->stage < 0)
+        snprintf(where, sizeof where, "connections");
+    else
+        snprintf(where, sizeof where, "stage %s", stage_name(sm->in, k->stage));
+    int n = snprintf(sm->buf + sm->len, sizeof sm->buf - sm->len, "%s%s: %ld more (latest: %.100s)",
+                     sm->len ? "; " : "", where, k->pending, k->last);
+    if (n > 0)
+        sm->len += (size_t)n < sizeof sm->buf - sm->len ? (size_t)n : sizeof sm->buf - sm->len - 1;
+}
+
+/* At most one line every ERRLOG_PERIOD_S, and with last one at the end. */
+static void summarize(infer *in, int last)
+{
+    summary sm = {.in = in};
+    if (route_errlog_flush(&in->errs, last ? HUGE_VAL : now_s(in), summary_line, &sm) > 0)
+        note(in, "more failures since the last report: %s", sm.buf);
+}
+
 static void on_conn_failed(void *arg, const uint8_t id[DHT_ID_LEN], const char *addr, int status)
 {
     infer *in = arg;
-    (void)status;
     route_swarm_ban(in->swarm, id, addr, now_s(in), &in->rng);
+    log_failure(in, -1, id, addr, status < 0 ? status : -EIO, NULL);
     pump(in);
 }
 
@@ -165,6 +228,12 @@ static void on_reply(void *arg, int status, const peer_msg *m)
     unit *u = arg;
     infer *in = u->in;
     if (status != 0 || m->kind != PEER_KIND_REPLY) {
+        if (status != 0)
+            log_failure(in, u->stage, u->holder, NULL, status < 0 ? status : -EIO, NULL);
+        else
+            log_failure(in, u->stage, u->holder, NULL,
+                        m->kind == PEER_KIND_ERROR && m->err_code > 0 ? m->err_code : EIO,
+                        m->kind == PEER_KIND_ERROR ? m->err_msg : "an unexpected message");
         if (status == 0 && m->err_code == ENOENT)
             for (int s = u->stage; s < u->stage + u->span; s++)
                 route_swarm_invalidate(in->swarm, s);
@@ -179,6 +248,7 @@ static void on_reply(void *arg, int status, const peer_msg *m)
     route_stage *st = served >= 1 && served <= u->span ? route_swarm_stage(in->swarm, last) : NULL;
     if (!st || m->n_tensors != 1 || m->t[0].dtype != PEER_DTYPE_F32 || m->t[0].ndim != 2 ||
         m->t[0].shape[0] != (uint64_t)u->rows || m->t[0].shape[1] != (uint64_t)st->out) {
+        log_failure(in, u->stage, u->holder, NULL, EBADMSG, "a reply of the wrong shape");
         unit_failed(in, u, 1);
         pump(in);
         return;
@@ -346,6 +416,7 @@ static void pump(infer *in)
     if (in->finishing)
         return;
     route_swarm_refresh(in->swarm, now_s(in));
+    summarize(in, 0);
     if (in->units_done == (long)in->n_batches * in->cfg.replicas) {
         finish(in, 0);
         return;
@@ -389,6 +460,7 @@ static void finish(infer *in, int rc)
 {
     if (in->finishing)
         return;
+    summarize(in, 1);
     in->finishing = 1;
     in->rc = rc;
     uv_timer_stop(&in->timer);
@@ -473,6 +545,7 @@ int route_infer_run(uv_loop_t *loop, const route_infer_config *cfg, route_infer_
     }
     uv_update_time(loop);
     in->t0 = now_s(in);
+    route_errlog_init(&in->errs, ERRLOG_PERIOD_S, in->t0);
     uv_timer_init(loop, &in->timer);
     in->timer.data = in;
     uv_timer_start(&in->timer, on_timer, 0, PUMP_MS);

@@ -1,6 +1,7 @@
 #include "routing/pipeline.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -15,6 +16,7 @@ typedef struct slot {
     uint64_t seq;
     int rows;
     int retries;
+    int refusals;         /* -ERANGE answers to its backward calls */
     int forward_only;     /* evaluation: stop after the loss */
     double loss_sum;
     int correct;
@@ -35,6 +37,8 @@ struct route_pipeline {
     int outstanding;
     uint64_t next_seq, failed;
     uint64_t retries;     /* calls reported failed, all batches */
+    int max_refusals;
+    uint64_t refusals, refused_batches, refused_rows;
     void *mem;            /* the one allocation behind every buffer */
 };
 
@@ -52,6 +56,7 @@ route_pipeline *route_pipeline_create(const route_pipeline_config *cfg)
     p->max_inflight = cfg->max_inflight;
     p->loss = cfg->loss;
     p->loss_ctx = cfg->loss_ctx;
+    p->max_refusals = cfg->max_refusals > 0 ? cfg->max_refusals : ROUTE_PIPELINE_MAX_REFUSALS;
     size_t act_floats = 0;
     for (int s = 0; s <= p->S; s++) {
         if (cfg->widths[s] < 1 || cfg->widths[s] > (1 << 20)) {
@@ -123,6 +128,7 @@ static int64_t push(route_pipeline *p, const float *x, const uint8_t *labels, in
     sl->seq = p->next_seq++;
     sl->rows = rows;
     sl->retries = 0;
+    sl->refusals = 0;
     sl->forward_only = fwd_only;
     sl->loss_sum = 0;
     sl->correct = 0;
@@ -180,7 +186,7 @@ int route_pipeline_next_call(route_pipeline *p, route_call *call)
     return 1;
 }
 
-static void finish(route_pipeline *p, slot *sl)
+static void finish(route_pipeline *p, slot *sl, int refused)
 {
     int at = (p->res_head + p->res_count) % p->max_inflight;
     route_batch_result *r = &p->results[at];
@@ -190,6 +196,12 @@ static void finish(route_pipeline *p, slot *sl)
     r->correct = sl->correct;
     r->retries = sl->retries;
     r->forward_only = sl->forward_only;
+    r->refused = refused;
+    r->refusals = sl->refusals;
+    if (refused) {
+        p->refused_batches++;
+        p->refused_rows += (uint64_t)sl->rows;
+    }
     p->res_count++;
     sl->state = SLOT_FREE;
     p->active--;
@@ -207,6 +219,17 @@ int route_pipeline_call_done(route_pipeline *p, uint32_t token, int status)
         return -ENOENT;
     sl->taken = 0;
     p->outstanding--;
+    if (status == -ERANGE && sl->state == SLOT_BWD) {
+        /* Refused: the holder's checks found the gradient out of bounds.
+         * When every replica keeps refusing, the fault is ours (the loss
+         * blew up): drop this batch's update rather than retry forever. */
+        sl->refusals++;
+        p->refusals++;
+        if (sl->refusals >= p->max_refusals) {
+            finish(p, sl, 1);
+            return 0;
+        }
+    }
     if (status != 0) {
         sl->attempt++;
         sl->retries++;
@@ -228,7 +251,7 @@ int route_pipeline_call_done(route_pipeline *p, uint32_t token, int status)
             return rc;
         }
         if (sl->forward_only) {
-            finish(p, sl);
+            finish(p, sl, 0);
             return 0;
         }
         sl->state = SLOT_BWD;
@@ -239,7 +262,7 @@ int route_pipeline_call_done(route_pipeline *p, uint32_t token, int status)
         sl->stage--;
         return 0;
     }
-    finish(p, sl);
+    finish(p, sl, 0);
     return 0;
 }
 
@@ -271,4 +294,71 @@ uint64_t route_pipeline_retries(const route_pipeline *p)
 uint64_t route_pipeline_failed(const route_pipeline *p)
 {
     return p ? p->failed : 0;
+}
+
+uint64_t route_pipeline_refusals(const route_pipeline *p)
+{
+    return p ? p->refusals : 0;
+}
+
+uint64_t route_pipeline_refused_batches(const route_pipeline *p)
+{
+    return p ? p->refused_batches : 0;
+}
+
+uint64_t route_pipeline_refused_rows(const route_pipeline *p)
+{
+    return p ? p->refused_rows : 0;
+}
+
+/* ---- error notes ---- */
+
+void route_errlog_init(route_errlog *e, double period_s, double now)
+{
+    memset(e, 0, sizeof *e);
+    e->period_s = period_s > 0 ? period_s : 10;
+    e->last_summary = now;
+}
+
+int route_errlog_add(route_errlog *e, int stage, int code, const char *sentence)
+{
+    route_errlog_kind *k = NULL;
+    for (int i = 0; i < e->n; i++)
+        if (e->k[i].stage == stage && e->k[i].code == code)
+            k = &e->k[i];
+    int first = 0;
+    if (!k) {
+        if (e->n == ROUTE_ERRLOG_KINDS) {
+            e->dropped++;
+            return 0;
+        }
+        k = &e->k[e->n++];
+        memset(k, 0, sizeof *k);
+        k->stage = stage;
+        k->code = code;
+        first = 1;
+    } else {
+        k->pending++;
+    }
+    k->total++;
+    snprintf(k->last, sizeof k->last, "%s", sentence ? sentence : "");
+    return first;
+}
+
+int route_errlog_flush(route_errlog *e, double now, void (*line)(void *arg, const route_errlog_kind *k),
+                       void *arg)
+{
+    if (now - e->last_summary < e->period_s)
+        return 0;
+    int n = 0;
+    for (int i = 0; i < e->n; i++)
+        if (e->k[i].pending > 0) {
+            if (line)
+                line(arg, &e->k[i]);
+            e->k[i].pending = 0;
+            n++;
+        }
+    if (n > 0)
+        e->last_summary = now;
+    return n;
 }

@@ -6,7 +6,10 @@
  * into a gradient, and the gradient travels backward through S-1..0. The
  * pipeline keeps every boundary activation of each micro-batch, so a backward
  * call can be sent to ANY replica of a stage (servers recompute the forward)
- * and a failed call is simply issued again: no batch is ever lost.
+ * and a failed call is simply issued again: no batch is ever lost, with
+ * one exception: a backward that the stage refuses (status -ERANGE: the
+ * holder's gradient checks failed) max_refusals times is not sent again,
+ * and its batch finishes with `refused` set (see route_pipeline_call_done).
  *
  * The pipeline only decides what to send next. The driver (the trainer's
  * event loop) takes calls with route_pipeline_next_call, sends them to a
@@ -25,6 +28,7 @@
 
 #define ROUTE_PIPELINE_MAX_STAGES 64
 #define ROUTE_PIPELINE_MAX_INFLIGHT 64
+#define ROUTE_PIPELINE_MAX_REFUSALS 3   /* default max_refusals */
 
 typedef enum route_call_kind {
     ROUTE_CALL_FORWARD = 1,
@@ -44,6 +48,9 @@ typedef struct route_pipeline_config {
     int max_inflight;             /* micro-batches in flight, 1..ROUTE_PIPELINE_MAX_INFLIGHT */
     route_loss_fn loss;
     void *loss_ctx;
+    int max_refusals;             /* -ERANGE answers to one batch's backward calls
+                                     before its update is dropped; 0: the default,
+                                     ROUTE_PIPELINE_MAX_REFUSALS */
 } route_pipeline_config;
 
 /* One RPC to make. The pointers stay valid until route_pipeline_call_done
@@ -69,6 +76,11 @@ typedef struct route_batch_result {
     int correct;
     int retries;                  /* calls of this batch that had to be re-sent */
     int forward_only;             /* pushed with route_pipeline_push_eval */
+    int refused;                  /* its backward was refused max_refusals times and
+                                     dropped: the stages after the refusing one took
+                                     its gradient, that stage and the ones before did
+                                     not. Its loss and rows are still reported. */
+    int refusals;                 /* -ERANGE answers to its backward calls */
 } route_batch_result;
 
 typedef struct route_pipeline route_pipeline;
@@ -93,7 +105,12 @@ int route_pipeline_next_call(route_pipeline *p, route_call *call);
 
 /* Reports a call's result. status 0: call->outputs holds the answer and the
  * batch moves on. status < 0: the call failed; it becomes ready again (with
- * attempt + 1) so the driver can send it to another replica. Returns 0,
+ * attempt + 1) so the driver can send it to another replica. status -ERANGE
+ * on a backward call is a refusal (the holder found the gradient out of
+ * bounds): counted in the batch's refusals, and once they reach
+ * max_refusals the call is not re-issued (nor counted as a retry): the
+ * batch finishes with `refused` set, so a gradient that every replica
+ * refuses cannot be retried forever. Returns 0,
  * -ENOENT for an unknown, stale or already reported token, or the loss
  * function's error: only bad labels cause that, and that batch is then
  * dropped and counted in route_pipeline_failed. */
@@ -116,5 +133,51 @@ uint64_t route_pipeline_retries(const route_pipeline *p);
 
 /* Micro-batches the loss function rejected. */
 uint64_t route_pipeline_failed(const route_pipeline *p);
+
+/* Backward calls reported refused (-ERANGE), and training micro-batches
+ * (and their rows) finished with `refused` set. */
+uint64_t route_pipeline_refusals(const route_pipeline *p);
+uint64_t route_pipeline_refused_batches(const route_pipeline *p);
+uint64_t route_pipeline_refused_rows(const route_pipeline *p);
+
+/* ---- error notes: which remote errors to show, and when ----
+ *
+ * The trainer and `starling infer` log each distinct (stage, error code)
+ * the first time it happens, then at most one summary line every
+ * period_s with the counts since the last line, so a swarm that refuses
+ * or fails thousands of calls does not flood stderr. Pure: time is passed
+ * in; the caller formats and prints. */
+
+#define ROUTE_ERRLOG_KINDS 32
+
+typedef struct route_errlog_kind {
+    int stage;                    /* -1: not a stage's (e.g. a connection) */
+    int code;                     /* positive errno */
+    long total;                   /* all occurrences */
+    long pending;                 /* since the last line that mentioned it */
+    char last[160];               /* the latest sentence */
+} route_errlog_kind;
+
+typedef struct route_errlog {
+    double period_s;              /* between summary lines (10 s in the tools) */
+    double last_summary;          /* time of the last summary line */
+    int n;
+    route_errlog_kind k[ROUTE_ERRLOG_KINDS];
+    long dropped;                 /* occurrences of kinds beyond ROUTE_ERRLOG_KINDS */
+} route_errlog;
+
+void route_errlog_init(route_errlog *e, double period_s, double now);
+
+/* Records one occurrence of (stage, code) with its sentence. Returns 1
+ * when it is the first of that kind (print it now), else 0 (it goes into
+ * the next summary). */
+int route_errlog_add(route_errlog *e, int stage, int code, const char *sentence);
+
+/* When a summary is due (period_s since the last one and something
+ * pending): calls line(arg, kind) for each kind with pending occurrences
+ * (pending still set, so the caller can print it), clears them and returns
+ * how many kinds it reported; else 0. */
+int route_errlog_flush(route_errlog *e, double now, void (*line)(void *arg, const route_errlog_kind *k),
+                       void *arg);
 
 #endif

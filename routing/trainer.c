@@ -18,6 +18,7 @@
 #include "routing/versions.h"
 
 #define PUMP_MS 20
+#define MAX_REFUSERS 8   /* replicas that refused one batch's backward at one stage, remembered */
 
 /* A call taken from the pipeline: parked until sent, then outstanding. */
 typedef struct pend {
@@ -56,6 +57,9 @@ typedef struct trainer {
     double ep_loss;
     long ep_samples;
     uint64_t ep_retries_base;      /* route_pipeline_retries at the epoch's start */
+    uint64_t ep_refused_base;      /* route_pipeline_refusals at the epoch's start */
+    long ep_refused_samples;
+    route_errlog errs;             /* which failures to log, and the counts for summaries */
     double probe_at[ROUTE_PIPELINE_MAX_STAGES]; /* last probe of a stage whose replicas were all banned */
     long lookups_seen;             /* swarm lookups when connections were last pruned */
     double recent_loss;
@@ -72,6 +76,13 @@ typedef struct trainer {
      * recompute on the same version (weight stashing) when it still has it. */
     uint64_t fwd_version[ROUTE_PIPELINE_MAX_INFLIGHT][ROUTE_PIPELINE_MAX_STAGES];
     int fwd_version_known[ROUTE_PIPELINE_MAX_INFLIGHT][ROUTE_PIPELINE_MAX_STAGES];
+    /* The holders that refused (ERANGE) the current backward of each
+     * in-flight batch, at stage refusers_stage: its retries avoid them
+     * while another replica is available, and when another replica accepts
+     * it they are backed off (they refused what their replicas accept). */
+    uint8_t refusers[ROUTE_PIPELINE_MAX_INFLIGHT][MAX_REFUSERS][DHT_ID_LEN];
+    int n_refusers[ROUTE_PIPELINE_MAX_INFLIGHT];
+    int refusers_stage[ROUTE_PIPELINE_MAX_INFLIGHT];
     int finishing;
     int rc;
     /* loss scratch */
@@ -90,7 +101,7 @@ static double now_s(const trainer *t)
 static void note(trainer *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void note(trainer *t, const char *fmt, ...)
 {
-    char msg[400];
+    char msg[640];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
@@ -191,26 +202,194 @@ static void prune_conns(trainer *t)
     route_conns_retain(t->conns, conn_announced, t);
 }
 
+/* ---- failures: what the log shows ---- */
+
+/* The errlog's codes: a remote error reply's errno (> 0), a transport
+ * failure's -errno (< 0), and these. */
+#define LOG_BACKED_OFF 0           /* a refuser backed off: a replica accepted what it refused */
+#define LOG_DROPPED 100000         /* a batch's update dropped after too many refusals */
+
+static const char *err_name(int code)
+{
+    switch (code) {
+    case ERANGE: return "ERANGE";
+    case EBUSY: return "EBUSY";
+    case ENOENT: return "ENOENT";
+    case EINVAL: return "EINVAL";
+    case EIO: return "EIO";
+    case ENOSYS: return "ENOSYS";
+    case ESHUTDOWN: return "ESHUTDOWN";
+    case ENOMEM: return "ENOMEM";
+    case ETIMEDOUT: return "ETIMEDOUT";
+    case ECONNRESET: return "ECONNRESET";
+    case ECANCELED: return "ECANCELED";
+    case ENOTCONN: return "ENOTCONN";
+    case EPIPE: return "EPIPE";
+    default: return "error";
+    }
+}
+
+static const char *stage_name(trainer *t, int stage)
+{
+    route_stage *st = stage >= 0 && stage < route_swarm_n_stages(t->swarm) ? route_swarm_stage(t->swarm, stage) : NULL;
+    return st ? st->name : "?";
+}
+
+/* A failed call: counted, and logged when it is the first of its (stage,
+ * code); later ones go into the summary lines (summarize). */
+static void log_failure(trainer *t, const pend *p, int code, const char *why)
+{
+    if (t->finishing || code == -ECANCELED)
+        return; /* we cancelled it: closing, or dropping a connection after another call failed on it */
+    t->res->errors++;
+    char hex[DHT_ID_HEX_LEN + 1];
+    dht_id_to_hex(hex, p->holder);
+    const char *kind = p->call.kind == ROUTE_CALL_FORWARD ? "forward" : "backward";
+    const char *name = stage_name(t, p->call.stage);
+    char sentence[160];
+    if (code < 0)
+        snprintf(sentence, sizeof sentence, "%s", strerror(-code));
+    else
+        snprintf(sentence, sizeof sentence, "%s", why && *why ? why : "(no reason given)");
+    if (!route_errlog_add(&t->errs, p->call.stage, code, sentence))
+        return;
+    if (code == ERANGE && p->call.kind == ROUTE_CALL_BACKWARD)
+        note(t, "stage %s refused a backward: %s (holder %.8s; sent to another replica, at most %d refusals "
+                "per micro-batch; further refusals are summarised every %.0f s)",
+             name, sentence, hex, ROUTE_PIPELINE_MAX_REFUSALS, ROUTE_ERRLOG_PERIOD_S);
+    else if (code > 0)
+        note(t, "stage %s (holder %.8s) answered a %s with %s: %s; trying other replicas", name, hex, kind,
+             err_name(code), sentence);
+    else
+        note(t, "a %s call to stage %s (holder %.8s at %s) failed: %s; trying other replicas", kind, name, hex,
+             p->addr, sentence);
+}
+
+typedef struct summary {
+    trainer *t;
+    char buf[600];
+    size_t len;
+} summary;
+
+static void summary_line(void *arg, const route_errlog_kind *k)
+{
+    summary *sm = arg;
+    if (sm->len >= sizeof sm->buf - 1)
+        return;
+    const char *name = k->stage >= 0 ? stage_name(sm->t, k->stage) : "?";
+    char part[300];
+    if (k->code == ERANGE)
+        snprintf(part, sizeof part, "stage %s refused %ld backward%s (latest: %.100s)", name, k->pending,
+                 k->pending == 1 ? "" : "s", k->last);
+    else if (k->code == LOG_BACKED_OFF)
+        snprintf(part, sizeof part, "stage %s: %ld refuser%s backed off", name, k->pending,
+                 k->pending == 1 ? "" : "s");
+    else if (k->code == LOG_DROPPED)
+        snprintf(part, sizeof part, "stage %s: %ld micro-batch update%s dropped after repeated refusals", name,
+                 k->pending, k->pending == 1 ? "" : "s");
+    else if (k->code > 0)
+        snprintf(part, sizeof part, "stage %s: %ld %s error%s (latest: %.80s)", name, k->pending,
+                 err_name(k->code), k->pending == 1 ? "" : "s", k->last);
+    else
+        snprintf(part, sizeof part, "stage %s: %ld failed call%s (%s)", name, k->pending,
+                 k->pending == 1 ? "" : "s", k->last);
+    int n = snprintf(sm->buf + sm->len, sizeof sm->buf - sm->len, "%s%s", sm->len ? "; " : "", part);
+    if (n > 0)
+        sm->len += (size_t)n < sizeof sm->buf - sm->len ? (size_t)n : sizeof sm->buf - sm->len - 1;
+}
+
+/* At most one line every ROUTE_ERRLOG_PERIOD_S (and, with last, one at
+ * the end): the failures not logged one by one since the last such line. */
+static void summarize(trainer *t, int last)
+{
+    summary sm = {.t = t};
+    if (route_errlog_flush(&t->errs, last ? HUGE_VAL : now_s(t), summary_line, &sm) > 0)
+        note(t, "more failures since the last report: %s", sm.buf);
+}
+
 /* ---- calls ---- */
 
 static void rolled_back(trainer *t, int stage, const uint8_t id[DHT_ID_LEN], uint64_t from, uint64_t to);
 
-static void call_failed(trainer *t, pend *p, const char *why, int drop_conn)
+/* Call p failed. status: -ERANGE for a refused backward (the refuser is
+ * not banned: see refused()), else any negative errno (the replica is
+ * banned for a while). */
+static void call_failed(trainer *t, pend *p, int status, int drop_conn)
 {
     route_holder *h = route_swarm_find_holder(t->swarm, p->call.stage, p->holder);
+    int refusal = status == -ERANGE && p->call.kind == ROUTE_CALL_BACKWARD;
     if (h) {
         if (h->rep.inflight > 0)
             h->rep.inflight--;
         /* Not when the holder has since moved: the new address did not fail. */
-        if (!strcmp(h->ann.addr, p->addr))
+        if (!refusal && !strcmp(h->ann.addr, p->addr))
             route_replica_failure(&h->rep, now_s(t), &t->rng);
     }
     if (drop_conn)
         route_conns_drop(t->conns, p->holder, p->addr);
-    (void)why;
     p->sent = 0;
     p->used = 0;
-    route_pipeline_call_done(t->pipe, p->call.token, -EIO);
+    uint64_t dropped = route_pipeline_refused_batches(t->pipe);
+    route_pipeline_call_done(t->pipe, p->call.token, refusal ? -ERANGE : -EIO);
+    if (route_pipeline_refused_batches(t->pipe) != dropped && !t->finishing &&
+        route_errlog_add(&t->errs, p->call.stage, LOG_DROPPED, ""))
+        note(t, "stage %s refused the backward of a micro-batch (%d samples) %d times: its update is dropped "
+                "(the samples count as processed; \"refused_samples\" in the summary); when every replica "
+                "refuses, the trainer's own gradients are out of bounds",
+             stage_name(t, p->call.stage), p->call.rows, ROUTE_PIPELINE_MAX_REFUSALS);
+}
+
+/* Holder p->holder refused p's backward (ERANGE): remembered, so that the
+ * retry goes to another replica while one is available. */
+static void refused(trainer *t, pend *p)
+{
+    int slot = (int)(p->call.token & 0xFF);
+    if (t->refusers_stage[slot] != p->call.stage) {
+        t->refusers_stage[slot] = p->call.stage;
+        t->n_refusers[slot] = 0;
+    }
+    for (int i = 0; i < t->n_refusers[slot]; i++)
+        if (!memcmp(t->refusers[slot][i], p->holder, DHT_ID_LEN))
+            return;
+    if (t->n_refusers[slot] < MAX_REFUSERS)
+        memcpy(t->refusers[slot][t->n_refusers[slot]++], p->holder, DHT_ID_LEN);
+}
+
+static int is_refuser(const trainer *t, int slot, int stage, const uint8_t id[DHT_ID_LEN])
+{
+    if (t->refusers_stage[slot] != stage)
+        return 0;
+    for (int i = 0; i < t->n_refusers[slot]; i++)
+        if (!memcmp(t->refusers[slot][i], id, DHT_ID_LEN))
+            return 1;
+    return 0;
+}
+
+/* Holder `by` accepted the backward of `slot` at `stage`: the replicas
+ * that refused it refused what a replica accepts, so they are backed off
+ * as if they had failed (a replica that refuses every gradient is thus
+ * banned like a dead one; an honest one that refused a borderline
+ * gradient loses a second or so). */
+static void accepted(trainer *t, int slot, int stage, const uint8_t by[DHT_ID_LEN])
+{
+    if (t->refusers_stage[slot] != stage || t->n_refusers[slot] == 0)
+        return;
+    for (int i = 0; i < t->n_refusers[slot]; i++) {
+        if (!memcmp(t->refusers[slot][i], by, DHT_ID_LEN))
+            continue;
+        route_holder *h = route_swarm_find_holder(t->swarm, stage, t->refusers[slot][i]);
+        if (!h)
+            continue;
+        route_replica_failure(&h->rep, now_s(t), &t->rng);
+        if (route_errlog_add(&t->errs, stage, LOG_BACKED_OFF, "")) {
+            char a[DHT_ID_HEX_LEN + 1], b[DHT_ID_HEX_LEN + 1];
+            dht_id_to_hex(a, t->refusers[slot][i]);
+            dht_id_to_hex(b, by);
+            note(t, "stage %s: holder %.8s accepted a backward that holder %.8s refused; backing off from %.8s",
+                 stage_name(t, stage), b, a, a);
+        }
+    }
+    t->n_refusers[slot] = 0;
 }
 
 static void on_reply(void *arg, int status, const peer_msg *m)
@@ -218,14 +397,21 @@ static void on_reply(void *arg, int status, const peer_msg *m)
     pend *p = arg;
     trainer *t = p->t;
     if (status != 0) {
-        call_failed(t, p, "transport", status != -ETIMEDOUT);
+        log_failure(t, p, status < 0 ? status : -EIO, NULL);
+        call_failed(t, p, -EIO, status != -ETIMEDOUT);
         pump(t);
         return;
     }
     if (m->kind == PEER_KIND_ERROR) {
         if (m->err_code == ENOENT)
             route_swarm_invalidate(t->swarm, p->call.stage);
-        call_failed(t, p, m->err_msg, 0);
+        int code = m->err_code > 0 ? m->err_code : EIO;
+        if (code == ERANGE && p->call.kind == ROUTE_CALL_BACKWARD) {
+            t->res->refused++;
+            refused(t, p);
+        }
+        log_failure(t, p, code, m->err_msg);
+        call_failed(t, p, -code, 0);
         pump(t);
         return;
     }
@@ -233,11 +419,16 @@ static void on_reply(void *arg, int status, const peer_msg *m)
     int width = c->kind == ROUTE_CALL_FORWARD ? c->width_out : c->width_in;
     if (m->n_tensors != 1 || m->t[0].dtype != PEER_DTYPE_F32 || m->t[0].ndim != 2 ||
         m->t[0].shape[0] != (uint64_t)c->rows || m->t[0].shape[1] != (uint64_t)width) {
-        call_failed(t, p, "wrong reply shape", 1);
+        log_failure(t, p, EBADMSG, "a reply of the wrong shape");
+        call_failed(t, p, -EBADMSG, 1);
         pump(t);
         return;
     }
     memcpy(c->outputs, m->t[0].data, (size_t)c->rows * (size_t)width * sizeof(float));
+    if (c->kind == ROUTE_CALL_BACKWARD)
+        accepted(t, (int)(c->token & 0xFF), c->stage, p->holder);
+    else if (c->stage == 0)
+        t->n_refusers[c->token & 0xFF] = 0; /* a new batch in this slot */
     if (c->kind == ROUTE_CALL_FORWARD) {
         int slot = (int)(c->token & 0xFF);
         memcpy(t->fwd_holder[slot][c->stage], p->holder, DHT_ID_LEN);
@@ -305,6 +496,16 @@ static int dispatch(trainer *t, pend *p)
         for (int i = 0; i < n; i++)
             if (!memcmp(reps[i].id, want, DHT_ID_LEN) && route_replica_weight(&reps[i], now) > 0)
                 affine = i;
+    }
+    /* A refused backward goes to a replica that has not refused it, while
+     * one is available (not banned); else to any. */
+    if (p->call.kind == ROUTE_CALL_BACKWARD && p->call.attempt > 0) {
+        int slot = (int)(p->call.token & 0xFF), other = 0;
+        for (int i = 0; i < n; i++)
+            if (!is_refuser(t, slot, p->call.stage, reps[i].id) && route_replica_weight(&reps[i], now) > 0)
+                other = 1;
+        for (int i = 0; other && i < n; i++)
+            skip[i] = (uint8_t)is_refuser(t, slot, p->call.stage, reps[i].id);
     }
     int waiting = 0;
     for (int tries = 0; tries < n; tries++) {
@@ -432,6 +633,8 @@ static void collect(trainer *t)
     /* Retries are counted when a call is re-issued, not when its batch
      * finishes, so the progress lines are current. */
     t->res->retries = (long)route_pipeline_retries(t->pipe);
+    t->res->refused_batches = (long)route_pipeline_refused_batches(t->pipe);
+    t->res->refused_samples = (long)route_pipeline_refused_rows(t->pipe);
     while (route_pipeline_pop_result(t->pipe, &r)) {
         if (r.forward_only) {
             t->eval_correct += r.correct;
@@ -441,12 +644,15 @@ static void collect(trainer *t)
         }
         t->ep_loss += r.loss_sum;
         t->ep_samples += r.rows;
+        if (r.refused)
+            t->ep_refused_samples += r.rows;
         t->done_total += r.rows;
         double bl = r.loss_sum / r.rows;
         t->recent_loss = t->recent_loss == 0 ? bl : 0.9 * t->recent_loss + 0.1 * bl;
         if (t->cfg.on_progress) {
             route_train_progress pr = {t->epoch, t->done_total, t->total, t->recent_loss,
-                                       t->train_time + (now_s(t) - t->t_epoch), t->res->retries};
+                                       t->train_time + (now_s(t) - t->t_epoch), t->res->retries,
+                                       t->res->refused};
             t->cfg.on_progress(t->cfg.arg, &pr);
         }
     }
@@ -482,6 +688,9 @@ static void advance_phase(trainer *t)
     e.train_time_s = t->ep_time;
     e.retries = (long)(route_pipeline_retries(t->pipe) - t->ep_retries_base);
     t->ep_retries_base = route_pipeline_retries(t->pipe);
+    e.refused = (long)(route_pipeline_refusals(t->pipe) - t->ep_refused_base);
+    e.refused_samples = t->ep_refused_samples;
+    t->ep_refused_base = route_pipeline_refusals(t->pipe);
     t->res->retries = (long)route_pipeline_retries(t->pipe);
     t->res->epochs = t->epoch;
     t->res->test_acc = e.test_acc;
@@ -497,6 +706,7 @@ static void advance_phase(trainer *t)
     t->cursor = 0;
     t->ep_loss = 0;
     t->ep_samples = 0;
+    t->ep_refused_samples = 0;
     shuffle(t);
     t->t_epoch = now_s(t);
 }
@@ -519,6 +729,7 @@ static void pump(trainer *t)
     route_swarm_refresh(t->swarm, now_s(t));
     prune_conns(t);
     collect(t);
+    summarize(t, 0);
     advance_phase(t);
     if (t->finishing)
         return;
@@ -557,6 +768,7 @@ static void finish(trainer *t, int rc)
 {
     if (t->finishing)
         return;
+    summarize(t, 1);
     t->finishing = 1;
     t->rc = rc;
     /* Before closing: the calls that closing cancels are not re-sent. */
@@ -613,7 +825,8 @@ int route_train_run(uv_loop_t *loop, const route_train_config *cfg_in, route_tra
         widths[s] = c.in;
         widths[s + 1] = c.out;
     }
-    route_pipeline_config pc = {m->n_stages, widths, t->cfg.batch, t->cfg.inflight, loss_fn, t};
+    route_pipeline_config pc = {m->n_stages, widths, t->cfg.batch, t->cfg.inflight, loss_fn, t,
+                                ROUTE_PIPELINE_MAX_REFUSALS};
     t->pipe = route_pipeline_create(&pc);
     t->swarm = route_swarm_create(t->cfg.dht, m, t->cfg.refresh_s);
     /* The handshake is bounded by the call timeout too. */
@@ -647,6 +860,7 @@ int route_train_run(uv_loop_t *loop, const route_train_config *cfg_in, route_tra
     shuffle(t);
     uv_update_time(loop);
     t->t_start = t->t_epoch = now_s(t);
+    route_errlog_init(&t->errs, ROUTE_ERRLOG_PERIOD_S, now_s(t));
     uv_timer_init(loop, &t->pump_timer);
     t->pump_timer.data = t;
     uv_timer_start(&t->pump_timer, on_pump_timer, 0, PUMP_MS);

@@ -6,13 +6,25 @@
  * work at once, sends each forward and backward call to a replica chosen at
  * random in proportion to its expected service rate (routing/replica.h),
  * and on a timeout or an error bans that replica for a while and sends the
- * same call to another: no batch is lost. Every call, connection and
+ * same call to another: no batch is lost (unless its backward is refused
+ * too often: see below). Every call, connection and
  * handshake is bounded by call_timeout_s. A stage whose replicas are all
  * banned is probed every ROUTE_PROBE_S (routing/replica.h), so training
  * resumes soon after a dead holder comes back. When a stage has no online holder
  * the trainer waits (saying so) up to max_wait_s, then gives up with a
  * message naming the stage. After each epoch it evaluates the test set
  * through the same swarm (forward only).
+ *
+ * A holder's error reply is logged with its sentence, as is a call that
+ * failed in transport: the first of each (stage, error) at once, then at
+ * most one summary line every ROUTE_ERRLOG_PERIOD_S with the counts. A
+ * backward refused with ERANGE (the holder's gradient checks failed) is
+ * sent to another replica without banning the refuser; a refuser is backed
+ * off only when another replica accepts what it refused (it refuses what
+ * its replicas accept: a bad or hostile replica). After
+ * ROUTE_PIPELINE_MAX_REFUSALS refusals of one micro-batch's backward the
+ * trainer drops that micro-batch's update: every replica refusing says our
+ * gradient is bad (the loss blew up), so retrying cannot help.
  *
  * Each forward reply names the holder's weight version; a holder whose
  * version goes down (it restarted from an older checkpoint or its initial
@@ -39,6 +51,7 @@ typedef struct route_train_progress {
     double loss;               /* mean loss of the recent batches */
     double elapsed_s;          /* training time so far (evaluation excluded) */
     long retries;              /* calls re-sent so far (route_train_result.retries) */
+    long refused;              /* backward calls refused so far (route_train_result.refused) */
 } route_train_progress;
 
 typedef struct route_epoch_result {
@@ -48,6 +61,8 @@ typedef struct route_epoch_result {
     long samples;              /* training samples this epoch */
     double train_time_s;       /* this epoch's training time */
     long retries;              /* calls re-sent during this epoch's training and evaluation */
+    long refused;              /* backward calls refused during this epoch */
+    long refused_samples;      /* of `samples`, those whose update was dropped */
 } route_epoch_result;
 
 /* A holder whose weight version went down. */
@@ -58,6 +73,7 @@ typedef struct route_rollback {
 } route_rollback;
 
 #define ROUTE_MAX_ROLLBACKS 32
+#define ROUTE_ERRLOG_PERIOD_S 10.0   /* between summary lines of remote errors */
 
 typedef struct route_train_config {
     dht *dht;                               /* started and joined; borrowed */
@@ -94,6 +110,19 @@ typedef struct route_train_result {
     long retries;              /* calls re-sent: every call that failed or timed out,
                                   and every call that waited for a connection that
                                   could not be made, then went out again */
+    long refused;              /* backward calls a holder refused (RPC error ERANGE: the
+                                  gradient failed its checks); each is retried on
+                                  another replica, up to ROUTE_PIPELINE_MAX_REFUSALS
+                                  per micro-batch */
+    long refused_batches;      /* micro-batches whose backward was refused that often:
+                                  their update was dropped (not retried again) */
+    long refused_samples;      /* their samples: counted in `samples` (processed),
+                                  but only the stages after the refusing one learnt
+                                  from them */
+    long errors;               /* calls that failed after they were sent: error replies
+                                  (refusals included), timeouts, broken connections;
+                                  not the calls we cancelled ourselves, nor those that
+                                  waited for a connection that could not be made */
     int n_rollbacks;           /* rollbacks seen (the first ROUTE_MAX_ROLLBACKS are kept) */
     route_rollback rollbacks[ROUTE_MAX_ROLLBACKS];
     char error[320];           /* why it stopped early, or "" */

@@ -101,7 +101,7 @@ static double reference(const float *x, const uint8_t *lab, int rows)
 static void run(uint64_t seed, int inflight, double fail_rate)
 {
     uint64_t rng = seed, data_rng = seed ^ 0x9e3779b97f4a7c15ULL;
-    route_pipeline_config cfg = {S, widths, MAXB, inflight, loss, NULL};
+    route_pipeline_config cfg = {S, widths, MAXB, inflight, loss, NULL, 0};
     route_pipeline *p = route_pipeline_create(&cfg);
     assert_non_null(p);
     memset(gW, 0, sizeof gW);
@@ -185,7 +185,7 @@ static void run(uint64_t seed, int inflight, double fail_rate)
 static void test_retries_counted_at_once(void **state)
 {
     (void)state;
-    route_pipeline_config cfg = {S, widths, MAXB, 2, loss, NULL};
+    route_pipeline_config cfg = {S, widths, MAXB, 2, loss, NULL, 0};
     route_pipeline *p = route_pipeline_create(&cfg);
     assert_non_null(p);
     float x[MAXB * 8] = {0};
@@ -225,6 +225,139 @@ static void test_retries_counted_at_once(void **state)
     route_pipeline_destroy(&p);
 }
 
+/* Completes the next call of p: forwards and backwards computed, or the
+ * given status. Returns the call's kind. */
+static route_call_kind step(route_pipeline *p, int status)
+{
+    route_call c;
+    assert_int_equal(route_pipeline_next_call(p, &c), 1);
+    if (status == 0) {
+        if (c.kind == ROUTE_CALL_FORWARD)
+            fwd(c.stage, c.inputs, c.outputs, c.rows);
+        else
+            bwd(c.stage, c.inputs, c.grad_outputs, c.need_grad_inputs ? c.outputs : NULL, c.rows, gW[c.stage]);
+    }
+    assert_int_equal(route_pipeline_call_done(p, c.token, status), 0);
+    return c.kind;
+}
+
+/* Issue 18: a backward that every replica refuses (ERANGE: the trainer's
+ * gradient failed the holders' checks) was re-sent forever. After
+ * max_refusals refusals of one batch's backward calls the batch finishes
+ * with `refused` set; the other batches are untouched. */
+static void test_refusals_bounded(void **state)
+{
+    (void)state;
+    route_pipeline_config cfg = {S, widths, MAXB, 2, loss, NULL, 0};
+    route_pipeline *p = route_pipeline_create(&cfg);
+    assert_non_null(p);
+    float x[MAXB * 8] = {0.5f};
+    uint8_t lab[MAXB] = {1};
+    route_batch_result r;
+
+    /* Refused at every attempt: the default bound, 3 refusals. */
+    assert_int_equal(route_pipeline_push(p, x, lab, 5), 0);
+    for (int s = 0; s < S; s++)
+        assert_int_equal(step(p, 0), ROUTE_CALL_FORWARD);
+    for (int i = 0; i < ROUTE_PIPELINE_MAX_REFUSALS; i++) {
+        assert_int_equal(route_pipeline_pop_result(p, &r), 0);
+        assert_int_equal(step(p, -ERANGE), ROUTE_CALL_BACKWARD);
+    }
+    route_call c;
+    assert_int_equal(route_pipeline_next_call(p, &c), 0); /* not re-issued */
+    assert_int_equal(route_pipeline_pop_result(p, &r), 1);
+    assert_int_equal(r.refused, 1);
+    assert_int_equal(r.refusals, ROUTE_PIPELINE_MAX_REFUSALS);
+    assert_int_equal(r.rows, 5);
+    assert_int_equal(r.retries, ROUTE_PIPELINE_MAX_REFUSALS - 1); /* the last is not re-sent */
+    assert_int_equal(route_pipeline_retries(p), ROUTE_PIPELINE_MAX_REFUSALS - 1);
+    assert_int_equal(route_pipeline_refusals(p), ROUTE_PIPELINE_MAX_REFUSALS);
+    assert_int_equal(route_pipeline_refused_batches(p), 1);
+    assert_int_equal(route_pipeline_refused_rows(p), 5);
+    assert_int_equal(route_pipeline_inflight(p), 0);
+
+    /* Refusals count over the batch's stages; other failures and an
+     * ERANGE answer to a forward are ordinary retries. */
+    assert_int_equal(route_pipeline_push(p, x, lab, 3), 1);
+    assert_int_equal(step(p, -ERANGE), ROUTE_CALL_FORWARD); /* not a refusal */
+    for (int s = 0; s < S; s++)
+        assert_int_equal(step(p, 0), ROUTE_CALL_FORWARD);
+    assert_int_equal(step(p, -ERANGE), ROUTE_CALL_BACKWARD); /* stage 2 */
+    assert_int_equal(step(p, -ETIMEDOUT), ROUTE_CALL_BACKWARD);
+    assert_int_equal(step(p, 0), ROUTE_CALL_BACKWARD);
+    assert_int_equal(step(p, -ERANGE), ROUTE_CALL_BACKWARD); /* stage 1 */
+    assert_int_equal(step(p, 0), ROUTE_CALL_BACKWARD);
+    assert_int_equal(step(p, 0), ROUTE_CALL_BACKWARD);        /* stage 0 */
+    assert_int_equal(route_pipeline_pop_result(p, &r), 1);
+    assert_int_equal(r.seq, 1);
+    assert_int_equal(r.refused, 0);
+    assert_int_equal(r.refusals, 2);
+    assert_int_equal(r.retries, 4);
+    assert_int_equal(route_pipeline_refused_batches(p), 1);
+    assert_int_equal(route_pipeline_refusals(p), ROUTE_PIPELINE_MAX_REFUSALS + 2);
+    route_pipeline_destroy(&p);
+
+    /* max_refusals 1: the first refusal drops the update. */
+    cfg.max_refusals = 1;
+    p = route_pipeline_create(&cfg);
+    assert_non_null(p);
+    assert_int_equal(route_pipeline_push(p, x, lab, 2), 0);
+    for (int s = 0; s < S; s++)
+        step(p, 0);
+    assert_int_equal(step(p, 0), ROUTE_CALL_BACKWARD);
+    assert_int_equal(step(p, -ERANGE), ROUTE_CALL_BACKWARD);
+    assert_int_equal(route_pipeline_pop_result(p, &r), 1);
+    assert_int_equal(r.refused, 1);
+    assert_int_equal(route_pipeline_retries(p), 0);
+    assert_int_equal(route_pipeline_refused_rows(p), 2);
+    route_pipeline_destroy(&p);
+    assert_int_equal(route_pipeline_refusals(NULL), 0);
+}
+
+static int flushed[ROUTE_ERRLOG_KINDS];
+static void count_line(void *arg, const route_errlog_kind *k)
+{
+    int *n = arg;
+    assert_true(k->pending > 0);
+    flushed[(*n)++] = (int)k->pending;
+}
+
+/* The error notes: the first of each (stage, code) at once, then at most
+ * one summary every period with what came since. */
+static void test_errlog(void **state)
+{
+    (void)state;
+    route_errlog e;
+    route_errlog_init(&e, 10, 100);
+    assert_int_equal(route_errlog_add(&e, 5, ERANGE, "norm 1e30 above 1e5"), 1);
+    assert_int_equal(route_errlog_add(&e, 5, ERANGE, "norm 2e30 above 1e5"), 0);
+    assert_int_equal(route_errlog_add(&e, 5, EBUSY, "queue full"), 1);
+    assert_int_equal(route_errlog_add(&e, 4, ERANGE, "x"), 1);
+    assert_int_equal(route_errlog_add(&e, -1, -ETIMEDOUT, "timed out"), 1);
+    assert_int_equal(e.n, 4);
+    assert_string_equal(e.k[0].last, "norm 2e30 above 1e5");
+    assert_int_equal(e.k[0].total, 2);
+    int n = 0;
+    assert_int_equal(route_errlog_flush(&e, 105, count_line, &n), 0); /* not due */
+    assert_int_equal(route_errlog_flush(&e, 110, count_line, &n), 1); /* stage 5 ERANGE: 1 since */
+    assert_int_equal(n, 1);
+    assert_int_equal(flushed[0], 1);
+    for (int i = 0; i < 50; i++)
+        assert_int_equal(route_errlog_add(&e, 5, ERANGE, "again"), 0);
+    assert_int_equal(route_errlog_add(&e, 5, EBUSY, "queue full"), 0);
+    n = 0;
+    assert_int_equal(route_errlog_flush(&e, 119, count_line, &n), 0); /* 10 s after the last line */
+    assert_int_equal(route_errlog_flush(&e, 120, count_line, &n), 2);
+    assert_int_equal(flushed[0], 50);
+    assert_int_equal(flushed[1], 1);
+    assert_int_equal(route_errlog_flush(&e, 500, count_line, &n), 0); /* nothing pending */
+    /* Bounded: kinds beyond the table are counted, not logged. */
+    for (int i = 0; i < 2 * ROUTE_ERRLOG_KINDS; i++)
+        route_errlog_add(&e, 10 + i, EIO, "io");
+    assert_int_equal(e.n, ROUTE_ERRLOG_KINDS);
+    assert_int_equal(e.dropped, 2 * ROUTE_ERRLOG_KINDS - (ROUTE_ERRLOG_KINDS - 4));
+}
+
 static void test_no_failures_one_inflight(void **state)
 {
     (void)state;
@@ -242,7 +375,7 @@ static void test_failures_and_reordering(void **state)
 static void test_limits_and_bad_input(void **state)
 {
     (void)state;
-    route_pipeline_config cfg = {S, widths, MAXB, 2, loss, NULL};
+    route_pipeline_config cfg = {S, widths, MAXB, 2, loss, NULL, 0};
     route_pipeline *p = route_pipeline_create(&cfg);
     assert_non_null(p);
     float x[MAXB * 8] = {0};
@@ -293,7 +426,7 @@ static void test_limits_and_bad_input(void **state)
     route_pipeline_destroy(&p);
 
     int bad_widths[S + 1] = {5, 0, 4, 3};
-    route_pipeline_config bad = {S, bad_widths, MAXB, 2, loss, NULL};
+    route_pipeline_config bad = {S, bad_widths, MAXB, 2, loss, NULL, 0};
     assert_null(route_pipeline_create(&bad));
     bad.widths = widths;
     bad.max_inflight = ROUTE_PIPELINE_MAX_INFLIGHT + 1;
@@ -310,6 +443,8 @@ int main(void)
         cmocka_unit_test(test_retries_counted_at_once),
         cmocka_unit_test(test_failures_and_reordering),
         cmocka_unit_test(test_limits_and_bad_input),
+        cmocka_unit_test(test_refusals_bounded),
+        cmocka_unit_test(test_errlog),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -33,6 +33,8 @@ static const char dht_help[] =
     "  -l, --listen HOST:PORT     local UDP address (default 0.0.0.0:0 or [::]:0)\n"
     "  -w, --timeout S            give up after S seconds (default 10)\n"
     "  -r, --raw-key              KEY is 40 hex digits\n"
+    "  -x, --value-hex            put: VALUE is hex digits (binary values, e.g. an\n"
+    "                             announcement's msgpack map)\n"
     "  -h, --help                 this text\n"
     "\n"
     "Exit status: 0 on success (put: stored on >= 1 node; get: >= 1 entry), 1 on\n"
@@ -44,6 +46,8 @@ typedef struct dht_cli {
     int is_put, exit_code, closing;
     uint8_t key[DHT_ID_LEN];
     const char *value;
+    size_t value_len;
+    uint8_t value_buf[DHT_MAX_VALUE];
     uint64_t ttl_ms;
 } dht_cli;
 
@@ -133,7 +137,7 @@ static void on_join(dht *d, int status, void *ud)
         return;
     }
     if (c->is_put)
-        rc = dht_put(d, c->key, NULL, 0, c->value, strlen(c->value), dht_now_ms() + c->ttl_ms, 1,
+        rc = dht_put(d, c->key, NULL, 0, c->value, c->value_len, dht_now_ms() + c->ttl_ms, 1,
                      on_put, c);
     else
         rc = dht_get(d, c->key, on_get, c);
@@ -153,12 +157,13 @@ int cmd_dht(int argc, char **argv)
         {"listen", required_argument, NULL, 'l'},
         {"timeout", required_argument, NULL, 'w'},
         {"raw-key", no_argument, NULL, 'r'},
+        {"value-hex", no_argument, NULL, 'x'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
     const char *peers_s = NULL, *identity = NULL, *swarm_key = NULL, *listen = NULL;
     long ttl = 600, timeout = 10;
-    int raw = 0, c, rc, n_peers;
+    int raw = 0, value_hex = 0, c, rc, n_peers;
     dht_peer_addr peers[16];
     dht_identity ident;
     dht_config cfg;
@@ -166,7 +171,7 @@ int cmd_dht(int argc, char **argv)
 
     optind = 1;
     opterr = 0;
-    while ((c = getopt_long(argc, argv, ":p:t:I:k:l:w:rh", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, ":p:t:I:k:l:w:rxh", opts, NULL)) != -1) {
         switch (c) {
         case 'p': peers_s = optarg; break;
         case 't':
@@ -181,6 +186,7 @@ int cmd_dht(int argc, char **argv)
                 return CLI_EXIT_USAGE;
             break;
         case 'r': raw = 1; break;
+        case 'x': value_hex = 1; break;
         case 'h': fputs(dht_help, stdout); return CLI_EXIT_OK;
         default: return cli_bad_option("dht", c, argv);
         }
@@ -198,8 +204,19 @@ int cmd_dht(int argc, char **argv)
             return cli_usage_error("dht", "usage: starling dht put KEY VALUE --initial-peers LIST");
         st.is_put = 1;
         st.value = argv[optind + 2];
-        if (strlen(st.value) > DHT_MAX_VALUE)
+        st.value_len = strlen(st.value);
+        if (value_hex) {
+            size_t bin = 0;
+            if (st.value_len % 2 != 0 || st.value_len / 2 > DHT_MAX_VALUE ||
+                sodium_hex2bin(st.value_buf, sizeof st.value_buf, st.value, st.value_len, NULL, &bin, NULL) != 0 ||
+                bin != st.value_len / 2)
+                return cli_usage_error("dht", "--value-hex: VALUE must be an even number of hex digits, at most "
+                                              "%d bytes", DHT_MAX_VALUE);
+            st.value = (const char *)st.value_buf;
+            st.value_len = bin;
+        } else if (st.value_len > DHT_MAX_VALUE) {
             return cli_usage_error("dht", "VALUE is longer than %d bytes", DHT_MAX_VALUE);
+        }
     } else {
         return cli_usage_error("dht", "unknown action '%s' (expected get or put)", verb);
     }

@@ -22,7 +22,8 @@ static const char train_help[] =
     "Trains a model whose stages are served by the swarm's peers on Fashion-MNIST\n"
     "(Debian package dataset-fashion-mnist). The trainer holds only the data and\n"
     "the loss: it finds each stage's holders in the DHT, keeps several micro-batches\n"
-    "in flight, and retries a failed call on another replica, so no batch is lost.\n"
+    "in flight, and retries a failed call on another replica, so no batch is lost\n"
+    "(except one whose gradient the holders refuse 3 times: its update is dropped).\n"
     "The optimizer runs on the peers (see 'starling peer --lr/--target-batch').\n"
     "\n"
     "Options:\n"
@@ -58,7 +59,9 @@ static const char train_help[] =
     "\n"
     "The --json line's \"status\" is \"rolled_back\" instead of \"ok\" when a holder\n"
     "went back to older weights during the run (listed in \"rollbacks\"; see\n"
-    "docs/operations.md).\n"
+    "docs/operations.md). \"refused\" counts backward calls a holder refused (its\n"
+    "gradient checks failed); a micro-batch refused 3 times is not retried again:\n"
+    "its samples count as processed, and \"refused_samples\" says how many.\n"
     "\n"
     "Exit status: 0 trained, 1 failed (no holder for a stage, unreachable swarm,\n"
     "bad data), 2 usage error.\n";
@@ -120,9 +123,9 @@ static void on_progress(void *arg, const route_train_progress *p)
         if (ui->jsonl)
             fprintf(ui->jsonl,
                     "{\"event\":\"step\",\"epoch\":%d,\"samples\":%ld,\"loss\":%.6f,"
-                    "\"elapsed_s\":%.3f,\"samples_per_s\":%.1f,\"retries\":%ld}\n",
+                    "\"elapsed_s\":%.3f,\"samples_per_s\":%.1f,\"retries\":%ld,\"refused\":%ld}\n",
                     p->epoch, p->done, p->loss, p->elapsed_s,
-                    p->elapsed_s > 0 ? (double)p->done / p->elapsed_s : 0.0, p->retries);
+                    p->elapsed_s > 0 ? (double)p->done / p->elapsed_s : 0.0, p->retries, p->refused);
         /* Whole lines, at once: the log is followed while training runs. */
         if (ui->jsonl)
             fflush(ui->jsonl);
@@ -149,9 +152,10 @@ static void on_epoch(void *arg, const route_epoch_result *e)
     if (ui->jsonl) {
         fprintf(ui->jsonl,
                 "{\"event\":\"epoch\",\"epoch\":%d,\"train_loss\":%.6f,\"test_loss\":%.6f,"
-                "\"test_acc\":%.6f,\"samples\":%ld,\"train_time_s\":%.3f,\"retries\":%ld}\n",
+                "\"test_acc\":%.6f,\"samples\":%ld,\"train_time_s\":%.3f,\"retries\":%ld,"
+                "\"refused\":%ld,\"refused_samples\":%ld}\n",
                 e->epoch, e->train_loss, e->test_loss, e->test_acc, e->samples, e->train_time_s,
-                e->retries);
+                e->retries, e->refused, e->refused_samples);
         fflush(ui->jsonl);
     }
 }
@@ -332,9 +336,10 @@ int cmd_train(int argc, char **argv)
     if (ui.jsonl) {
         fprintf(ui.jsonl,
                 "{\"event\":\"end\",\"status\":\"%s\",\"epochs\":%d,\"samples\":%ld,"
-                "\"samples_per_s\":%.1f,\"test_acc\":%.6f,\"retries\":%ld,",
+                "\"samples_per_s\":%.1f,\"test_acc\":%.6f,\"retries\":%ld,\"refused\":%ld,"
+                "\"refused_samples\":%ld,\"errors\":%ld,",
                 train_status(rc, &res), res.epochs, res.samples, res.samples_per_s, res.test_acc,
-                res.retries);
+                res.retries, res.refused, res.refused_samples, res.errors);
         print_rollbacks(ui.jsonl, &res);
         fputs("}\n", ui.jsonl);
         fclose(ui.jsonl);
@@ -360,9 +365,10 @@ int cmd_train(int argc, char **argv)
     route_data_free(&test);
     if (json) {
         printf("{\"samples_per_s\":%.1f,\"test_acc\":%.6f,\"test_loss\":%.6f,\"epochs\":%d,"
-               "\"samples\":%ld,\"retries\":%ld,\"train_time_s\":%.3f,",
+               "\"samples\":%ld,\"retries\":%ld,\"refused\":%ld,\"refused_batches\":%ld,"
+               "\"refused_samples\":%ld,\"errors\":%ld,\"train_time_s\":%.3f,",
                res.samples_per_s, res.test_acc, res.test_loss, res.epochs, res.samples, res.retries,
-               res.train_time_s);
+               res.refused, res.refused_batches, res.refused_samples, res.errors, res.train_time_s);
         print_rollbacks(stdout, &res);
         printf(",\"status\":\"%s\"}\n", train_status(rc, &res));
     }
@@ -370,6 +376,15 @@ int cmd_train(int argc, char **argv)
         return cli_fail("train", "%s", res.error[0] ? res.error : strerror(-rc));
     fprintf(stderr, "starling train: done: test accuracy %.4f after %d epoch%s, %.0f samples/s, %ld retries\n",
             res.test_acc, res.epochs, res.epochs == 1 ? "" : "s", res.samples_per_s, res.retries);
+    if (res.refused > 0)
+        fprintf(stderr, "starling train: holders refused %ld backward call%s (gradients out of bounds)%s\n",
+                res.refused, res.refused == 1 ? "" : "s",
+                res.refused_samples > 0 ? "; some micro-batches were refused every time" : "");
+    if (res.refused_samples > 0)
+        fprintf(stderr, "starling train: %ld sample%s of %ld processed without a full update: their "
+                        "backward was refused %d times, so it was dropped\n",
+                res.refused_samples, res.refused_samples == 1 ? "" : "s", res.samples,
+                ROUTE_PIPELINE_MAX_REFUSALS);
     if (res.n_rollbacks > 0)
         fprintf(stderr, "starling train: %d holder rollback%s: some stages went back to older weights "
                         "(a holder restarted from an older checkpoint or its initial weights)\n",
