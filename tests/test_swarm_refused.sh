@@ -11,7 +11,7 @@
 start_bootstrap
 start_peer a 0-4
 # Two replicas of the last stage that refuse every gradient (limit 1e-9).
-start_peer r 5 --grad-max-norm 1e-9
+start_peer r 5 --grad-max-norm 1e-9 --announce-every 2
 start_peer r2 5 --grad-max-norm 1e-9
 
 # 1. Every replica refuses: 10 micro-batches, each dropped after 3 refusals.
@@ -34,7 +34,11 @@ grep -q '"event":"end".*"refused":30,"refused_samples":640' "$T/t1.jsonl" || fai
 grep -q 'holders refused 30 backward calls' "$T/t1.err" || fail "no refusal count in the final lines"
 
 # 2. An honest replica beside the refusers: every backward ends up accepted.
+# A stage-4 replica whose learning rate is too small to change a float32
+# weight: its steps apply gradients and change nothing, so it must report
+# itself frozen after 2 such steps.
 start_peer h 5
+start_peer z 4 --lr 1e-12 --frozen-steps 2 --announce-every 2
 timeout 300 "$S" train --initial-peers "$BS" --train-samples 3000 --test-samples 1000 --json --timeout 5 \
     --metrics-log "" --plot "" >"$T/t2.out" 2>"$T/t2.err"
 rc=$?
@@ -47,4 +51,25 @@ acc=$(json_field "$T/t2.out" test_acc)
 awk "BEGIN { exit !(${acc:-0} >= 0.5) }" || fail "test accuracy $acc below 0.5"
 grep -q 'accepted a backward that holder [0-9a-f]\{8\} refused; backing off' "$T/t2.err" ||
     { fail "the refusers were not backed off"; show "$T/t2.err"; }
+grep -q 'block fmnist-mlp.4: weights have not moved in [0-9]* steps' "$T/z.err" ||
+    { fail "the frozen replica did not log it"; show "$T/z.err"; }
+
+# 3. The monitor shows both, from the announcements (every 2 s here).
+id_of() { sed -n 's#.*address .*/\([0-9a-f]\{40\}\)$#\1#p' "$T/$1.out" | tail -1; }
+ZID=$(id_of z)
+RID=$(id_of r)
+seen=0
+for i in $(seq 1 60); do
+    "$S" monitor --json --initial-peers "$BS" >"$T/mon.json" 2>"$T/mon.err"
+    if grep -q "\"id\":\"$ZID\"[^}]*\"frozen_steps\":[1-9]" "$T/mon.json" &&
+       grep -q "\"id\":\"$RID\"[^}]*\"grads_refused\":[1-9]" "$T/mon.json"; then
+        seen=1
+        break
+    fi
+    sleep 1
+done
+[ "$seen" = 1 ] || { fail "the monitor's JSON does not show the frozen and the refusing holder"; cat "$T/mon.json" >&2; }
+"$S" monitor --initial-peers "$BS" >"$T/mon.txt" 2>&1
+grep -q "FROZEN: peer $(echo "$ZID" | cut -c1-8)" "$T/mon.txt" || { fail "the monitor's text does not show FROZEN"; cat "$T/mon.txt" >&2; }
+grep -q "peer $(echo "$RID" | cut -c1-8) refused [0-9]* gradient" "$T/mon.txt" || fail "the monitor's text does not show the refusals"
 finish
