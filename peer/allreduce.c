@@ -1,6 +1,7 @@
 #include "peer/allreduce.h"
 
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,6 +23,7 @@ typedef struct ar_link {
     int timer_open;
     size_t off, len, pos;          /* the slice this phase pulls from member j */
     double weight;                 /* member j's weight (phase 1) */
+    float *part;                   /* member j's values of our part (phase 1) */
     int done;
 } ar_link;
 
@@ -34,8 +36,8 @@ struct peer_allreduce {
     uint8_t digest[PEER_AVG_DIGEST_LEN];
     int n, me, with_optim;
     size_t nflat, part_off, part_len;
-    float *acc;                    /* our part: the weighted sum, then the average */
-    double wsum, wself;
+    float *acc;                    /* our part's (robust) average */
+    double wself;
     float *avg;                    /* the whole result (phase 2) */
     ar_link links[PEER_ALLREDUCE_MAX_MEMBERS];
     int phase, remaining;
@@ -64,6 +66,220 @@ void peer_allreduce_digest(uint8_t out[PEER_AVG_DIGEST_LEN], uint64_t round,
     crypto_generichash_final(&st, out, PEER_AVG_DIGEST_LEN);
 }
 
+/* ---- the robust reduce (see allreduce.h for the rule and its guarantee) ---- */
+
+/* The median of v[0..m), m >= 1 (v is reordered). */
+static double median_of(double *v, int m)
+{
+    for (int i = 1; i < m; i++) {
+        double t = v[i];
+        int k = i;
+        for (; k > 0 && v[k - 1] > t; k--)
+            v[k] = v[k - 1];
+        v[k] = t;
+    }
+    return m % 2 ? v[m / 2] : 0.5 * (v[m / 2 - 1] + v[m / 2]);
+}
+
+/* The passes below are plain loops over a part (millions of floats); peer/
+ * builds at -O2, where GCC vectorises only the simplest loops, so they ask
+ * for -O3 -fno-trapping-math, as expert/ is built (without them the
+ * compare-exchanges below stay branches: 6-8x slower for groups of 5-8;
+ * tests/test_peer_robust.c --bench). */
+#if defined(__GNUC__) && !defined(__clang__)
+#define VECTORISE __attribute__((optimize("O3", "no-trapping-math")))
+#else
+#define VECTORISE
+#endif
+
+/* Plain comparisons (the values are finite): they vectorise, fminf need not. */
+#define MINF(a, b) ((a) < (b) ? (a) : (b))
+#define MAXF(a, b) ((a) < (b) ? (b) : (a))
+
+/* lo[u], hi[u] = the smaller, the larger of the two (64 lanes). */
+VECTORISE static inline void compare_exchange(float *restrict lo, float *restrict hi)
+{
+    float t[64];
+    for (int u = 0; u < 64; u++)
+        t[u] = MINF(lo[u], hi[u]);
+    for (int u = 0; u < 64; u++)
+        hi[u] = MAXF(lo[u], hi[u]);
+    memcpy(lo, t, sizeof t);
+}
+
+/* c[k] = the coordinate-wise median of the m rows xs over [0, len). */
+VECTORISE static void median_rows(const float *const *xs, int m, size_t len, float *c)
+{
+    if (m == 3) {
+        const float *a = xs[0], *b = xs[1], *d = xs[2];
+        for (size_t k = 0; k < len; k++) {
+            float lo = MINF(a[k], b[k]), hi = MAXF(a[k], b[k]);
+            c[k] = MINF(MAXF(d[k], lo), hi);
+        }
+        return;
+    }
+    if (m == 4) {
+        /* The two middle values are the larger of the pairs' minima and
+         * the smaller of their maxima. */
+        const float *a = xs[0], *b = xs[1], *d = xs[2], *e = xs[3];
+        for (size_t k = 0; k < len; k++) {
+            float lo = MAXF(MINF(a[k], b[k]), MINF(d[k], e[k]));
+            float hi = MINF(MAXF(a[k], b[k]), MAXF(d[k], e[k]));
+            c[k] = 0.5f * lo + 0.5f * hi;
+        }
+        return;
+    }
+    /* More members: an odd-even transposition sort of each coordinate's
+     * values, 64 coordinates at a time so that every compare-exchange is
+     * one branch-free pass over a row (it vectorises; a sort per
+     * coordinate does not). */
+    enum { B = 64 };
+    float v[PEER_ALLREDUCE_MAX_MEMBERS][B];
+    for (size_t k0 = 0; k0 < len; k0 += B) {
+        size_t nb = len - k0 < B ? len - k0 : B;
+        for (int i = 0; i < m; i++) {
+            memcpy(v[i], xs[i] + k0, nb * sizeof(float));
+            for (size_t u = nb; u < B; u++)
+                v[i][u] = 0;
+        }
+        for (int r = 0; r < m; r++)
+            for (int i = r & 1; i + 1 < m; i += 2)
+                compare_exchange(v[i], v[i + 1]);
+        for (size_t u = 0; u < nb; u++)
+            c[k0 + u] = m % 2 ? v[m / 2][u] : 0.5f * v[m / 2 - 1][u] + 0.5f * v[m / 2][u];
+    }
+}
+
+/* The L2 distance between x and c (len floats): float partial sums over
+ * short runs (vectorised), added up in double. */
+VECTORISE static double dist_to(const float *x, const float *c, size_t len)
+{
+    double s = 0;
+    for (size_t k0 = 0; k0 < len; k0 += 1024) {
+        size_t k1 = k0 + 1024 < len ? k0 + 1024 : len;
+        float acc[8] = {0};
+        size_t k = k0;
+        for (; k + 8 <= k1; k += 8)
+            for (int u = 0; u < 8; u++) {
+                float e = x[k + u] - c[k + u];
+                acc[u] += e * e;
+            }
+        for (; k < k1; k++) {
+            float e = x[k] - c[k];
+            acc[0] += e * e;
+        }
+        for (int u = 0; u < 8; u++)
+            s += acc[u];
+    }
+    return sqrt(s);
+}
+
+/* One segment slice: out[0..len) from the m rows xs with weights ws. */
+VECTORISE static void robust_slice(const float *const *xs, const double *ws, const int *idx, int m, size_t len,
+                                   float *out, peer_robust_stats *st)
+{
+    double wsum = 0, scale[PEER_ALLREDUCE_MAX_MEMBERS], d[PEER_ALLREDUCE_MAX_MEMBERS],
+           ds[PEER_ALLREDUCE_MAX_MEMBERS];
+    for (int i = 0; i < m; i++) {
+        wsum += ws[i];
+        scale[i] = 1.0;
+    }
+    /* out = (1 - A) c + sum a_i x_i, a_i = w_i s_i / W, A = sum a_i: that
+     * is c + sum a_i (x_i - c) computed in place, one pass per member. */
+    double amass = 1.0;
+    if (m >= 3) {
+        /* Two members cannot outvote each other: the mean is all we can do. */
+        median_rows(xs, m, len, out);
+        for (int i = 0; i < m; i++)
+            d[i] = ds[i] = dist_to(xs[i], out, len);
+        double med = median_of(ds, m), tau = PEER_ALLREDUCE_CLIP_FACTOR * med;
+        amass = 0;
+        for (int i = 0; i < m; i++) {
+            double r = med > 0 ? d[i] / med : d[i] > 0 ? INFINITY : 0;
+            if (r > st->max_ratio)
+                st->max_ratio = r;
+            if (d[i] > tau) {
+                scale[i] = tau / d[i];
+                st->clipped |= 1u << idx[i];
+            }
+            amass += ws[i] * scale[i] / wsum;
+        }
+    }
+    if (amass < 1.0 - 1e-12) {
+        float keep = (float)(1.0 - amass);
+        for (size_t k = 0; k < len; k++)
+            out[k] *= keep;
+    } else {
+        /* Nobody clipped: exactly the weighted mean, c drops out. */
+        memset(out, 0, len * sizeof(float));
+    }
+    for (int i = 0; i < m; i++) {
+        float a = (float)(ws[i] * scale[i] / wsum);
+        const float *x = xs[i];
+        for (size_t k = 0; k < len; k++)
+            out[k] += a * x[k];
+    }
+}
+
+VECTORISE static int all_finite(const float *x, size_t len)
+{
+    int bad = 0;
+    for (size_t k = 0; k < len; k++)
+        bad |= !(fabsf(x[k]) <= FLT_MAX);
+    return !bad;
+}
+
+int peer_allreduce_robust_mean(const float *const *x, const double *w, int n, size_t len, size_t off,
+                               size_t seg, float *out, peer_robust_stats *st)
+{
+    peer_robust_stats dummy;
+    if (!st)
+        st = &dummy;
+    memset(st, 0, sizeof *st);
+    if (!x || !w || !out || n < 1 || n > PEER_ALLREDUCE_MAX_MEMBERS)
+        return -EINVAL;
+    const float *xs[PEER_ALLREDUCE_MAX_MEMBERS];
+    double ws[PEER_ALLREDUCE_MAX_MEMBERS];
+    int idx[PEER_ALLREDUCE_MAX_MEMBERS], m = 0, positive = 0;
+    for (int j = 0; j < n; j++) {
+        if (!(w[j] >= 0) || !isfinite(w[j]))
+            return -EINVAL;
+        if (!x[j])
+            continue;
+        /* Checked whatever the weight: a weight-0 member's NaN times 0 is
+         * NaN too, and the log should name it either way. */
+        if (!all_finite(x[j], len)) {
+            st->dropped |= 1u << j;
+            positive += w[j] > 0;
+            continue;
+        }
+        if (!(w[j] > 0))
+            continue; /* initial weights: neither counted nor voting */
+        positive++;
+        xs[m] = x[j];
+        ws[m] = w[j];
+        idx[m] = j;
+        m++;
+    }
+    if (m == 0)
+        return positive ? -ERANGE : -ENODATA;
+    size_t k = 0;
+    while (k < len) {
+        size_t end = len;
+        if (seg > 0) {
+            size_t next = ((off + k) / seg + 1) * seg; /* the next segment boundary */
+            if (next - off < end)
+                end = next - off;
+        }
+        const float *ys[PEER_ALLREDUCE_MAX_MEMBERS];
+        for (int i = 0; i < m; i++)
+            ys[i] = xs[i] + k;
+        robust_slice(ys, ws, idx, m, end - k, out + k, st);
+        k = end;
+    }
+    return 0;
+}
+
 static void on_handle_closed(uv_handle_t *h);
 
 static void release(peer_allreduce *ar)
@@ -72,6 +288,8 @@ static void release(peer_allreduce *ar)
         return;
     ar->res.seconds = (double)(uv_now(ar->loop) - ar->t0) / 1000.0;
     ar->cb(ar->arg, ar->status, &ar->res);
+    for (int j = 0; j < ar->n; j++)
+        free(ar->links[j].part);
     free(ar->acc);
     free(ar->avg);
     free(ar);
@@ -122,14 +340,26 @@ static void pull(ar_link *l);
 
 static void start_phase2(peer_allreduce *ar)
 {
-    if (!(ar->wsum > 0)) {
-        /* Every member still has its initial weights: nothing to average. */
-        finish(ar, -ENODATA);
+    const float *x[PEER_ALLREDUCE_MAX_MEMBERS];
+    double w[PEER_ALLREDUCE_MAX_MEMBERS];
+    const float *base = peer_service_avg_base(ar->svc, ar->bi);
+    for (int j = 0; j < ar->n; j++) {
+        x[j] = j == ar->me ? (base ? base + ar->part_off : NULL) : ar->links[j].part;
+        w[j] = j == ar->me ? ar->wself : ar->links[j].weight;
+    }
+    /* Segments: parameters, m, v (expert_block_flat_len: 3 * nparams). */
+    size_t seg = ar->nflat % 3 == 0 ? ar->nflat / 3 : 0;
+    peer_robust_stats st;
+    int rc = peer_allreduce_robust_mean(x, w, ar->n, ar->part_len, ar->part_off, seg, ar->acc, &st);
+    ar->res.dropped = st.dropped;
+    ar->res.clipped = st.clipped;
+    if (rc != 0) {
+        /* -ENODATA: every member still has its initial weights, nothing to
+         * average; -ERANGE: every member with something to give sent
+         * non-finite values. */
+        finish(ar, rc);
         return;
     }
-    float inv = (float)(1.0 / ar->wsum);
-    for (size_t k = 0; k < ar->part_len; k++)
-        ar->acc[k] *= inv;
     for (size_t k = 0; k < ar->part_len; k++)
         if (!isfinite(ar->acc[k])) {
             finish(ar, -ERANGE);
@@ -137,7 +367,11 @@ static void start_phase2(peer_allreduce *ar)
         }
     peer_service_avg_reduced(ar->svc, ar->bi, ar->acc);
     memcpy(ar->avg + ar->part_off, ar->acc, ar->part_len * sizeof(float));
-    ar->res.weight_self = ar->wself / ar->wsum;
+    double wsum = 0;
+    for (int j = 0; j < ar->n; j++)
+        if (!(st.dropped >> j & 1))
+            wsum += w[j];
+    ar->res.weight_self = wsum > 0 && !(st.dropped >> ar->me & 1) ? ar->wself / wsum : 0.0;
     ar->phase = 2;
     ar->remaining = 0;
     for (int j = 0; j < ar->n; j++) {
@@ -159,6 +393,126 @@ static void start_phase2(peer_allreduce *ar)
             pull(&ar->links[j]);
 }
 
+/* How far the average moves our own values over [off, off + len): *r =
+ * the L2 distance between avg and base over base's L2 norm (with a zero
+ * base, the distance itself), *cos = the cosine between that change and
+ * base (0 when either is zero). */
+static void piece_change(const float *avg, const float *base, size_t off, size_t len, double *r, double *cos)
+{
+    double d = 0, b = 0, db = 0;
+    for (size_t k = off; k < off + len; k++) {
+        double e = (double)avg[k] - base[k];
+        d += e * e;
+        b += (double)base[k] * base[k];
+        db += e * base[k];
+    }
+    *r = b > 0 ? sqrt(d / b) : sqrt(d);
+    *cos = d > 0 && b > 0 ? db / sqrt(d * b) : 0.0;
+}
+
+int peer_allreduce_check_parts(const float *avg, const float *base, size_t nflat, int n, int me, uint32_t *rejected)
+{
+    if (rejected)
+        *rejected = 0;
+    if (!avg || !base || !rejected || n < 2 || n > PEER_ALLREDUCE_MAX_MEMBERS || me < 0 || me >= n)
+        return -EINVAL;
+    /* Segments: parameters, m, v (as in the reduce); one segment, treated
+     * as parameters, when the state is not three equal thirds. */
+    int three = nflat % 3 == 0 && nflat > 0;
+    size_t seg = three ? nflat / 3 : nflat;
+    /* How far our own part (reduced by us, robustly) moves us, in its most
+     * moved piece: when that is large, we are the one far from the group,
+     * and the other parts may move us as far. */
+    double own = 0;
+    {
+        size_t off, len;
+        peer_avg_part(nflat, n, me, &off, &len);
+        for (int t = 0; t < (three ? 3 : 1); t++) {
+            size_t s0 = (size_t)t * seg, s1 = s0 + seg;
+            size_t a = off > s0 ? off : s0, b = off + len < s1 ? off + len : s1;
+            double r, c;
+            if (b > a) {
+                piece_change(avg, base, a, b - a, &r, &c);
+                own = r > own ? r : own;
+            }
+        }
+    }
+    for (int t = 0; t < (three ? 3 : 1); t++) {
+        size_t s0 = (size_t)t * seg, s1 = s0 + seg;
+        double r[PEER_ALLREDUCE_MAX_MEMBERS], c[PEER_ALLREDUCE_MAX_MEMBERS], sorted[PEER_ALLREDUCE_MAX_MEMBERS];
+        int has[PEER_ALLREDUCE_MAX_MEMBERS], m = 0;
+        for (int j = 0; j < n; j++) {
+            size_t off, len;
+            peer_avg_part(nflat, n, j, &off, &len);
+            size_t a = off > s0 ? off : s0, b = off + len < s1 ? off + len : s1;
+            has[j] = b > a;
+            r[j] = c[j] = 0;
+            if (has[j]) {
+                piece_change(avg, base, a, b - a, &r[j], &c[j]);
+                sorted[m++] = r[j];
+            }
+        }
+        /* The reference: the median change over the pieces of this
+         * segment when there are three or more (an honest majority of
+         * reducers makes it an honest change), at least our own piece's,
+         * which we reduced ourselves; with fewer, our own piece's alone;
+         * without one, none. */
+        double ref = -1;
+        if (m >= 3) {
+            for (int i = 1; i < m; i++) {
+                double x = sorted[i];
+                int k = i;
+                for (; k > 0 && sorted[k - 1] > x; k--)
+                    sorted[k] = sorted[k - 1];
+                sorted[k] = x;
+            }
+            ref = m % 2 ? sorted[m / 2] : 0.5 * (sorted[m / 2 - 1] + sorted[m / 2]);
+        }
+        if (has[me] && r[me] > ref)
+            ref = r[me];
+        double rmax = t == 0 ? PEER_ALLREDUCE_PART_MAX_PARAMS : PEER_ALLREDUCE_PART_MAX_MOMENTS;
+        for (int j = 0; j < n; j++) {
+            if (j == me || !has[j])
+                continue;
+            int bad = 0;
+            if (ref >= 0 && r[j] > PEER_ALLREDUCE_PART_FACTOR * ref + PEER_ALLREDUCE_PART_FLOOR)
+                bad = 1;
+            /* The absolute rules hold where the part moves us much more
+             * than our own part does: parameters and second moments
+             * pulled toward zero or blown up along themselves (m, a noisy
+             * average of gradients, can honestly change that way, and
+             * zeroed it only resets momentum), or moved beyond rmax. */
+            if (r[j] > 2 * own && (r[j] > rmax || (t != 1 && r[j] >= 0.5 && fabs(c[j]) >= 0.9)))
+                bad = 1;
+            if (bad)
+                *rejected |= 1u << j;
+        }
+    }
+    return 0;
+}
+
+/* Phase 2 is complete: before applying, check every other reducer's part
+ * against ours (peer_allreduce_check_parts); a rejected part keeps our own
+ * values (the round's base) for its coordinates, as if that slice were not
+ * averaged, so a hostile reducer moves nothing it publishes far off. */
+static void finish_phase2(peer_allreduce *ar)
+{
+    const float *base = peer_service_avg_base(ar->svc, ar->bi);
+    uint32_t rejected = 0;
+    /* A member with weight 0 (initial weights) has nothing to defend and
+     * nothing to compare with: it takes the group's average. */
+    if (base && ar->wself > 0 && peer_allreduce_check_parts(ar->avg, base, ar->nflat, ar->n, ar->me, &rejected) == 0 && rejected) {
+        for (int j = 0; j < ar->n; j++)
+            if (rejected >> j & 1) {
+                size_t off, len;
+                peer_avg_part(ar->nflat, ar->n, j, &off, &len);
+                memcpy(ar->avg + off, base + off, len * sizeof(float));
+            }
+        ar->res.rejected = rejected;
+    }
+    finish(ar, 0);
+}
+
 static void link_done(ar_link *l)
 {
     peer_allreduce *ar = l->ar;
@@ -168,7 +522,7 @@ static void link_done(ar_link *l)
     if (ar->phase == 1)
         start_phase2(ar);
     else
-        finish(ar, 0);
+        finish_phase2(ar);
 }
 
 static void on_retry(uv_timer_t *t)
@@ -213,15 +567,19 @@ static void on_reply(void *arg, int status, const peer_msg *m)
             finish(ar, -EBADMSG);
             return;
         }
-        if (l->pos == 0) {
+        if (l->pos == 0)
             l->weight = w;
-            ar->wsum += w;
-        }
-        float fw = (float)w;
-        float *acc = ar->acc + (l->off - ar->part_off) + l->pos;
-        for (size_t k = 0; k < count; k++)
-            acc[k] += fw * x[k];
+        /* Kept whole: the robust reduce needs every member's values. */
+        memcpy(l->part + l->pos, x, count * sizeof(float));
     } else {
+        for (size_t k = 0; k < count; k++)
+            if (!isfinite(x[k])) {
+                /* Its reducer published garbage: applying any of it would
+                 * poison us, and dropping it would leave a torn state. */
+                ar->res.bad_reducer = l->j;
+                finish(ar, -ERANGE);
+                return;
+            }
         memcpy(ar->avg + l->off + l->pos, x, count * sizeof(float));
     }
     l->pos += count;
@@ -313,11 +671,20 @@ int peer_allreduce_start(const peer_allreduce_config *c, peer_allreduce **out)
         free(ar);
         return -ENOMEM;
     }
-    const float *base = peer_service_avg_base(c->svc, c->block);
-    float fw = (float)ar->wself;
-    for (size_t k = 0; k < ar->part_len; k++)
-        ar->acc[k] = fw * base[ar->part_off + k];
-    ar->wsum = ar->wself;
+    for (int j = 0; j < c->n; j++) {
+        if (j == c->me || ar->part_len == 0)
+            continue;
+        if (!(ar->links[j].part = malloc(ar->part_len * sizeof(float)))) {
+            for (int i = 0; i < j; i++)
+                free(ar->links[i].part);
+            peer_service_avg_release(c->svc, c->block);
+            free(ar->acc);
+            free(ar->avg);
+            free(ar);
+            return -ENOMEM;
+        }
+    }
+    ar->res.bad_reducer = -1;
     ar->phase = 1;
 
     uv_timer_init(c->loop, &ar->deadline);

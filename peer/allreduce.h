@@ -11,6 +11,15 @@
  * With the whole average in hand it applies it as one new weight version,
  * keeping the updates made during the round (expert_block_flat_apply).
  *
+ * The reduce is robust (peer_allreduce_robust_mean): a member whose
+ * contribution holds a non-finite value is left out of our part's average,
+ * and with three or more contributors a member far from the others is
+ * pulled in to PEER_ALLREDUCE_CLIP_FACTOR times the typical distance
+ * before it is averaged, so a hostile minority moves the result a bounded
+ * amount; an honest group, whose members are about equally far from its
+ * median, gets the exact weighted mean. A reduced part that comes back
+ * non-finite refuses the round.
+ *
  * A member in another group for the same round answers EAGAIN and is asked
  * again until the deadline (the daemon regroups meanwhile). A group whose
  * weights are all 0 fails with -ENODATA.
@@ -47,6 +56,14 @@ typedef struct peer_allreduce_result {
     double dist_before, dist_after; /* our parameters' L2 distance to the group average */
     double seconds;                /* begin to apply */
     uint64_t bytes_in;             /* tensor bytes received */
+    /* What the robust reduce did with each member's contribution to our
+     * part (bit j: members[j]): left out for a non-finite value, or
+     * clipped (pulled in toward the median). */
+    uint32_t dropped, clipped;
+    int bad_reducer;               /* member whose reduced part was non-finite, or -1 */
+    uint32_t rejected;             /* bit j: members[j]'s reduced part moved our values far
+                                      more than the others' did (peer_allreduce_check_parts);
+                                      we kept our own values for it */
 } peer_allreduce_result;
 
 /* status 0: the average was applied; otherwise a negative errno and the
@@ -85,5 +102,103 @@ void peer_allreduce_cancel(peer_allreduce *ar);
  * each followed by a byte the caller chooses (the optimizer kind). */
 void peer_allreduce_digest(uint8_t out[PEER_AVG_DIGEST_LEN], uint64_t round,
                            const uint8_t (*ids)[DHT_ID_LEN], const uint8_t *tags, int n);
+
+/* ---- The robust reduce (pure; exposed for tests and benchmarks) ----
+ *
+ * Why this rule: the plain weighted mean lets one member move the result
+ * anywhere (zeros, 1e30, NaN, huge optimizer moments). The rule is one
+ * step of CenteredClip (Karimireddy et al. 2021, as in hivemind's robust
+ * averaging) started at the coordinate-wise median, with the clipping
+ * radius taken from the data; it is the weighted mean whenever nobody is
+ * clipped, so honest rounds lose nothing, and costs a few passes over the
+ * part. Per segment of the flat state (parameters, m, v: their scales
+ * differ by orders of magnitude, so a distance over the mix would let the
+ * moments be blown up unseen), over the members with a positive weight
+ * and finite values (m of them):
+ *   c   = the coordinate-wise median of their values (mean of the two
+ *         middle ones for even m);
+ *   d_j = the L2 distance of member j's values to c;
+ *   tau = PEER_ALLREDUCE_CLIP_FACTOR * median(d_j);
+ *   y_j = c + min(1, tau / d_j) (x_j - c)        (clipped when d_j > tau);
+ *   out = sum w_j y_j / sum w_j.
+ * Guarantee: with f < m/2 hostile members (any values, any weights), c
+ * lies coordinate by coordinate between the honest members' smallest and
+ * largest value, so |c - mu| <= D, and tau <= FACTOR * D, where mu is the
+ * honest members' weighted mean and D the L2 norm of the honest
+ * coordinate-wise range (max - min) in that segment: |out - mu| <= (1 +
+ * FACTOR) D, however large the hostile values or weights. When no honest
+ * member is clipped, |out - mu| <= (W_bad / W) (1 + FACTOR) D, with W_bad /
+ * W the hostile share of the weight. With m <= 2 there is no majority to
+ * tell who is right: the result is the weighted mean of the finite
+ * contributions. Weight-0 members (initial weights) neither count nor vote. */
+#ifndef PEER_ALLREDUCE_CLIP_FACTOR
+#define PEER_ALLREDUCE_CLIP_FACTOR 4.0
+#endif
+
+typedef struct peer_robust_stats {
+    uint32_t dropped;              /* bit j: x[j] held a non-finite value */
+    uint32_t clipped;              /* bit j: x[j] was clipped in some segment */
+    double max_ratio;              /* the largest d_j / median(d) seen (diagnostic) */
+} peer_robust_stats;
+
+/* Reduces the contributions x[0..n) (each len floats, or NULL: left out)
+ * with weights w[0..n) (finite, >= 0) into out (len floats) by the rule
+ * above. The values are a slice starting at offset `off` of a flat vector
+ * whose segments are `seg` floats long (segments start at multiples of
+ * seg; 0: one segment). n <= PEER_ALLREDUCE_MAX_MEMBERS. st may be NULL.
+ * Returns 0; -ENODATA when no member has a positive weight (nothing to
+ * average; out untouched); -ERANGE when every member with a positive
+ * weight was dropped; -EINVAL. Allocates nothing. */
+int peer_allreduce_robust_mean(const float *const *x, const double *w, int n, size_t len, size_t off,
+                               size_t seg, float *out, peer_robust_stats *st);
+
+
+/* ---- Checking the parts other members reduced ----
+ *
+ * Each member reduces one part and the others adopt it, so a hostile
+ * member could publish anything finite for its own part. Before applying,
+ * a member with a positive weight checks every other member's part, piece
+ * by piece (a piece: the part's coordinates within one segment: parameters,
+ * m or v), by how far it moves the member's own values: r = |avg - own| /
+ * |own| and the cosine between (avg - own) and own. A part is rejected,
+ * and the member keeps its own values for it (as if that slice were not
+ * averaged), when a piece
+ *   - moves it more than PEER_ALLREDUCE_PART_FACTOR times the segment's
+ *     reference + PEER_ALLREDUCE_PART_FLOOR, the reference being the
+ *     median r over the segment's pieces when there are three or more, and
+ *     at least the member's own piece's r (it reduced that one itself);
+ *   - moves it more than twice as far as the member's own part does (in
+ *     its most moved piece: a member far from the group is moved far by
+ *     every part) and either more than PEER_ALLREDUCE_PART_MAX_PARAMS
+ *     (parameters) or PEER_ALLREDUCE_PART_MAX_MOMENTS (m, v) relative, or
+ *     (parameters and v) by half or more, toward zero or away from it
+ *     along its own values (|cosine| >= 0.9): zeroed or scaled.
+ * Honest parts move a member about as far as each other (the members'
+ * differences are spread over all coordinates) and in no particular
+ * direction, so honest rounds reject nothing; a part of zeros, a scaled
+ * part or a blown-up part is rejected. Guarantee: whatever a hostile
+ * reducer publishes, an honest member's values over that part move by at
+ * most FACTOR x the segment's honest reference + FLOOR where there is a
+ * reference, and by at most PART_MAX relative (or twice what its own part
+ * moves it) in any case. A false
+ * rejection costs only that slice's averaging for one round (logged). */
+#ifndef PEER_ALLREDUCE_PART_FACTOR
+#define PEER_ALLREDUCE_PART_FACTOR 10.0
+#endif
+#ifndef PEER_ALLREDUCE_PART_FLOOR
+#define PEER_ALLREDUCE_PART_FLOOR 1e-3
+#endif
+#ifndef PEER_ALLREDUCE_PART_MAX_PARAMS
+#define PEER_ALLREDUCE_PART_MAX_PARAMS 1.0
+#endif
+#ifndef PEER_ALLREDUCE_PART_MAX_MOMENTS
+#define PEER_ALLREDUCE_PART_MAX_MOMENTS 20.0
+#endif
+
+/* avg and base: the whole flat vector (nflat floats), parts split by
+ * peer_avg_part among n members, me = our index. Sets *rejected (bit j:
+ * part j rejected; never our own). Returns 0 or -EINVAL. */
+int peer_allreduce_check_parts(const float *avg, const float *base, size_t nflat, int n, int me,
+                               uint32_t *rejected);
 
 #endif

@@ -39,6 +39,11 @@ typedef struct avg_block {
     peer_avg_group next;
     uint64_t done_round;         /* the last round applied here (0: none) */
     uint64_t rounds, abandoned;
+    uint64_t dropped, clipped;   /* contributions (peer_averaging_stats) */
+    peer_avg_group cur;          /* the group ar runs */
+    uint64_t said_round;         /* members already named for this round: */
+    uint8_t said[PEER_ALLREDUCE_MAX_MEMBERS * 2][DHT_ID_LEN];
+    int n_said;
     int group;
     int alone_said, period_said, skip_said;
 } avg_block;
@@ -194,10 +199,54 @@ static void begin_group(avg_block *c, const peer_avg_group *g)
     int rc = peer_allreduce_start(&ac, &c->ar);
     if (rc == 0) {
         memcpy(c->digest, g->digest, PEER_AVG_DIGEST_LEN);
+        c->cur = *g;
         av->inflight++;
     } else {
         c->abandoned++;
         say(av, "%s: cannot begin averaging round %" PRIu64 ": %s", info.name, c->round, strerror(-rc));
+    }
+}
+
+/* Names member j of the current group once per round: counts it and logs
+ * why (what: 0 dropped, 1 clipped, 2 published a non-finite reduced part, 3 published a reduced
+ * part far from the others', which we did not apply). A round that is
+ * regrouped can reduce twice; the member is still named once. */
+static void name_member(avg_block *c, const char *block, int j, int what)
+{
+    peer_averaging *av = c->av;
+    if (j < 0 || j >= c->cur.n)
+        return;
+    const peer_allreduce_member *m = &c->cur.members[j];
+    if (c->said_round != c->round) {
+        c->said_round = c->round;
+        c->n_said = 0;
+    }
+    for (int i = 0; i < c->n_said; i++)
+        if (!memcmp(c->said[i], m->id, DHT_ID_LEN))
+            return;
+    if (c->n_said < (int)(sizeof c->said / sizeof c->said[0]))
+        memcpy(c->said[c->n_said++], m->id, DHT_ID_LEN);
+    char hex[17];
+    for (int i = 0; i < 8; i++)
+        snprintf(hex + 2 * i, 3, "%02x", m->id[i]);
+    if (what == 0) {
+        c->dropped++;
+        say(av, "%s: averaging round %" PRIu64 ": member %s (%s) sent non-finite values; left out of the average "
+                "of our part", block, c->round, hex, m->addr);
+    } else if (what == 1) {
+        c->clipped++;
+        say(av, "%s: averaging round %" PRIu64 ": member %s (%s) sent values far from the group's (over %.0fx the "
+                "typical distance to the median); clipped", block, c->round, hex, m->addr,
+            PEER_ALLREDUCE_CLIP_FACTOR);
+    } else if (what == 2) {
+        c->dropped++;
+        say(av, "%s: averaging round %" PRIu64 ": member %s (%s) published a non-finite average of its part; "
+                "round refused", block, c->round, hex, m->addr);
+    } else {
+        c->dropped++;
+        say(av, "%s: averaging round %" PRIu64 ": member %s (%s) published an average of its part that moves "
+                "our values over %.0fx as far as the others' parts do; kept our own values there",
+            block, c->round, hex, m->addr, PEER_ALLREDUCE_PART_FACTOR);
     }
 }
 
@@ -213,6 +262,17 @@ static void on_round_done(void *arg, int status, const peer_allreduce_result *re
     }
     peer_block_info info;
     block_name(av, c->block, &info);
+    for (int j = 0; j < c->cur.n && j < 32; j++) {
+        if (res->dropped >> j & 1)
+            name_member(c, info.name, j, 0);
+        else if (res->clipped >> j & 1)
+            name_member(c, info.name, j, 1);
+    }
+    if (res->bad_reducer >= 0)
+        name_member(c, info.name, res->bad_reducer, 2);
+    for (int j = 0; j < c->cur.n && j < 32; j++)
+        if (res->rejected >> j & 1)
+            name_member(c, info.name, j, 3);
     if (status == 0) {
         c->has_next = 0; /* it succeeded before the cancel took: done for this round */
         c->done_round = c->round;
@@ -462,6 +522,8 @@ void peer_averaging_get_stats(const peer_averaging *av, int i, peer_averaging_st
     out->rounds = av->b[i].rounds;
     out->abandoned = av->b[i].abandoned;
     out->group = av->b[i].group;
+    out->dropped = av->b[i].dropped;
+    out->clipped = av->b[i].clipped;
 }
 
 static void on_timer_closed(uv_handle_t *h)

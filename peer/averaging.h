@@ -19,7 +19,9 @@
  * gathering window on a loaded machine made the rule, not the exception).
  *
  * Every completed and abandoned round is counted per block (the
- * announcement, the metrics and the monitor show both). A peer that sees a
+ * announcement, the metrics and the monitor show both), and so is every
+ * contribution the robust reduce dropped or clipped; the log names the
+ * member, once per round. A peer that sees a
  * replica with another period says once how often they meet.
  *
  * Loop thread only.
@@ -75,6 +77,13 @@ typedef struct peer_averaging_stats {
     uint64_t rounds;               /* completed (applied) */
     uint64_t abandoned;            /* begun and abandoned (weights unchanged) */
     int group;                     /* size of the last completed round's group */
+    /* Contributions of other members (each counted once per round and
+     * member, as the log names them): left out of our part's average for
+     * non-finite values, a reduced part that came back non-finite, or a
+     * reduced part far from the others' that we did not apply (dropped,
+     * peer_allreduce_check_parts); pulled in toward the group's median because they were far
+     * from it (clipped). See peer_allreduce_robust_mean. */
+    uint64_t dropped, clipped;
 } peer_averaging_stats;
 
 typedef struct peer_averaging peer_averaging;

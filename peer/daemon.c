@@ -761,6 +761,19 @@ static size_t render_metrics(char *buf, size_t cap, void *arg)
                  "starling_avg_rounds_total{block=\"%s\",result=\"abandoned\"} %" PRIu64 "\n",
                  info.name, as.rounds, info.name, as.abandoned);
         }
+        EMIT("# HELP starling_avg_contributions_total Other members' contributions to averaging rounds the "
+             "robust reduce did not take as sent (dropped: non-finite, or a reduced part far from the "
+             "others'; clipped: pulled in toward the group's median).\n"
+             "# TYPE starling_avg_contributions_total counter\n");
+        for (int i = 0; i < nb; i++) {
+            if (peer_service_block_info(d->svc, i, &info) != 0)
+                continue;
+            peer_averaging_stats as;
+            peer_averaging_get_stats(d->avg, i, &as);
+            EMIT("starling_avg_contributions_total{block=\"%s\",result=\"dropped\"} %" PRIu64 "\n"
+                 "starling_avg_contributions_total{block=\"%s\",result=\"clipped\"} %" PRIu64 "\n",
+                 info.name, as.dropped, info.name, as.clipped);
+        }
     }
     /* The tensor RPC server and its limits (docs/rpc.md, "Limits"). */
     peer_rpc_server_stats rs;

@@ -2,7 +2,8 @@
  * butterfly all-reduce and each ends with the sample-weighted average of
  * the three (parameters and optimizer state), the same on all of them; a
  * member that fails or vanishes mid-round leaves the others' weights
- * bit-for-bit unchanged; bad averaging requests get clear errors. */
+ * bit-for-bit unchanged; a member serving NaN or 1e30 is left out or
+ * clipped; bad averaging requests get clear errors. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <math.h>
@@ -307,6 +308,81 @@ static void test_weighted_average(void **state)
     stop_all();
 }
 
+/* A hostile member (here member 2, whose served base is overwritten once
+ * the round began): NaNs in every part are left out by every reducer, and
+ * the honest members end with exactly the weighted mean of the two of
+ * them; values of 1e30 are clipped, and the honest members end within the
+ * robust reduce's guarantee of their mean (peer/allreduce.h). */
+static void hostile_member(int nan)
+{
+    start_all();
+    train(0, 4, 7);
+    train(1, 1, 8);
+    train(2, 1, 9);
+    size_t n = 0;
+    float *base[2];
+    for (int k = 0; k < 2; k++)
+        base[k] = flat_of(k, &n);
+    uint8_t dg[PEER_AVG_DIGEST_LEN];
+    digest_for(dg, 43);
+    outcome o[N];
+    for (int k = 0; k < N; k++)
+        assert_int_equal(start_round(k, 43, dg, 20.0, &o[k]), 0);
+    float *bad = (float *)peer_service_avg_base(svc[2], 0); /* what member 2 serves */
+    for (size_t i = 0; i < n; i++)
+        if (!nan)
+            bad[i] = 1e30f;
+        else if (i % 5000 == 3)
+            bad[i] = NAN;
+    for (int k = 0; k < N; k++)
+        run_until(&o[k].done);
+    const double w[2] = {65, 17};
+    size_t nparam = n / 3;
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(o[k].status, 0);
+        if (nan)
+            assert_int_equal(o[k].res.dropped, 1u << 2);
+        else
+            assert_int_equal(o[k].res.clipped, 1u << 2);
+        float *after = flat_of(k, &n);
+        double err = 0, dist[3] = {0}, spread[3] = {0};
+        for (size_t i = 0; i < n; i++) {
+            double mu = (w[0] * base[0][i] + w[1] * base[1][i]) / (w[0] + w[1]);
+            double e = fabs(after[i] - mu), r = fabs((double)base[0][i] - base[1][i]);
+            if (!(e <= INFINITY))
+                fail_msg("member %d: element %zu is %g", k, i, after[i]);
+            if (e / (1.0 + fabs(mu)) > err)
+                err = e / (1.0 + fabs(mu));
+            dist[i / nparam] += e * e;
+            spread[i / nparam] += r * r;
+        }
+        print_message("hostile member (%s): member %d ends %.3g (max rel) from the honest mean; parameters "
+                      "%.4g away, honest spread %.4g\n", nan ? "NaN" : "1e30", k, err, sqrt(dist[0]),
+                      sqrt(spread[0]));
+        if (nan)
+            assert_true(err < 1e-5);
+        else
+            for (int s = 0; s < 3; s++)
+                assert_true(sqrt(dist[s]) <= (1 + PEER_ALLREDUCE_CLIP_FACTOR) * sqrt(spread[s]) * 1.0001 + 1e-9);
+        free(after);
+    }
+    for (int k = 0; k < 2; k++)
+        free(base[k]);
+    stop_all();
+}
+
+static void test_hostile_nan(void **state)
+{
+    (void)state;
+    hostile_member(1);
+}
+
+static void test_hostile_huge(void **state)
+{
+    (void)state;
+    hostile_member(0);
+}
+
 /* A member that fails before reducing its part: the others abandon the
  * round and keep their weights bit for bit. */
 static void test_member_fails(void **state)
@@ -556,6 +632,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_member_fails, setup, teardown),
         cmocka_unit_test_setup_teardown(test_member_vanishes, setup, teardown),
         cmocka_unit_test_setup_teardown(test_all_initial_weights, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_hostile_nan, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_hostile_huge, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_requests, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
