@@ -742,7 +742,7 @@ struct step_ctx {
     const float *src;
     float gscale;
     uint64_t t;
-    double sums[EXPERT__POOL_MAX][2]; /* per part: Σ Δp², Σ p'² (+ 0·(m + v)) */
+    double sums[EXPERT__POOL_MAX_PARTS][2]; /* per part (expert__parallel's n): Σ Δp², Σ p'² (+ 0·(m + v)) */
 };
 
 /* Σ grads² over the thread budget. The gradient is cut into at most
@@ -863,8 +863,10 @@ static int step_locked(expert_block *b, const struct expert_optim *o,
      * huge one (a grad_output of 1e30) overflows AdamW's v, after which
      * the weights never move again. Either is refused before it touches
      * the moments, and the whole accumulation is dropped (guard.h). */
-    if (expert_guard_check(&b->guard, &b->guard_cfg, norm, "averaged gradient", why, sizeof why) < 0)
+    if (expert_guard_check(&b->guard, &b->guard_cfg, norm, "averaged gradient", why, sizeof why) < 0) {
+        expert_guard_observe(&b->guard, &b->guard_cfg, norm); /* guard.h: refused norms lift it too */
         return step_refused(b, why);
+    }
     if (o->clip_norm > 0.0f && norm > o->clip_norm)
         gscale *= (float)(o->clip_norm / (norm + 1e-6)); /* torch clip_grad_norm_ */
     const float *src = current_params(b);
@@ -876,7 +878,7 @@ static int step_locked(expert_block *b, const struct expert_optim *o,
     struct step_ctx sc = {b, o, dst, src, gscale, t, {{0}}};
     expert__parallel(step_part, &sc, b->n * 7);
     double dd = 0, pp = 0;
-    for (int i = 0; i < EXPERT__POOL_MAX; i++) {
+    for (int i = 0; i < EXPERT__POOL_MAX_PARTS; i++) {
         dd += sc.sums[i][0];
         pp += sc.sums[i][1];
     }

@@ -56,10 +56,26 @@ void expert_guard_accept(struct expert_guard *g, const struct expert_guard_confi
     g->seen++;
     if (g->seen <= (uint64_t)c.warmup) {
         g->ref += (norm - g->ref) / (double)g->seen; /* the mean of the warm-up */
+        g->warm = g->ref;
         return;
     }
+    /* Clamped both ways: a stream of tiny norms must not talk the
+     * reference down (and the bound with it) as fast as big ones can talk
+     * it up, nor below a floor. */
     double x = norm < EXPERT_GUARD_RISE * g->ref ? norm : EXPERT_GUARD_RISE * g->ref;
+    if (x < g->ref / EXPERT_GUARD_FALL)
+        x = g->ref / EXPERT_GUARD_FALL;
     g->ref += EXPERT_GUARD_ALPHA * (x - g->ref);
+    if (g->ref < EXPERT_GUARD_FLOOR * g->warm)
+        g->ref = EXPERT_GUARD_FLOOR * g->warm;
+}
+
+void expert_guard_observe(struct expert_guard *g, const struct expert_guard_config *cfg, double norm)
+{
+    struct expert_guard_config c = expert_guard_resolve(cfg);
+    if (!isfinite(norm) || (c.max_norm > 0 && norm > c.max_norm))
+        return;
+    expert_guard_accept(g, cfg, norm);
 }
 
 int expert_guard_sqnorm(const float *x, size_t n, double *sq_out)

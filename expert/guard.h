@@ -20,10 +20,14 @@
  * EXPERT_GUARD_ALPHA of the difference, and counts for at most
  * EXPERT_GUARD_RISE times the reference, so it rises by at most 2 % per
  * accepted norm: raising the bound 100-fold takes over 200 accepted
- * requests that each sit just below it. Falling is as slow (a norm halved
- * for good halves the reference within 35 observations), which is what
- * keeps the late, small gradients of a converged block from tightening the
- * bound below an occasional honest large one.
+ * requests that each sit just below it. Falling is slower still (a norm
+ * counts for at least the reference / EXPERT_GUARD_FALL: at most 0.4 % per
+ * observation, so talking the bound down 100-fold takes over 1,100
+ * requests) and stops at EXPERT_GUARD_FLOOR x the warm-up mean; refused
+ * norms under the absolute cap are observed too (expert_guard_observe), so
+ * honest traffic that the bound has fallen below lifts it back at 2 % per
+ * request (from the floor: about 120 requests to reach 1/100 of the
+ * warm-up scale) instead of being locked out.
  *
  * Pure functions on caller-owned state: not thread-safe on one state.
  */
@@ -47,6 +51,12 @@
 #endif
 #define EXPERT_GUARD_ALPHA 0.02     /* weight of a new norm in the reference */
 #define EXPERT_GUARD_RISE 2.0       /* a new norm counts for at most RISE x the reference */
+#endif
+#ifndef EXPERT_GUARD_FALL
+#define EXPERT_GUARD_FALL 1.25      /* ... and for at least the reference / FALL */
+#endif
+#ifndef EXPERT_GUARD_FLOOR
+#define EXPERT_GUARD_FLOOR 1e-3     /* the reference stays above this x the warm-up mean */
 /* A step whose relative weight change ‖Δp‖/‖p‖ is at most this moved
  * nothing. Honest AdamW steps at lr 1e-3 changed fmnist-mlp's stages by
  * 1e-5 to 2e-5 even once its loss was near 0 (test_expert_guard), so
@@ -67,6 +77,7 @@ struct expert_guard_config {
 struct expert_guard {
     double ref;         /* reference norm: mean over the warm-up, then a damped average */
     uint64_t seen;      /* accepted non-zero norms */
+    double warm;        /* the warm-up mean (the reference's floor is FLOOR x this) */
 };
 
 /* The config with zeros replaced by the defaults. */
@@ -80,8 +91,17 @@ int expert_guard_check(const struct expert_guard *g, const struct expert_guard_c
                        double norm, const char *what, char *msg, size_t msglen);
 
 /* Records an accepted norm (norms of 0 are not recorded: a block that got
- * only zero gradients has no scale yet). */
+ * only zero gradients has no scale yet). After the warm-up it counts for
+ * at most RISE x the reference and at least the reference / FALL. */
 void expert_guard_accept(struct expert_guard *g, const struct expert_guard_config *c, double norm);
+
+/* Records a checked norm whether or not expert_guard_check refused it, as
+ * long as it is finite and within the absolute cap (those are refused for
+ * good). So honest traffic above a reference that was talked down (or that
+ * fell while the block converged) lifts it back, at the same bounded rate
+ * at which accepted norms could: no sender raises the bound faster by
+ * being refused. */
+void expert_guard_observe(struct expert_guard *g, const struct expert_guard_config *c, double norm);
 
 /* *sq_out = Σ x² over x (n floats) in double (expert_sqnorm). Returns 0,
  * or -ERANGE when an element is NaN or Inf. For request checks. */

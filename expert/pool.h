@@ -16,6 +16,9 @@
 #include <stddef.h>
 
 #define EXPERT__POOL_MAX 16
+/* expert__parallel splits a pass into at most this many parts (2 per
+ * thread): the size of any per-part array a task function writes. */
+#define EXPERT__POOL_MAX_PARTS (2 * EXPERT__POOL_MAX)
 /* Below this many floats touched, waking a thread costs more than it saves. */
 #define EXPERT__POOL_MIN_WORK ((size_t)1 << 17)
 

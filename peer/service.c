@@ -503,10 +503,12 @@ static int check_backward(peer_service *s, svc_block *b, const peer_msg *msg, in
         (rc = expert_guard_check(&b->in_guard, &s->cfg.guard, ni, "per-sample input", what, sizeof what)) != 0) {
         snprintf(why, len, "%s: backward %s", b->name, what);
         b->refused_requests++;
-    } else {
-        expert_guard_accept(&b->go_guard, &s->cfg.guard, ng);
-        expert_guard_accept(&b->in_guard, &s->cfg.guard, ni);
     }
+    /* Refused or not (expert_guard_observe): a reference talked down by a
+     * stream of tiny requests is lifted back by the honest ones it
+     * refuses. */
+    expert_guard_observe(&b->go_guard, &s->cfg.guard, ng);
+    expert_guard_observe(&b->in_guard, &s->cfg.guard, ni);
     guard_log(s, b, rc != 0 ? what : NULL);
     return rc;
 }

@@ -11,6 +11,7 @@
 #include <errno.h>
 
 #include "expert/expert.h"
+#include "expert/pool.h"
 
 /* The statistic: warm-up, relative bound, absolute cap, non-finite, and a
  * reference that cannot be talked up fast. */
@@ -34,7 +35,7 @@ static void test_guard_statistic(void **state)
     assert_non_null(strstr(msg, "not finite"));
     assert_int_equal(expert_guard_check(&g, &c, INFINITY, "gradient", NULL, 0), -ERANGE);
     /* Relative: settle the reference near 1, then 100x refuses. */
-    for (int i = 0; i < 600; i++)
+    for (int i = 0; i < 2000; i++)
         expert_guard_accept(&g, &c, 1.0);
     assert_true(fabs(g.ref - 1.0) < 0.01);
     assert_int_equal(expert_guard_check(&g, &c, 99.0, "gradient", msg, sizeof msg), 0);
@@ -494,6 +495,81 @@ static void test_no_false_positives(void **state)
     free(probs);
 }
 
+/* The step's checks sum what each part of the update did; with the most
+ * threads the pool allows, expert__parallel splits the step into
+ * EXPERT__POOL_MAX_PARTS parts (two per thread) and every one must be
+ * counted (a per-thread array overflowed here with 9 or more threads:
+ * ASan's stack-buffer-overflow; the sanitizer build runs this). Honest
+ * steps pass and move the weights; a 1e30 gradient is still rolled back. */
+static void test_many_threads(void **state)
+{
+    (void)state;
+    int before = expert_blas_threads();
+    assert_int_equal(expert_blas_set_threads(EXPERT__POOL_MAX), EXPERT__POOL_MAX);
+    struct expert_block_config cfg = { EXPERT_BLOCK_RESFFN, 128, 128, 512 };
+    expert_block *b = expert_block_create(&cfg, 5);
+    expert_workspace *ws = expert_workspace_create(&cfg, 8);
+    assert_non_null(b);
+    assert_non_null(ws);
+    struct expert_guard_config off = { .factor = -1, .max_norm = -1 };
+    assert_int_equal(expert_block_set_guard(b, &off), 0);
+    struct expert_optim o;
+    expert_optim_default_adamw(&o);
+    o.target_batch = 8;
+    float x[8 * 128], dy[8 * 128];
+    uint64_t s = 3;
+    for (int i = 0; i < 3; i++) {
+        tx_fill(x, 8 * 128, &s, 1.0f);
+        tx_fill(dy, 8 * 128, &s, 0.3f);
+        assert_int_equal(expert_block_backward(b, ws, NULL, dy, x, 8, NULL), 0);
+        assert_int_equal(expert_block_step(b, &o, NULL), 0);
+    }
+    uint64_t v0 = expert_block_version(b);
+    for (int i = 0; i < 8 * 128; i++)
+        dy[i] = 1e30f;
+    assert_int_equal(expert_block_backward(b, ws, NULL, dy, x, 8, NULL), 0);
+    assert_int_equal(expert_block_step(b, &o, NULL), -ERANGE);
+    assert_int_equal(expert_block_version(b), v0);
+    expert_workspace_destroy(&ws);
+    expert_block_destroy(&b);
+    expert_blas_set_threads(before);
+}
+
+/* A sender cannot talk the reference down quickly (each tiny norm counts
+ * for at least ref / FALL) nor below the floor: 228 tiny requests, which locked honest ones
+ * out before, leave an honest norm accepted; and after a long stream of
+ * them, the honest norms the bound refuses lift it back (observe) within a
+ * bounded number of requests instead of being locked out for good. */
+static void test_reference_talked_down(void **state)
+{
+    (void)state;
+    struct expert_guard g = {0};
+    struct expert_guard_config c = {0};
+    char why[160];
+    for (int i = 0; i < 20; i++)
+        expert_guard_observe(&g, &c, 1.0);
+    for (int i = 0; i < 228; i++) {
+        assert_int_equal(expert_guard_check(&g, &c, 1e-30, "tiny", why, sizeof why), 0);
+        expert_guard_observe(&g, &c, 1e-30);
+    }
+    assert_int_equal(expert_guard_check(&g, &c, 1.0, "honest", why, sizeof why), 0);
+    for (int i = 0; i < 2000; i++)
+        expert_guard_observe(&g, &c, 1e-30);
+    assert_int_equal(expert_guard_check(&g, &c, 1.0, "honest", why, sizeof why), -ERANGE);
+    int refused = 0;
+    for (int i = 0; i < 1000 && expert_guard_check(&g, &c, 1.0, "honest", why, sizeof why) != 0; i++) {
+        refused++;
+        expert_guard_observe(&g, &c, 1.0);
+    }
+    fprintf(stderr, "  after 2228 tiny norms, %d honest requests were refused before one passed\n", refused);
+    assert_true(refused >= 1 && refused <= 150);
+    /* Non-finite and over-the-cap norms are never observed. */
+    double ref = g.ref;
+    expert_guard_observe(&g, &c, NAN);
+    expert_guard_observe(&g, &c, 1e30);
+    assert_true(g.ref == ref);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -502,6 +578,8 @@ int main(void)
         cmocka_unit_test(test_huge_gradient_refused),
         cmocka_unit_test(test_bad_gradients_refused),
         cmocka_unit_test(test_nonfinite_update_rolled_back),
+        cmocka_unit_test(test_many_threads),
+        cmocka_unit_test(test_reference_talked_down),
         cmocka_unit_test(test_frozen_detected),
         cmocka_unit_test(test_no_false_positives),
     };
