@@ -251,5 +251,10 @@ uint64_t peer_statesync_choose(const uint64_t *version, int n, uint8_t *suspect)
         if (!bad && version[i] > top)
             top = version[i];
     }
+    /* Every trusted claim is 0 (a young swarm: announcements lag the
+     * holders' first steps by up to the announcement period): no claim to
+     * bound the download by. */
+    if (top == 0)
+        return UINT64_MAX;
     return sat_mul_add(top, PEER_TRUST_VERSION_FACTOR, PEER_TRUST_VERSION_SLACK);
 }

@@ -78,7 +78,13 @@ int peer_trust_tput_suspect(const double *tput, int n, int i);
  * PEER_TRUST_VERSION_FACTOR times the largest trusted claim plus
  * PEER_TRUST_VERSION_SLACK (saturating), so a donor that announces a
  * plausible version and serves a state of version 10^9 is refused too,
- * even when it is the only holder. suspect may be NULL. */
+ * even when it is the only holder; UINT64_MAX (no bound) when every
+ * trusted claim is 0 (a young swarm whose announcements lag its first
+ * steps). suspect may be NULL. With two holders whose claims differ more
+ * than that, the higher one is ignored: there is no majority, and the
+ * cost of believing a lagging honest holder (an older state, which
+ * training and averaging bring forward) is smaller than that of believing
+ * a poisoned one. */
 uint64_t peer_statesync_choose(const uint64_t *version, int n, uint8_t *suspect);
 
 #endif
