@@ -794,12 +794,15 @@ static size_t render_metrics(char *buf, size_t cap, void *arg)
          "starling_rpc_refused_total{reason=\"handshakes\"} %" PRIu64 "\n",
          rs.refused_per_ip, rs.refused_full, rs.refused_handshakes);
     EMIT("# HELP starling_rpc_closed_total Connections closed by the limits, by reason "
-         "(handshake_timeout; idle: --idle-timeout; evicted: to make room for another address).\n"
+         "(handshake_timeout; idle: --idle-timeout; evicted: to make room for another address; drain: "
+         "replies not read; record_timeout: a record not sent whole in time).\n"
          "# TYPE starling_rpc_closed_total counter\n"
          "starling_rpc_closed_total{reason=\"handshake_timeout\"} %" PRIu64 "\n"
          "starling_rpc_closed_total{reason=\"idle\"} %" PRIu64 "\n"
-         "starling_rpc_closed_total{reason=\"evicted\"} %" PRIu64 "\n",
-         rs.closed_hs_timeout, rs.closed_idle, rs.evicted);
+         "starling_rpc_closed_total{reason=\"evicted\"} %" PRIu64 "\n"
+         "starling_rpc_closed_total{reason=\"drain\"} %" PRIu64 "\n"
+         "starling_rpc_closed_total{reason=\"record_timeout\"} %" PRIu64 "\n",
+         rs.closed_hs_timeout, rs.closed_idle, rs.evicted, rs.closed_drain, rs.closed_record_timeout);
     EMIT("# HELP starling_rpc_bad_frames_total Frames answered with an error, by reason (malformed: not a "
          "usable request, connection kept; oversize: over the frame limit, connection closed).\n"
          "# TYPE starling_rpc_bad_frames_total counter\n"

@@ -42,6 +42,8 @@ static void budget_leave(peer__conn *c)
     if (!b)
         return;
     b->used -= c->charged;
+    if (c->group)
+        *c->group -= c->charged;
     c->charged = 0;
     if (c->budget_wait) {
         c->budget_wait = 0;
@@ -136,7 +138,13 @@ static int begin_record(peer__conn *c)
     if (b) {
         /* Always admit a record when nothing is charged: one frame larger
          * than the cap must not wedge the server. */
-        if (b->used && (b->used >= b->cap || c->rec_len > b->cap - b->used)) {
+        int full = b->used && (b->used >= b->cap || c->rec_len > b->cap - b->used);
+        /* A group holding nothing may begin one record; beyond that it
+         * holds at most group_cap. */
+        if (!full && c->group && b->group_cap && *c->group &&
+            (*c->group >= b->group_cap || c->rec_len > b->group_cap - *c->group))
+            full = 1;
+        if (full) {
             if (!c->budget_wait) {
                 c->budget_wait = 1;
                 b->waiters++;
@@ -151,6 +159,8 @@ static int begin_record(peer__conn *c)
         }
         b->used += c->rec_len;
         c->charged = c->rec_len;
+        if (c->group)
+            *c->group += c->rec_len;
         if (b->used > b->high)
             b->high = b->used;
     }
@@ -161,6 +171,7 @@ static int begin_record(peer__conn *c)
     memcpy(c->rec.p, c->hdr, PEER_CHANNEL_HDR_LEN);
     c->rec_have = PEER_CHANNEL_HDR_LEN;
     c->in_rec = 1;
+    c->rec_start = uv_now(c->tcp.loop);
     if (c->rec_have == c->rec_len) /* plaintext mode, empty record */
         deliver(c);
     return 0;
@@ -325,6 +336,15 @@ int peer__conn_init(peer__conn *c, uv_loop_t *loop, const peer_channel_config *c
 void peer__conn_set_budget(peer__conn *c, peer__budget *b)
 {
     c->budget = b;
+}
+
+void peer__conn_set_group(peer__conn *c, size_t *group)
+{
+    if (c->group)
+        *c->group -= c->charged;
+    c->group = group;
+    if (group)
+        *group += c->charged;
 }
 
 int peer__conn_start(peer__conn *c)

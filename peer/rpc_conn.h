@@ -36,9 +36,13 @@ typedef struct peer__conn peer__conn;
  * it is complete or the connection dies. A record that does not fit waits:
  * its connection stops reading (c->budget_wait) until the owner resumes it,
  * which it should try whenever used drops. A record is always admitted when
- * nothing else is charged, so a cap below one frame cannot wedge a server. */
+ * nothing else is charged, so a cap below one frame cannot wedge a server.
+ * Connections may also belong to a group (the server's per-address count,
+ * peer__conn_set_group): a group holds at most group_cap, except that a
+ * group holding nothing may always begin one record that fits the total. */
 typedef struct peer__budget {
     size_t used, cap;
+    size_t group_cap;              /* most one group may hold (0: no group limit) */
     size_t high;                   /* high-water mark of used */
     uint64_t waits;                /* records that had to wait */
     int waiters;                   /* connections waiting now */
@@ -86,6 +90,8 @@ struct peer__conn {
     peer__budget *budget;          /* NULL: unbounded (clients) */
     size_t charged;                /* this record's charge in *budget */
     int budget_wait;               /* paused until the budget has room */
+    size_t *group;                 /* the owner's per-group charge (an address), or NULL */
+    uint64_t rec_start;            /* uv_now when the record being received was admitted */
 };
 
 #define PEER__STAGE_LEN 65536
@@ -104,6 +110,11 @@ int peer__conn_init(peer__conn *c, uv_loop_t *loop, const peer_channel_config *c
 
 /* Charges this connection's records to b (call before start; NULL: none). */
 void peer__conn_set_budget(peer__conn *c, peer__budget *b);
+
+/* Also charges this connection's records to *group (NULL: no group). A
+ * record already charged moves from the old group to the new one, so the
+ * owner calls this with NULL before it frees the group's counter. */
+void peer__conn_set_group(peer__conn *c, size_t *group);
 
 /* Starts reading (and, as initiator, sends msg1). Returns 0 or a libuv error. */
 int peer__conn_start(peer__conn *c);

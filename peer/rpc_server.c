@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 
 #include <sodium.h>
 
@@ -21,6 +22,8 @@ typedef struct sconn sconn;
 typedef struct ipent {
     uint8_t key[16];
     int conns, hs;         /* open connections, of them still in the handshake */
+    size_t queued;         /* reply bytes not yet written, its connections together */
+    size_t charged;        /* record bytes charged to max_incomplete_bytes */
     struct ipent *next;
 } ipent;
 
@@ -53,6 +56,9 @@ struct sconn {
     int in_hs;             /* counted in ip->hs and srv->st.handshaking */
     uint64_t last_active;  /* handshake done, request taken or reply written */
     size_t queued;         /* reply bytes not yet written */
+    uint64_t drain_since;  /* queued > 0: when its replies last made write progress */
+    size_t wq_seen;        /* libuv's write queue size at the last sweep */
+    int pin;               /* being walked by resume_waiters: not freed */
 };
 
 struct peer_rpc_server {
@@ -77,6 +83,9 @@ struct peer_rpc_server {
     size_t queued;               /* reply bytes not yet written, all connections */
     int live;                    /* connections not closing */
     int resuming;                /* in resume_waiters */
+    int freed;                   /* a connection was freed during resume_waiters */
+    int paused_hint;             /* some connection may be paused by can_read */
+    int queued_addrs;            /* addresses with reply bytes not yet written */
     peer__budget budget;         /* records being received */
     ipent *ip_tab[IP_BUCKETS];
     uint8_t ip_salt[crypto_shorthash_KEYBYTES];
@@ -113,9 +122,48 @@ static void conn_maybe_free(sconn *sc);
 static int can_read(const sconn *sc)
 {
     const peer_rpc_server *srv = sc->srv;
-    return sc->inflight < srv->cfg.max_inflight && srv->held < srv->cfg.max_held_bytes &&
-           sc->queued < srv->cfg.max_queued_bytes && srv->queued < srv->cfg.max_queued_total;
+    if (sc->inflight >= srv->cfg.max_inflight || srv->held >= srv->cfg.max_held_bytes ||
+        sc->queued >= srv->cfg.max_queued_bytes)
+        return 0;
+    if (srv->queued < srv->cfg.max_queued_total)
+        return 1;
+    /* The total is reached: only addresses holding at least an equal share
+     * of it (among the addresses with replies queued) stop being read, so
+     * one address's unread replies cannot stall everyone else. */
+    size_t mine = sc->ip ? sc->ip->queued : sc->queued;
+    int n = srv->queued_addrs > 0 ? srv->queued_addrs : 1;
+    return mine < srv->cfg.max_queued_total / (size_t)n;
 }
+
+static void queue_add(sconn *sc, size_t n)
+{
+    peer_rpc_server *srv = sc->srv;
+    if (!sc->queued) {
+        sc->drain_since = uv_now(srv->loop);
+        sc->wq_seen = 0;
+    }
+    sc->queued += n;
+    srv->queued += n;
+    if (sc->ip && n) {
+        if (!sc->ip->queued)
+            srv->queued_addrs++;
+        sc->ip->queued += n;
+    }
+}
+
+static void queue_sub(sconn *sc, size_t n)
+{
+    peer_rpc_server *srv = sc->srv;
+    sc->queued -= n;
+    srv->queued -= n;
+    if (sc->ip && n) {
+        sc->ip->queued -= n;
+        if (!sc->ip->queued)
+            srv->queued_addrs--;
+    }
+}
+
+static void resume_waiters(peer_rpc_server *srv);
 
 static void free_req_bufs(peer_rpc_request *r)
 {
@@ -141,24 +189,11 @@ static void release_req(peer_rpc_request *r)
     sc->inflight--;
     srv->held -= r->held;
     r->held = 0;
-    if (sc->c.closing) {
-        conn_maybe_free(sc);
-        return;
-    }
-    if (sc->c.paused && can_read(sc))
-        peer__conn_resume(&sc->c);
-    /* Connections held back by the server-wide byte budget. Restart the scan
-     * after each resume: resuming runs handlers, which may change the list. */
-    int again = srv->held < srv->cfg.max_held_bytes;
-    while (again) {
-        again = 0;
-        for (sconn *o = srv->conns; o; o = o->next)
-            if (o->c.paused && !o->c.budget_wait && !o->c.closing && !o->c.failed && can_read(o)) {
-                peer__conn_resume(&o->c);
-                again = 1;
-                break;
-            }
-    }
+    if (sc->c.closing)
+        conn_maybe_free(sc); /* may free sc */
+    /* Held and queued bytes dropped: this connection and any other held
+     * back by the server-wide bounds or the record budget may go on. */
+    resume_waiters(srv);
 }
 
 static void close_conn(sconn *sc);
@@ -169,11 +204,10 @@ static void reply_written(uv_write_t *wr, int status)
     peer_rpc_request *r = wr->data;
     sconn *sc = r->conn;
     peer_rpc_server *srv = sc->srv;
-    sc->queued -= r->queued;
-    srv->queued -= r->queued;
+    queue_sub(sc, r->queued);
     r->queued = 0;
     if (status == 0)
-        sc->last_active = uv_now(srv->loop);
+        sc->last_active = sc->drain_since = uv_now(srv->loop);
     /* Close before releasing: releasing the last request of a closed
      * connection frees it. */
     if (sc->close_after_write && !sc->c.closing)
@@ -194,8 +228,7 @@ static void send_reply(peer_rpc_request *r, size_t head_len, const peer_msg *m)
     peer_rpc_server *srv = sc->srv;
     srv->st.replies++;
     r->queued = PEER_CHANNEL_HDR_LEN + r->plain_len + peer_channel_tag_len(sc->c.ch);
-    sc->queued += r->queued;
-    srv->queued += r->queued;
+    queue_add(sc, r->queued);
     if (srv->queued > srv->st.queued_bytes_max)
         srv->st.queued_bytes_max = srv->queued;
 }
@@ -313,18 +346,34 @@ static void wake_cb(peer__wake *w)
 
 /* ---- connections ---- */
 
-/* Records that waited for the budget get another try, in list order. A
- * resume may deliver records and run handlers, but never frees a
- * connection (that happens in close callbacks), so the walk is safe. */
+/* Connections paused by can_read or waiting for the record budget get
+ * another try, in list order. A resume may deliver records and run
+ * handlers, which may answer (and so release) requests synchronously, even
+ * another connection's: the connection being resumed is pinned, and one
+ * freed meanwhile makes the walk run again (at most three passes; a
+ * connection that pauses again at once is not retried in the same pass).
+ * Not reentrant: a call from inside a resume returns at once, the outer
+ * walk covers it. */
 static void resume_waiters(peer_rpc_server *srv)
 {
-    if (srv->resuming || !srv->budget.waiters)
+    if (srv->resuming || srv->closing || (!srv->budget.waiters && !srv->paused_hint))
         return;
     srv->resuming = 1;
-    for (sconn *o = srv->conns, *next; o && srv->budget.waiters; o = next) {
-        next = o->next;
-        if (o->c.budget_wait && !o->c.closing && !o->c.failed && can_read(o))
-            peer__conn_resume(&o->c);
+    for (int pass = 0; pass < 3; pass++) {
+        srv->freed = 0;
+        int still = 0;
+        for (sconn *o = srv->conns, *next; o; o = next) {
+            o->pin++;
+            if (o->c.paused && !o->c.closing && !o->c.failed && can_read(o))
+                peer__conn_resume(&o->c);
+            still |= o->c.paused && !o->c.budget_wait && !o->c.closing;
+            next = o->next;
+            if (--o->pin == 0)
+                conn_maybe_free(o); /* only if it closed meanwhile */
+        }
+        srv->paused_hint = still;
+        if (!srv->freed)
+            break;
     }
     srv->resuming = 0;
 }
@@ -353,6 +402,12 @@ static void detach(sconn *sc)
     sc->ip = NULL;
     srv->live--;
     e->conns--;
+    if (sc->queued) {
+        e->queued -= sc->queued;
+        if (!e->queued)
+            srv->queued_addrs--;
+    }
+    peer__conn_set_group(&sc->c, NULL); /* e may be freed below */
     if (sc->in_hs) {
         sc->in_hs = 0;
         e->hs--;
@@ -367,9 +422,10 @@ static void detach(sconn *sc)
 
 static void conn_maybe_free(sconn *sc)
 {
-    if (!sc->handle_closed || sc->inflight > 0)
+    if (!sc->handle_closed || sc->inflight > 0 || sc->pin)
         return;
     peer_rpc_server *srv = sc->srv;
+    srv->freed = 1;
     if (sc->prev)
         sc->prev->next = sc->next;
     else
@@ -497,8 +553,10 @@ static void on_message(peer__conn *c, const peer_msg *m, int rc)
         srv->st.requests++;
         srv->cfg.handler(r, &r->msg, srv->cfg.arg);
     }
-    if (!c->closing && !can_read(sc))
+    if (!c->closing && !can_read(sc)) {
         peer__conn_pause(c);
+        srv->paused_hint = 1;
+    }
     resume_waiters(srv);
 }
 
@@ -569,6 +627,7 @@ static void on_connection(uv_stream_t *l, int status)
         memcpy((*pp)->key, key, 16);
     }
     sc->ip = *pp;
+    peer__conn_set_group(&sc->c, &sc->ip->charged);
     sc->ip->conns++;
     sc->ip->hs++;
     sc->in_hs = 1;
@@ -593,10 +652,29 @@ static void on_connection(uv_stream_t *l, int status)
         close_conn(sc);
 }
 
+/* Bytes the kernel holds for sc that libuv has not read yet (0 when
+ * unknown). */
+static int bytes_pending(sconn *sc)
+{
+    uv_os_fd_t fd;
+    int n = 0;
+    if (uv_fileno((uv_handle_t *)&sc->c.tcp, &fd) != 0 || ioctl(fd, FIONREAD, &n) != 0)
+        return 0;
+    return n;
+}
+
+/* How long the record being received may take since its length prefix:
+ * record_timeout_ms, plus a quarter second per MiB (slow links). */
+static uint64_t record_deadline(const peer_rpc_server *srv, const sconn *sc)
+{
+    return sc->c.rec_start + srv->cfg.record_timeout_ms + ((uint64_t)(sc->c.rec_len >> 20) * 250);
+}
+
 static void sweep_cb(uv_timer_t *t)
 {
     peer_rpc_server *srv = t->data;
     uint64_t now = uv_now(srv->loop);
+    sconn *top = NULL; /* the connection holding the most unwritten reply bytes */
     for (sconn *sc = srv->conns; sc; sc = sc->next) {
         if (sc->c.closing)
             continue;
@@ -608,11 +686,37 @@ static void sweep_cb(uv_timer_t *t)
             }
             continue;
         }
+        /* Replies that make no write progress (the client stopped
+         * reading) for drain_timeout_ms close the connection, however often
+         * it finishes one: progress is the write queue shrinking. */
+        if (sc->queued > 0) {
+            size_t wq = uv_stream_get_write_queue_size((uv_stream_t *)&sc->c.tcp);
+            if (wq < sc->wq_seen)
+                sc->drain_since = now;
+            sc->wq_seen = wq;
+            if (now - sc->drain_since >= srv->cfg.drain_timeout_ms) {
+                srv->st.closed_drain++;
+                close_conn(sc);
+                continue;
+            }
+            if (!top || sc->queued > top->queued)
+                top = sc;
+        }
+        /* A record must arrive whole soon after its length prefix: a
+         * half-sent record holds its charge in max_incomplete_bytes. */
+        if (sc->c.in_rec && now >= record_deadline(srv, sc)) {
+            srv->st.closed_record_timeout++;
+            close_conn(sc);
+            continue;
+        }
         uint64_t quiet = now - sc->last_active;
         /* Idle: nothing asked (a record begun long ago included), or
          * replies that stopped draining because the client stopped reading.
-         * A request the handler is still working on keeps it open. */
-        if ((sc->inflight == 0 || sc->queued > 0) && quiet >= srv->cfg.idle_timeout_ms) {
+         * A request the handler is still working on keeps it open. A
+         * request already in the socket buffer (timers run before the poll
+         * for I/O) keeps it open until it is read. */
+        if ((sc->inflight == 0 || sc->queued > 0) && quiet >= srv->cfg.idle_timeout_ms &&
+            !(sc->c.reading && bytes_pending(sc) > 0)) {
             srv->st.closed_idle++;
             close_conn(sc);
             continue;
@@ -629,6 +733,13 @@ static void sweep_cb(uv_timer_t *t)
                 free(r);
             }
         }
+    }
+    /* At the total bound, the largest holder that has not drained for a
+     * quarter of drain_timeout_ms goes first. */
+    if (top && !top->c.closing && srv->queued >= srv->cfg.max_queued_total &&
+        now - top->drain_since >= srv->cfg.drain_timeout_ms / 4) {
+        srv->st.closed_drain++;
+        close_conn(top);
     }
     resume_waiters(srv);
 }
@@ -674,7 +785,14 @@ peer_rpc_server *peer_rpc_server_create(uv_loop_t *loop, const peer_rpc_server_c
         srv->cfg.max_queued_bytes = (size_t)16 << 20;
     if (!srv->cfg.max_queued_total)
         srv->cfg.max_queued_total = (size_t)256 << 20;
+    if (!srv->cfg.max_incomplete_per_ip)
+        srv->cfg.max_incomplete_per_ip = srv->cfg.max_incomplete_bytes / 4;
+    if (!srv->cfg.record_timeout_ms)
+        srv->cfg.record_timeout_ms = 30000;
+    if (!srv->cfg.drain_timeout_ms)
+        srv->cfg.drain_timeout_ms = 30000;
     srv->budget.cap = srv->cfg.max_incomplete_bytes;
+    srv->budget.group_cap = srv->cfg.max_incomplete_per_ip;
     srv->retain_cap = srv->cfg.max_held_bytes / 4;
     randombytes_buf(srv->ip_salt, sizeof srv->ip_salt);
     /* Replies to a client that reset the connection must not kill us, even
@@ -718,9 +836,12 @@ int peer_rpc_server_listen(peer_rpc_server *srv, const struct sockaddr *addr)
         else if (ss.ss_family == AF_INET6)
             srv->port = ntohs(((struct sockaddr_in6 *)&ss)->sin6_port);
     }
-    /* Timeouts fire within a quarter of the shorter one (at most 250 ms). */
-    uint64_t tick = srv->cfg.handshake_timeout_ms < srv->cfg.idle_timeout_ms
-                        ? srv->cfg.handshake_timeout_ms : srv->cfg.idle_timeout_ms;
+    /* Timeouts fire within a quarter of the shortest one (at most 250 ms). */
+    uint64_t tick = srv->cfg.handshake_timeout_ms;
+    uint64_t others[3] = {srv->cfg.idle_timeout_ms, srv->cfg.record_timeout_ms,
+                          srv->cfg.drain_timeout_ms};
+    for (int i = 0; i < 3; i++)
+        tick = others[i] < tick ? others[i] : tick;
     tick = tick / 4 < 10 ? 10 : tick / 4 > 250 ? 250 : tick / 4;
     uv_timer_start(&srv->sweep, sweep_cb, tick, tick);
     return 0;

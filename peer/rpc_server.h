@@ -28,15 +28,23 @@
  * addresses costs those addresses, not newcomers. A handshake must finish
  * within handshake_timeout_ms; an established connection with no request in
  * flight, or whose replies stopped draining, is closed after
- * idle_timeout_ms without a request or a finished reply. Records being
- * received are charged their whole length against max_incomplete_bytes (all
- * connections together); a record that does not fit waits, its connection
- * not read, until others complete. Replies handed to the socket and not yet
- * written count against max_queued_bytes per connection and
- * max_queued_total together; at either bound the connection's requests are
- * not read, so a client that pipelines and never reads holds at most
+ * idle_timeout_ms without a request or a finished reply (a request already
+ * in the socket buffer keeps it open). Records being received are charged
+ * their whole length against max_incomplete_bytes (all connections
+ * together) and max_incomplete_per_ip (the connections of one address); a
+ * record that does not fit waits, its connection not read, until others
+ * complete; a record must arrive whole within record_timeout_ms (plus
+ * 250 ms per MiB) of its length prefix, else its connection is closed.
+ * Replies handed to the socket and not yet written count against
+ * max_queued_bytes per connection; at that bound the connection's requests
+ * are not read, so a client that pipelines and never reads holds at most
  * max_queued_bytes plus the replies to the requests already taken (at most
- * max_inflight). Buffers of answered requests are kept for reuse up to
+ * max_inflight). When all connections together reach max_queued_total, only
+ * the connections of addresses holding at least an equal share of it (the
+ * total over the addresses with replies queued) stop being read, and the
+ * connection holding the most is closed once it has made no write progress
+ * for a quarter of drain_timeout_ms. Any connection whose queued replies
+ * make no write progress for drain_timeout_ms is closed. Buffers of answered requests are kept for reuse up to
  * max_held_bytes / 4 all together, and a connection idle for a second gives
  * its buffers back.
  *
@@ -79,7 +87,14 @@ typedef struct peer_rpc_server_config {
     uint64_t idle_timeout_ms;       /* established, nothing happening; 0 = 120000 */
     size_t max_incomplete_bytes;    /* records being received, all connections; 0 = 256 MiB */
     size_t max_queued_bytes;        /* replies not yet written, per connection; 0 = 16 MiB */
-    size_t max_queued_total;        /* replies not yet written, all connections; 0 = 256 MiB */
+    size_t max_queued_total;        /* replies not yet written, all connections; 0 = 256 MiB.
+                                       At the bound only addresses holding an equal share
+                                       or more are not read */
+    size_t max_incomplete_per_ip;   /* records being received, per address;
+                                       0 = max_incomplete_bytes / 4 */
+    uint64_t record_timeout_ms;     /* a record must arrive within this (+250 ms per MiB)
+                                       of its length prefix; 0 = 30000 */
+    uint64_t drain_timeout_ms;      /* queued replies with no write progress; 0 = 30000 */
     peer_rpc_handler handler;       /* required */
     void *arg;
 } peer_rpc_server_config;
@@ -95,6 +110,9 @@ typedef struct peer_rpc_server_stats {
     uint64_t closed_hs_timeout;     /* handshake unfinished after handshake_timeout_ms */
     uint64_t closed_idle;           /* idle (or replies not draining) for idle_timeout_ms */
     uint64_t record_waits;          /* records that waited for max_incomplete_bytes */
+    uint64_t closed_drain;          /* replies made no write progress for drain_timeout_ms
+                                       (or a quarter of it, holding the most at the total) */
+    uint64_t closed_record_timeout; /* a record unfinished after record_timeout_ms */
     /* Gauges (now) and their high-water marks. */
     uint64_t handshaking;
     uint64_t incomplete_bytes, incomplete_bytes_max;

@@ -173,12 +173,17 @@ static void on_reply(void *arg, int status, const peer_msg *m)
 static atomic_int cl_closed;
 static void cl_close_cb(peer_rpc_client *c, void *a) { (void)c; (void)a; atomic_store(&cl_closed, 1); }
 
-/* A legitimate client from 127.0.0.2: handshake, one info call. Returns 0
- * when both succeed, else the first failure (and says which). */
-static int legit_call(int port)
+/* Request payload for legit_calls (a large request, up to ~1 MiB). */
+#define LEGIT_MAX_FLOATS (256 * 1024)
+static float legit_in[LEGIT_MAX_FLOATS];
+
+/* A legitimate client from src: handshake, then n info calls on that one
+ * connection, each carrying floats floats (0: none) and allowed call_ms.
+ * Returns 0 when all succeed, else the first failure (and says which). */
+static int legit_calls(int port, const char *src, int n, int floats, int call_ms)
 {
     struct sockaddr_in local, to;
-    uv_ip4_addr("127.0.0.2", 0, &local);
+    uv_ip4_addr(src, 0, &local);
     uv_ip4_addr("127.0.0.1", port, &to);
     peer_rpc_client_config cc = {.self = &id_c, .expect_id = id_s.id,
                                  .local_addr = (const struct sockaddr *)&local};
@@ -192,24 +197,35 @@ static int legit_call(int port)
         if (rc)
             fprintf(stderr, "legitimate handshake failed: %s\n", strerror(-rc));
     }
-    if (rc == 0) {
+    for (int i = 0; rc == 0 && i < n; i++) {
         peer_msg req;
         peer_msg_init(&req, PEER_KIND_REQUEST, PEER_METHOD_INFO, 0);
         snprintf(req.block, sizeof req.block, "info");
+        if (floats) {
+            uint64_t shape[2] = {1, (uint64_t)floats};
+            peer_tensor_f32(&req.t[0], legit_in, 2, shape);
+            req.n_tensors = 1;
+        }
         atomic_store(&o.done, 0);
-        rc = peer_rpc_call(cl, &req, 5000, on_reply, &o, NULL);
+        rc = peer_rpc_call(cl, &req, (uint64_t)call_ms, on_reply, &o, NULL);
         if (rc == 0) {
-            assert_true(run_until(&o.done, 10000));
+            assert_true(run_until(&o.done, call_ms + 5000));
             rc = o.status ? o.status : o.kind == PEER_KIND_REPLY && o.meta_len == 2 ? 0 : -EPROTO;
         }
         if (rc)
-            fprintf(stderr, "legitimate call failed: %s\n", strerror(-rc));
+            fprintf(stderr, "legitimate call %d failed: %s\n", i, strerror(-rc));
     }
     atomic_store(&cl_closed, 0);
     peer_rpc_client_close(cl, cl_close_cb, NULL);
     assert_true(run_until(&cl_closed, 5000));
     peer_rpc_client_destroy(&cl);
     return rc;
+}
+
+/* A legitimate client from 127.0.0.2: handshake, one info call. */
+static int legit_call(int port)
+{
+    return legit_calls(port, "127.0.0.2", 1, 0, 5000);
 }
 
 /* ---- raw attacker sockets (blocking, on the attacker thread) ---- */
@@ -321,6 +337,8 @@ typedef struct attack {
     atomic_int release;    /* the main thread is done: close everything */
     atomic_int done;
     int established, refused;
+    const char **srcs;     /* addresses to dial from, round robin (NULL: 127.0.0.1) */
+    int n_srcs;
     char err[160];
 } attack;
 
@@ -676,7 +694,7 @@ static void *records_main(void *arg)
     attack *a = arg;
     uint8_t *junk = calloc(1, FRAME + 64);
     for (int i = 0; i < a->n && junk; i++) {
-        a->fds[i] = dial_from("127.0.0.1", a->port, 0);
+        a->fds[i] = dial_from(a->srcs ? a->srcs[i % a->n_srcs] : "127.0.0.1", a->port, 0);
         peer_channel *ch = new_channel();
         if (a->fds[i] < 0 || raw_handshake(a->fds[i], ch) != 0) {
             snprintf(a->err, sizeof a->err, "handshake %d failed", i);
@@ -713,7 +731,9 @@ static void *records_main(void *arg)
 static void test_incomplete_records(void **state)
 {
     (void)state;
-    peer_rpc_server_config cfg = {.max_frame = FRAME, .max_incomplete_bytes = INCOMPLETE_CAP};
+    /* All from one address: lift the per-address share to the total. */
+    peer_rpc_server_config cfg = {.max_frame = FRAME, .max_incomplete_bytes = INCOMPLETE_CAP,
+                                  .max_incomplete_per_ip = INCOMPLETE_CAP};
     int port;
     peer_rpc_server *srv = start_server(&cfg, &port);
     int fds[40];
@@ -755,6 +775,86 @@ static void test_incomplete_records(void **state)
     stop_server(&srv);
 }
 
+
+/* Several addresses hold half-sent records; an honest client from another
+ * address sends a large request. With per_ip_share, three addresses hold
+ * at most 3/4 of the budget and the request fits at once; with
+ * deadline (four addresses, a budget that three records fill), it waits
+ * until the record deadline closes the stalled records. */
+static void incomplete_from_many(size_t cap, size_t per_ip, uint64_t record_ms, int n_srcs,
+                                 int max_ms, uint64_t *timeouts)
+{
+    peer_rpc_server_config cfg = {.max_frame = FRAME, .max_incomplete_bytes = cap,
+                                  .max_incomplete_per_ip = per_ip, .record_timeout_ms = record_ms,
+                                  .idle_timeout_ms = 20000};
+    int port;
+    peer_rpc_server *srv = start_server(&cfg, &port);
+    static const char *srcs[] = {"127.0.0.1", "127.0.0.4", "127.0.0.5", "127.0.0.6"};
+    int fds[16];
+    attack a = {.port = port, .n = 16, .fds = fds, .srcs = srcs, .n_srcs = n_srcs};
+    for (int i = 0; i < 16; i++)
+        fds[i] = -1;
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, records_main, &a), 0);
+    assert_true(run_until(&a.ready, 20000));
+    assert_string_equal(a.err, "");
+    assert_int_equal(a.established, 16);
+    /* Until three records are charged and the rest wait. */
+    peer_rpc_server_stats s;
+    for (int i = 0; i < 4000; i++) {
+        peer_rpc_server_stats_get(srv, &s);
+        if (s.record_waits >= 13 && s.incomplete_bytes >= 3 * (uint64_t)FRAME)
+            break;
+        uv_run(&loop, UV_RUN_ONCE);
+    }
+    assert_true(s.incomplete_bytes >= 3 * (uint64_t)FRAME);
+    assert_true(s.record_waits >= 13);
+    assert_int_equal(s.closed_record_timeout, 0);
+    /* A request of ~800 KiB from an address of its own. */
+    uint64_t t0 = now_ms();
+    assert_int_equal(legit_calls(port, "127.0.0.2", 1, 200 * 1024, 10000), 0);
+    uint64_t took = now_ms() - t0;
+    peer_rpc_server_stats_get(srv, &s);
+    print_message("large request took %llu ms; record timeouts %llu, waits %llu, max %llu\n",
+                  (unsigned long long)took, (unsigned long long)s.closed_record_timeout,
+                  (unsigned long long)s.record_waits, (unsigned long long)s.incomplete_bytes_max);
+    assert_true(took < (uint64_t)max_ms);
+    assert_true(s.incomplete_bytes_max <= cap);
+    *timeouts = s.closed_record_timeout;
+    atomic_store(&a.release, 1);
+    assert_true(run_until(&a.done, 10000));
+    pthread_join(th, NULL);
+    for (int i = 0; i < 2000; i++) {
+        peer_rpc_server_stats_get(srv, &s);
+        if (s.conns_open == 0)
+            break;
+        uv_run(&loop, UV_RUN_ONCE);
+    }
+    assert_int_equal(s.conns_open, 0);
+    assert_int_equal(s.incomplete_bytes, 0);
+    stop_server(&srv);
+}
+
+static void test_incomplete_per_ip(void **state)
+{
+    (void)state;
+    uint64_t timeouts;
+    /* The default share, a quarter: three addresses leave a quarter free. */
+    incomplete_from_many(INCOMPLETE_CAP, 0, 20000, 3, 5000, &timeouts);
+    assert_int_equal(timeouts, 0);
+}
+
+static void test_record_deadline(void **state)
+{
+    (void)state;
+    uint64_t timeouts;
+    /* Three records fill the budget; the rest (a fourth address included)
+     * wait. The stalled records are closed after 1 s (+250 ms for their
+     * MiB), and the honest record goes next. */
+    incomplete_from_many(3 * (FRAME + PEER_CHANNEL_TAG_LEN) + 1024, FRAME, 1000, 4, 8000, &timeouts);
+    assert_true(timeouts >= 3);
+}
+
 /* ---- (d) a client that pipelines and never reads ---- */
 
 #define QUEUE_CAP (1u << 20)
@@ -763,6 +863,7 @@ typedef struct noread_run {
     int port;
     atomic_int sent, release, done;
     int n_sent;
+    int read_every_ms;     /* > 0: read 64 KiB this often (a trickle) */
     char err[160];
 } noread_run;
 
@@ -785,8 +886,12 @@ static void *noread_main(void *arg)
         nr->n_sent++;
     }
     atomic_store(&nr->sent, 1);
-    for (int i = 0; i < 60000 && !atomic_load(&nr->release); i++)
+    static uint8_t sink[65536];
+    for (int i = 0; i < 60000 && !atomic_load(&nr->release); i++) {
         usleep(1000);
+        if (nr->read_every_ms > 0 && i % nr->read_every_ms == nr->read_every_ms - 1)
+            (void)recv(fd, sink, sizeof sink, MSG_DONTWAIT);
+    }
 out:
     peer_channel_destroy(&ch);
     if (fd >= 0)
@@ -833,6 +938,120 @@ static void test_never_reads(void **state)
         uv_run(&loop, UV_RUN_ONCE);
     }
     assert_int_equal(s.queued_bytes, 0);
+    stop_server(&srv);
+}
+
+/* The never-reading client of test_never_reads, with the total queue bound
+ * equal to the per-connection one: its replies fill the total, yet an
+ * honest client from another address keeps being served on one connection
+ * while the attacker holds its queue. */
+static void test_never_reads_fair(void **state)
+{
+    (void)state;
+    peer_rpc_server_config cfg = {.max_queued_bytes = QUEUE_CAP, .max_queued_total = QUEUE_CAP,
+                                  .idle_timeout_ms = 20000, .drain_timeout_ms = 20000};
+    int port;
+    peer_rpc_server *srv = start_server(&cfg, &port);
+    noread_run nr = {.port = port};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, noread_main, &nr), 0);
+    assert_true(run_until(&nr.sent, 10000));
+    assert_string_equal(nr.err, "");
+    peer_rpc_server_stats s;
+    for (int i = 0; i < 4000; i++) {
+        peer_rpc_server_stats_get(srv, &s);
+        if (s.queued_bytes >= QUEUE_CAP)
+            break;
+        uv_run(&loop, UV_RUN_ONCE);
+    }
+    assert_true(s.queued_bytes >= QUEUE_CAP);
+    assert_int_equal(legit_calls(port, "127.0.0.3", 8, 0, 3000), 0);
+    peer_rpc_server_stats_get(srv, &s);
+    assert_int_equal(s.closed_drain + s.closed_idle, 0); /* the attacker still holds its queue */
+    assert_true(s.queued_bytes >= QUEUE_CAP);
+    atomic_store(&nr.release, 1);
+    assert_true(run_until(&nr.done, 10000));
+    pthread_join(th, NULL);
+    for (int i = 0; i < 2000; i++) {
+        peer_rpc_server_stats_get(srv, &s);
+        if (s.conns_open == 0)
+            break;
+        uv_run(&loop, UV_RUN_ONCE);
+    }
+    assert_int_equal(s.queued_bytes, 0);
+    stop_server(&srv);
+}
+
+/* A client that reads a little now and then (so a reply finishes now and
+ * then) but makes no write progress for drain_timeout_ms is closed, even
+ * though it is never idle_timeout_ms quiet. */
+static void test_slow_drain(void **state)
+{
+    (void)state;
+    peer_rpc_server_config cfg = {.max_queued_bytes = QUEUE_CAP, .idle_timeout_ms = 20000,
+                                  .drain_timeout_ms = 1000};
+    int port;
+    peer_rpc_server *srv = start_server(&cfg, &port);
+    noread_run nr = {.port = port, .read_every_ms = 1500};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, noread_main, &nr), 0);
+    assert_true(run_until(&nr.sent, 10000));
+    assert_string_equal(nr.err, "");
+    peer_rpc_server_stats s;
+    uint64_t t0 = now_ms();
+    for (int i = 0; i < 2000; i++) {
+        peer_rpc_server_stats_get(srv, &s);
+        if (s.closed_drain)
+            break;
+        uv_run(&loop, UV_RUN_ONCE);
+    }
+    print_message("closed for not draining after %llu ms\n", (unsigned long long)(now_ms() - t0));
+    assert_int_equal(s.closed_drain, 1);
+    assert_int_equal(s.closed_idle, 0);
+    assert_int_equal(legit_call(port), 0);
+    atomic_store(&nr.release, 1);
+    assert_true(run_until(&nr.done, 10000));
+    pthread_join(th, NULL);
+    for (int i = 0; i < 2000; i++) {
+        peer_rpc_server_stats_get(srv, &s);
+        if (s.conns_open == 0)
+            break;
+        uv_run(&loop, UV_RUN_ONCE);
+    }
+    assert_int_equal(s.queued_bytes, 0);
+    stop_server(&srv);
+}
+
+/* At max_queued_total, the connection holding the most is closed once it
+ * has made no write progress for a quarter of drain_timeout_ms (not the
+ * whole of it). */
+static void test_queue_total_evicts(void **state)
+{
+    (void)state;
+    peer_rpc_server_config cfg = {.max_queued_bytes = QUEUE_CAP, .max_queued_total = QUEUE_CAP,
+                                  .idle_timeout_ms = 20000, .drain_timeout_ms = 8000};
+    int port;
+    peer_rpc_server *srv = start_server(&cfg, &port);
+    noread_run nr = {.port = port};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, noread_main, &nr), 0);
+    assert_true(run_until(&nr.sent, 10000));
+    assert_string_equal(nr.err, "");
+    peer_rpc_server_stats s;
+    uint64_t t0 = now_ms();
+    for (int i = 0; i < 2000; i++) {
+        peer_rpc_server_stats_get(srv, &s);
+        if (s.closed_drain)
+            break;
+        uv_run(&loop, UV_RUN_ONCE);
+    }
+    uint64_t took = now_ms() - t0;
+    print_message("largest holder closed after %llu ms\n", (unsigned long long)took);
+    assert_int_equal(s.closed_drain, 1);
+    assert_true(took < 7000); /* before the whole drain_timeout_ms */
+    atomic_store(&nr.release, 1);
+    assert_true(run_until(&nr.done, 10000));
+    pthread_join(th, NULL);
     stop_server(&srv);
 }
 
@@ -997,7 +1216,12 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_handshake_slots),
         cmocka_unit_test(test_timeouts),
         cmocka_unit_test(test_incomplete_records),
+        cmocka_unit_test(test_incomplete_per_ip),
+        cmocka_unit_test(test_record_deadline),
         cmocka_unit_test(test_never_reads),
+        cmocka_unit_test(test_never_reads_fair),
+        cmocka_unit_test(test_slow_drain),
+        cmocka_unit_test(test_queue_total_evicts),
         cmocka_unit_test(test_metrics_flood),
         cmocka_unit_test(test_metrics_timeout),
     };
