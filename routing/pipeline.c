@@ -169,6 +169,7 @@ int route_pipeline_next_call(route_pipeline *p, route_call *call)
     p->outstanding++;
     memset(call, 0, sizeof *call);
     call->token = (best->gen << 8) | (uint32_t)idx;
+    call->slot = idx;
     call->kind = best->state == SLOT_BWD ? ROUTE_CALL_BACKWARD : ROUTE_CALL_FORWARD;
     call->stage = s;
     call->rows = best->rows;

@@ -56,7 +56,9 @@ typedef struct route_pipeline_config {
 /* One RPC to make. The pointers stay valid until route_pipeline_call_done
  * for this call (the driver may send straight from them). */
 typedef struct route_call {
-    uint32_t token;               /* pass back to route_pipeline_call_done */
+    uint32_t token;               /* pass back to route_pipeline_call_done (opaque) */
+    int slot;                     /* the micro-batch's slot, 0..max_inflight-1: what the
+                                     driver keys per-batch state by */
     route_call_kind kind;
     int stage;
     int rows;                     /* B of this micro-batch */

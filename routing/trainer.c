@@ -343,7 +343,7 @@ static void call_failed(trainer *t, pend *p, int status, int drop_conn)
  * retry goes to another replica while one is available. */
 static void refused(trainer *t, pend *p)
 {
-    int slot = (int)(p->call.token & 0xFF);
+    int slot = p->call.slot;
     if (t->refusers_stage[slot] != p->call.stage) {
         t->refusers_stage[slot] = p->call.stage;
         t->n_refusers[slot] = 0;
@@ -426,11 +426,11 @@ static void on_reply(void *arg, int status, const peer_msg *m)
     }
     memcpy(c->outputs, m->t[0].data, (size_t)c->rows * (size_t)width * sizeof(float));
     if (c->kind == ROUTE_CALL_BACKWARD)
-        accepted(t, (int)(c->token & 0xFF), c->stage, p->holder);
+        accepted(t, c->slot, c->stage, p->holder);
     else if (c->stage == 0)
-        t->n_refusers[c->token & 0xFF] = 0; /* a new batch in this slot */
+        t->n_refusers[c->slot] = 0; /* a new batch in this slot */
     if (c->kind == ROUTE_CALL_FORWARD) {
-        int slot = (int)(c->token & 0xFF);
+        int slot = c->slot;
         memcpy(t->fwd_holder[slot][c->stage], p->holder, DHT_ID_LEN);
         t->fwd_version_known[slot][c->stage] = m->meta && m->meta_len == 8;
         if (t->fwd_version_known[slot][c->stage]) {
@@ -492,7 +492,7 @@ static int dispatch(trainer *t, pend *p)
     uint8_t skip[ROUTE_MAX_HOLDERS] = {0};
     int affine = -1;
     if (p->call.kind == ROUTE_CALL_BACKWARD && p->call.attempt == 0) {
-        const uint8_t *want = t->fwd_holder[p->call.token & 0xFF][p->call.stage];
+        const uint8_t *want = t->fwd_holder[p->call.slot][p->call.stage];
         for (int i = 0; i < n; i++)
             if (!memcmp(reps[i].id, want, DHT_ID_LEN) && route_replica_weight(&reps[i], now) > 0)
                 affine = i;
@@ -500,7 +500,7 @@ static int dispatch(trainer *t, pend *p)
     /* A refused backward goes to a replica that has not refused it, while
      * one is available (not banned); else to any. */
     if (p->call.kind == ROUTE_CALL_BACKWARD && p->call.attempt > 0) {
-        int slot = (int)(p->call.token & 0xFF), other = 0;
+        int slot = p->call.slot, other = 0;
         for (int i = 0; i < n; i++)
             if (!is_refuser(t, slot, p->call.stage, reps[i].id) && route_replica_weight(&reps[i], now) > 0)
                 other = 1;
@@ -551,7 +551,7 @@ static int dispatch(trainer *t, pend *p)
         if (p->call.kind == ROUTE_CALL_BACKWARD) {
             peer_tensor_f32(&m.t[1], p->call.grad_outputs, 2, sout);
             m.n_tensors = 2;
-            int slot = (int)(p->call.token & 0xFF);
+            int slot = p->call.slot;
             if (k == affine && t->fwd_version_known[slot][p->call.stage]) {
                 peer_put_le64(meta, t->fwd_version[slot][p->call.stage]);
                 m.meta = meta;
