@@ -485,6 +485,19 @@ static int have_entry(const lookup *l, const dht_entry *e)
     return 0;
 }
 
+/* Replaces o's copy with e's (value copied); on no memory o stays as it was. */
+static void own_replace(own_entry *o, const dht_entry *e)
+{
+    uint8_t *v = malloc(e->value_len ? e->value_len : 1);
+    if (!v)
+        return;
+    free(o->val);
+    own_from(o, e);
+    o->val = v;
+    if (e->value_len)
+        memcpy(v, e->value, e->value_len);
+}
+
 /* Adds e to l->res, one per (signed, subkey), newest expiration winning. */
 static void merge_entry(lookup *l, const dht_entry *e)
 {
@@ -492,16 +505,8 @@ static void merge_entry(lookup *l, const dht_entry *e)
         own_entry *o = &l->res[i];
         if (o->is_signed == e->is_signed && o->sub_len == e->subkey_len &&
             (!e->subkey_len || memcmp(o->sub, e->subkey, e->subkey_len) == 0)) {
-            if (e->expires > o->expires) {
-                uint8_t *v = malloc(e->value_len ? e->value_len : 1);
-                if (!v)
-                    return;
-                free(o->val);
-                own_from(o, e);
-                o->val = v;
-                if (e->value_len)
-                    memcpy(v, e->value, e->value_len);
-            }
+            if (e->expires > o->expires)
+                own_replace(o, e);
             return;
         }
     }
@@ -514,15 +519,7 @@ static void merge_entry(lookup *l, const dht_entry *e)
             u--;
         if (!e->is_signed || u == 0)
             return;
-        own_entry *o = &l->res[u - 1];
-        uint8_t *v = malloc(e->value_len ? e->value_len : 1);
-        if (!v)
-            return;
-        free(o->val);
-        own_from(o, e);
-        o->val = v;
-        if (e->value_len)
-            memcpy(v, e->value, e->value_len);
+        own_replace(&l->res[u - 1], e);
         return;
     }
     if (l->n_res == l->cap_res) {

@@ -457,17 +457,7 @@ int peer_allreduce_check_parts(const float *avg, const float *base, size_t nflat
          * reducers makes it an honest change), at least our own piece's,
          * which we reduced ourselves; with fewer, our own piece's alone;
          * without one, none. */
-        double ref = -1;
-        if (m >= 3) {
-            for (int i = 1; i < m; i++) {
-                double x = sorted[i];
-                int k = i;
-                for (; k > 0 && sorted[k - 1] > x; k--)
-                    sorted[k] = sorted[k - 1];
-                sorted[k] = x;
-            }
-            ref = m % 2 ? sorted[m / 2] : 0.5 * (sorted[m / 2 - 1] + sorted[m / 2]);
-        }
+        double ref = m >= 3 ? median_of(sorted, m) : -1;
         if (has[me] && r[me] > ref)
             ref = r[me];
         double rmax = t == 0 ? PEER_ALLREDUCE_PART_MAX_PARAMS : PEER_ALLREDUCE_PART_MAX_MOMENTS;

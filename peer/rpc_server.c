@@ -171,6 +171,18 @@ static void free_req_bufs(peer_rpc_request *r)
     peer__buf_free(&r->out);
 }
 
+/* Frees the answered requests sc keeps for reuse, and their buffers. */
+static void free_spare_reqs(sconn *sc)
+{
+    while (sc->free_reqs) {
+        peer_rpc_request *r = sc->free_reqs;
+        sc->free_reqs = r->next;
+        sc->srv->retained -= r->retained;
+        free_req_bufs(r);
+        free(r);
+    }
+}
+
 static void release_req(peer_rpc_request *r)
 {
     sconn *sc = r->conn;
@@ -432,13 +444,7 @@ static void conn_maybe_free(sconn *sc)
         srv->conns = sc->next;
     if (sc->next)
         sc->next->prev = sc->prev;
-    while (sc->free_reqs) {
-        peer_rpc_request *r = sc->free_reqs;
-        sc->free_reqs = r->next;
-        srv->retained -= r->retained;
-        free_req_bufs(r);
-        free(r);
-    }
+    free_spare_reqs(sc);
     peer__conn_free(&sc->c);
     free(sc);
     srv->st.conns_open--;
@@ -725,13 +731,7 @@ static void sweep_cb(uv_timer_t *t)
          * them once. */
         if (sc->inflight == 0 && !sc->c.in_rec && quiet >= 1000) {
             peer__buf_free(&sc->c.rec);
-            while (sc->free_reqs) {
-                peer_rpc_request *r = sc->free_reqs;
-                sc->free_reqs = r->next;
-                srv->retained -= r->retained;
-                free_req_bufs(r);
-                free(r);
-            }
+            free_spare_reqs(sc);
         }
     }
     /* At the total bound, the largest holder that has not drained for a
