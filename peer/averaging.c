@@ -280,7 +280,7 @@ static void on_round_done(void *arg, int status, const peer_allreduce_result *re
         c->group = res->n;
         c->alone_said = 0;
         say(av,
-            "%s: averaged in a group of %d (round %" PRIu64 ", our weight %.3f, %.1f MB in %.2f s; distance to "
+            "%s: averaged in a group of %d (round %" PRIu64 ", our weight %.3g, %.1f MB in %.2f s; distance to "
             "the group average %.6g -> %.6g)",
             info.name, res->n, c->round, res->weight_self, (double)res->bytes_in / 1e6, res->seconds,
             res->dist_before, res->dist_after);

@@ -20,7 +20,7 @@ start_peer c 0-5 $FAST
 # depends on the machine's speed, so the test trains again (at most 6
 # times) until such a round has been logged, rather than betting on one run.
 weighted() {
-    grep -qE 'averaged in a group of 3 .*our weight 0\.[0-9]*[1-9]' "$T/a.err" "$T/b.err" "$T/c.err"
+    grep -qE 'averaged in a group of 3 .*our weight (0\.[0-9]*)?[1-9]' "$T/a.err" "$T/b.err" "$T/c.err"
 }
 for run in 1 2 3 4 5 6; do
     for n in 1 2; do
@@ -97,11 +97,13 @@ grep -q '"avg_group":3' "$T/mon.json" || fail "the monitor shows no group of 3"
 # their common multiples with weight 0 (it takes the group's average and
 # does not pull the trained replicas toward its random weights).
 start_peer d 0-5 --average-every 6 --announce-every 1 --announce-ttl 5 --no-state-download
-wait_for "$T/d.err" 'averaged in a group of 4 .*our weight 0\.000' 60 || \
+# (Its first round may find only some of the trained replicas free, under
+# load: any group counts; once it has averaged it is no longer fresh.)
+wait_for "$T/d.err" 'averaged in a group of [0-9]+ .*our weight 0,' 60 || \
     { fail "the fresh replica never averaged with weight 0"; show "$T/d.err" "$T/a.err"; }
 grep -q 'a replica averages every 3.0 s, this peer every 6.0 s: they average together only every 6 s' "$T/d.err" || \
     fail "the period mismatch was not reported"
-grep -E 'averaged in a group of 4' "$T/a.err" | grep -qE 'our weight 0\.[0-9]*[1-9]' || \
+grep -E 'averaged in a group of 4' "$T/a.err" | grep -qE 'our weight (0\.[0-9]*)?[1-9]' || \
     fail "a trained replica's weight in the group of 4 is not positive"
 kill -TERM "$PID_d"
 wait "$PID_d"
