@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <stddef.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -656,16 +657,42 @@ static void on_ckpt_timer(uv_timer_t *t)
 
 /* ---- metrics ---- */
 
-static size_t render_metrics(char *buf, size_t cap, void *arg)
-{
-    peer_daemon *d = arg;
-    size_t off = 0;
+/* Appends to buf[off..cap) (the render callbacks' buf, cap, off). */
 #define EMIT(...)                                                                       \
     do {                                                                                \
         int n_ = snprintf(buf + off, cap > off ? cap - off : 0, __VA_ARGS__);           \
         if (n_ > 0)                                                                     \
             off = off + (size_t)n_ < cap ? off + (size_t)n_ : cap;                      \
     } while (0)
+
+/* One per-block averaging counter family with two results, each a
+ * uint64_t field of peer_averaging_stats (by offset), appended at off.
+ * Returns the new offset (at most cap). */
+static size_t emit_avg_family(peer_daemon *d, char *buf, size_t cap, size_t off, const char *name,
+                              const char *help, const char *res_a, size_t field_a, const char *res_b,
+                              size_t field_b)
+{
+    EMIT("# HELP %s %s\n# TYPE %s counter\n", name, help, name);
+    int nb = peer_service_n_blocks(d->svc);
+    for (int i = 0; i < nb; i++) {
+        peer_block_info info;
+        if (peer_service_block_info(d->svc, i, &info) != 0)
+            continue;
+        peer_averaging_stats as;
+        peer_averaging_get_stats(d->avg, i, &as);
+        uint64_t a, b;
+        memcpy(&a, (const char *)&as + field_a, sizeof a);
+        memcpy(&b, (const char *)&as + field_b, sizeof b);
+        EMIT("%s{block=\"%s\",result=\"%s\"} %" PRIu64 "\n%s{block=\"%s\",result=\"%s\"} %" PRIu64 "\n", name,
+             info.name, res_a, a, name, info.name, res_b, b);
+    }
+    return off;
+}
+
+static size_t render_metrics(char *buf, size_t cap, void *arg)
+{
+    peer_daemon *d = arg;
+    size_t off = 0;
     EMIT("# HELP starling_up 1 while the peer serves.\n# TYPE starling_up gauge\nstarling_up 1\n");
     static const char *kinds[4] = {"", "inference", "forward", "backward"};
     EMIT("# HELP starling_requests_total Requests served, by block and kind.\n"
@@ -750,30 +777,16 @@ static size_t render_metrics(char *buf, size_t cap, void *arg)
         if (peer_service_block_info(d->svc, i, &info) == 0)
             EMIT("starling_weights_still_steps{block=\"%s\"} %" PRIu64 "\n", info.name, info.still_steps);
     if (d->avg) {
-        EMIT("# HELP starling_avg_rounds_total Replica averaging rounds, by block and result "
-             "(abandoned: weights unchanged).\n# TYPE starling_avg_rounds_total counter\n");
-        for (int i = 0; i < nb; i++) {
-            if (peer_service_block_info(d->svc, i, &info) != 0)
-                continue;
-            peer_averaging_stats as;
-            peer_averaging_get_stats(d->avg, i, &as);
-            EMIT("starling_avg_rounds_total{block=\"%s\",result=\"completed\"} %" PRIu64 "\n"
-                 "starling_avg_rounds_total{block=\"%s\",result=\"abandoned\"} %" PRIu64 "\n",
-                 info.name, as.rounds, info.name, as.abandoned);
-        }
-        EMIT("# HELP starling_avg_contributions_total Other members' contributions to averaging rounds the "
-             "robust reduce did not take as sent (dropped: non-finite, or a reduced part far from the "
-             "others'; clipped: pulled in toward the group's median).\n"
-             "# TYPE starling_avg_contributions_total counter\n");
-        for (int i = 0; i < nb; i++) {
-            if (peer_service_block_info(d->svc, i, &info) != 0)
-                continue;
-            peer_averaging_stats as;
-            peer_averaging_get_stats(d->avg, i, &as);
-            EMIT("starling_avg_contributions_total{block=\"%s\",result=\"dropped\"} %" PRIu64 "\n"
-                 "starling_avg_contributions_total{block=\"%s\",result=\"clipped\"} %" PRIu64 "\n",
-                 info.name, as.dropped, info.name, as.clipped);
-        }
+        off = emit_avg_family(d, buf, cap, off, "starling_avg_rounds_total",
+                              "Replica averaging rounds, by block and result (abandoned: weights unchanged).",
+                              "completed", offsetof(peer_averaging_stats, rounds), "abandoned",
+                              offsetof(peer_averaging_stats, abandoned));
+        off = emit_avg_family(d, buf, cap, off, "starling_avg_contributions_total",
+                              "Other members' contributions to averaging rounds the robust reduce did not take "
+                              "as sent (dropped: non-finite, or a reduced part far from the others'; clipped: "
+                              "pulled in toward the group's median).",
+                              "dropped", offsetof(peer_averaging_stats, dropped), "clipped",
+                              offsetof(peer_averaging_stats, clipped));
     }
     /* The tensor RPC server and its limits (docs/rpc.md, "Limits"). */
     peer_rpc_server_stats rs;

@@ -79,6 +79,13 @@ expect 2 "peer --optimizer" -- "$S" peer --blocks 1 --optimizer adagrad
 expect 2 "peer --announce-ttl" -- "$S" peer --blocks 1 --announce-every 30 --announce-ttl 10
 expect 2 "peer --model" -- "$S" peer --blocks 1 --model nope
 contains "unknown model 'nope'" "unknown model message"
+# dht put --value-hex: odd length, non-hex digits, over the value limit.
+n=0
+for v in "abc" "zz" "$(head -c 1538 /dev/zero | tr '\0' 'a')"; do
+    n=$((n + 1))
+    expect 2 "dht put --value-hex garbage $n" -- "$S" dht put k "$v" --value-hex --initial-peers 127.0.0.1:1/0000000000000000000000000000000000000000
+    contains "--value-hex: VALUE must be an even number of hex digits" "value-hex message"
+done
 expect 2 "peer --max-batch 0" -- "$S" peer --blocks 1 --max-batch 0
 # Gradient checks and the limits against hostile clients.
 expect 2 "peer --grad-factor garbage" -- "$S" peer --blocks 1 --grad-factor lots
