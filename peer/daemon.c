@@ -15,6 +15,7 @@
 
 #include "peer/announce.h"
 #include "peer/averaging.h"
+#include "peer/catchup.h"
 #include "peer/keeper.h"
 #include "peer/log.h"
 #include "peer/metrics.h"
@@ -25,24 +26,6 @@
 #define JOIN_RETRY_MS 5000
 #define MAX_INITIAL 64
 #define STOP_ANNOUNCE_WAIT_MS 3000
-
-/* The block being joined: where its newest state is. The online holders
- * first (on_holders), then the keepers of cold copies (on_keepers). */
-typedef struct sync_view {
-    peer_announce cand[16];
-    uint8_t ids[16][DHT_ID_LEN];
-    int nc, found;
-    uint64_t best;               /* newest online version */
-    uint64_t prev;               /* what this node ID announced before it restarted (0: nothing) */
-    uint8_t suspect[16];         /* holders whose claimed version is far above the others' */
-    peer_keep_record keep[16];   /* cold copies, newest first */
-    uint8_t kid[16][DHT_ID_LEN];
-    int nk, next_keep;           /* copies found, the next one to try */
-    uint8_t keep_suspect[16];    /* copies whose claimed version is far above the others' */
-    uint64_t known;              /* the newest version known to have existed */
-    uint64_t accept_max;         /* a downloaded state newer than this is refused: */
-    uint64_t hold_max, keep_max; /*   from a holder, from a cold copy */
-} sync_view;
 
 struct peer_daemon {
     uv_loop_t *loop;
@@ -72,15 +55,9 @@ struct peer_daemon {
     int timers_open;
 
     int joined;
-    int syncing;                 /* index of the block whose state is being fetched, or -1 */
-    int sync_inflight;           /* a download's callback is still to come */
-    sync_view view;
-    uint64_t sync_expect;        /* the version a lost download would have kept (0: nothing at stake) */
-    char sync_from[96];
-    uint64_t lost_from[PEER_SERVICE_MAX_BLOCKS], lost_to[PEER_SERVICE_MAX_BLOCKS];
-    int no_state_download;
-    uint64_t sync_rng;
-    double sync_t0;
+    int syncing;                 /* index of the block being caught up, or -1 */
+    peer_catchup *catchup;
+    int catchup_running;         /* its stop callback is still to come */
     int put_failures_logged;
     uint64_t last_expiry;        /* announcements expire strictly later each time */
     int stopping;
@@ -171,8 +148,7 @@ static int announce_block(peer_daemon *d, int i, peer_state state, uint64_t expi
     a.avg_rounds = as.rounds;
     a.avg_group = as.group;
     a.avg_abandoned = as.abandoned;
-    a.lost_from = d->lost_from[i];
-    a.lost_to = d->lost_to[i];
+    peer_catchup_lost(d->catchup, i, &a.lost_from, &a.lost_to);
     a.grads_refused = info.refused_requests + info.refused_steps;
     a.frozen_steps = info.frozen ? info.still_steps : 0;
     long n = peer_announce_encode(&a, val, sizeof val);
@@ -223,7 +199,7 @@ static void on_announce_timer(uv_timer_t *t)
         announce_online(d);
 }
 
-/* ---- newcomer state ---- */
+/* ---- newcomer state (peer/catchup.h) ---- */
 
 static void go_online(peer_daemon *d)
 {
@@ -235,296 +211,34 @@ static void go_online(peer_daemon *d)
     announce_online(d);
 }
 
-static void sync_next(peer_daemon *d);
-static void note_lost(peer_daemon *d, int i, uint64_t from, uint64_t to, const char *why);
-static int try_cold_copy(peer_daemon *d);
-static void sync_settle(peer_daemon *d, const char *failed, int downloaded);
+/* Catches the blocks up one after another (d->syncing), then goes online. */
+static void catch_up_next(peer_daemon *d)
+{
+    if (d->stopping)
+        return;
+    while (++d->syncing < peer_service_n_blocks(d->svc))
+        if (peer_catchup_start(d->catchup, d->syncing) == 0)
+            return; /* on_caught_up goes on */
+    go_online(d);
+}
 
-static void maybe_free(peer_daemon *d);
+static void on_caught_up(void *arg, int block)
+{
+    (void)block;
+    catch_up_next(arg);
+}
 
-static void on_state(void *arg, int status, const uint8_t *buf, size_t len, uint64_t version)
+static void on_catchup_joining(void *arg, int block)
 {
     peer_daemon *d = arg;
-    d->sync_inflight = 0;
-    if (d->stopping) {
-        maybe_free(d);
-        return;
-    }
-    peer_block_info info;
-    peer_service_block_info(d->svc, d->syncing, &info);
-    const char *failed = NULL;
-    int again = status != 0; /* another copy may still be had */
-    struct expert_ckpt_info ci;
-    if (status == 0 && expert_ckpt_peek(buf, len, &ci) == 0 && ci.version > version)
-        version = ci.version; /* what would be installed */
-    if (status == 0 && version > d->view.accept_max) {
-        /* The donor announced a plausible version and served a far newer
-         * one (or the holders' claims bound it): not a state to spread. */
-        say(d, "%s: the state downloaded from %s has weight version %" PRIu64 ", far above what the holders "
-            "claim (at most %" PRIu64 "); refused, keeping ours", info.name, d->sync_from, version,
-            d->view.accept_max);
-        failed = "the downloaded state was refused";
-        again = 1;
-    } else if (status == 0) {
-        int rc = peer_service_install_state(d->svc, d->syncing, buf, len);
-        if (rc == 0) {
-            say(d, "%s: downloaded the current state (weight version %llu, %.1f MB in %.2f s) from %s", info.name,
-                (unsigned long long)version, (double)len / 1e6, (double)uv_now(d->loop) / 1000.0 - d->sync_t0,
-                d->sync_from);
-            if (d->sync_expect > version)
-                failed = "the newest copy in the swarm was older";
-        } else {
-            say(d, "%s: the state downloaded from %s was refused (%s); keeping ours", info.name, d->sync_from,
-                rc == -ESTALE ? "it is the state of another stage or configuration" : strerror(-rc));
-            failed = "the downloaded state was refused";
-            again = 1;
-        }
-    } else {
-        say(d, "%s: state download from %s failed (%s); keeping ours", info.name, d->sync_from,
-            strerror(-status));
-        failed = "the download failed";
-    }
-    /* A copy that could not be had: the next newest one. */
-    if (again && try_cold_copy(d))
-        return;
-    sync_settle(d, failed, status == 0 && !again);
+    announce_block(d, block, PEER_STATE_JOINING, next_expiry(d, PEER_STATE_JOINING), on_put);
 }
 
-/* Says (and announces) that block i went back: this peer, or a keeper,
- * had a newer version than the one it serves from now on. */
-static void note_lost(peer_daemon *d, int i, uint64_t from, uint64_t to, const char *why)
+static void on_catchup_stopped(void *arg)
 {
-    peer_block_info info;
-    peer_service_block_info(d->svc, i, &info);
-    d->lost_from[i] = from;
-    d->lost_to[i] = to;
-    say(d, "%s: STATE LOST: weight version %" PRIu64 " existed, this peer serves version %" PRIu64 " (%s)",
-        info.name, from, to, why);
-}
-
-/* Starts downloading block d->syncing (d->sync_from says from whom).
- * Returns 0, or a negative errno (said). */
-static int start_download(peer_daemon *d, const uint8_t *id, const char *addr)
-{
-    peer_block_info info;
-    peer_service_block_info(d->svc, d->syncing, &info);
-    d->sync_t0 = (double)uv_now(d->loop) / 1000.0;
-    int rc = peer_statesync_start(d->loop, &d->ident, d->has_swarm_key ? d->swarm_key : NULL, id, addr,
-                                  info.name, 30.0, on_state, d);
-    if (rc == 0)
-        d->sync_inflight = 1;
-    else
-        say(d, "%s: cannot start the state download from %s (%s)", info.name, d->sync_from, strerror(-rc));
-    return rc;
-}
-
-/* Downloads block d->syncing from the next cold copy newer than ours.
- * Returns 1 when a download started. */
-static int try_cold_copy(peer_daemon *d)
-{
-    sync_view *v = &d->view;
-    peer_block_info info;
-    peer_service_block_info(d->svc, d->syncing, &info);
-    while (v->next_keep < v->nk && v->keep[v->next_keep].weight_version > info.version) {
-        int k = v->next_keep++;
-        if (v->keep_suspect[k])
-            continue;
-        char hex[DHT_ID_HEX_LEN + 1];
-        dht_id_to_hex(hex, v->kid[k]);
-        snprintf(d->sync_from, sizeof d->sync_from, "a cold copy kept by %.8s", hex);
-        v->accept_max = v->keep_max;
-        d->sync_expect = v->known;
-        if (start_download(d, v->kid[k], v->keep[k].addr) == 0)
-            return 1;
-    }
-    return 0;
-}
-
-/* Nothing (more) to download for block d->syncing: say where it starts
- * from, and whether that loses a newer version. */
-static void sync_settle(peer_daemon *d, const char *failed, int downloaded)
-{
-    sync_view *v = &d->view;
-    peer_block_info info;
-    peer_service_block_info(d->svc, d->syncing, &info);
-    if (!v->found && !failed && !downloaded)
-        say(d, "%s: no other holder; starting from our %s (weight version %" PRIu64 ")", info.name,
-            info.restored ? "checkpoint" : "initial weights", info.version);
-    if (d->sync_expect > info.version)
-        note_lost(d, d->syncing, d->sync_expect, info.version, failed ? failed
-                  : info.restored ? "the checkpoint is older and no newer copy is in the swarm"
-                                  : "no checkpoint and no copy in the swarm");
-    sync_next(d);
-}
-
-static int cmp_keep(const void *a, const void *b)
-{
-    uint64_t x = ((const peer_keep_record *)a)->weight_version, y = ((const peer_keep_record *)b)->weight_version;
-    return x < y ? 1 : x > y ? -1 : 0;
-}
-
-/* Logs that a holder's (or keeper's) claim i of v[0..n) was ignored. */
-static void say_ignored(peer_daemon *d, const char *block, const char *what, const uint8_t *id,
-                        const uint64_t *v, int n, int i)
-{
-    char hex[DHT_ID_HEX_LEN + 1];
-    dht_id_to_hex(hex, id);
-    int others = 0;
-    for (int j = 0; j < n; j++)
-        others += j != i && v[j] > 0;
-    say(d, "%s: ignored %s %.8s: it claims weight version %" PRIu64 ", far above the %d other%s (median %" PRIu64
-        ")", block, what, hex, v[i], others, others == 1 ? "" : "s", peer_trust_median_u64(v, n, i));
-}
-
-static void on_keepers(dht *dh, int status, const dht_entry *e, size_t n, void *ud)
-{
-    (void)dh;
-    peer_daemon *d = ud;
-    if (d->stopping)
-        return;
-    sync_view *v = &d->view;
-    peer_block_info info;
-    peer_service_block_info(d->svc, d->syncing, &info);
-    /* The copies, newest first (IDs sorted along through an index). */
-    struct {
-        peer_keep_record r;
-        uint8_t id[DHT_ID_LEN];
-    } kk[16];
-    int nk = 0;
-    for (size_t i = 0; status == 0 && i < n && nk < 16; i++) {
-        if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN || !memcmp(e[i].subkey, d->ident.id, DHT_ID_LEN) ||
-            peer_keep_record_decode(&kk[nk].r, e[i].value, e[i].value_len) != 0 || kk[nk].r.weight_version == 0)
-            continue;
-        memcpy(kk[nk].id, e[i].subkey, DHT_ID_LEN);
-        nk++;
-    }
-    qsort(kk, (size_t)nk, sizeof kk[0], cmp_keep); /* the record is the first field */
-    v->nk = nk;
-    v->next_keep = 0;
-    uint64_t kv[16];
-    for (int i = 0; i < nk; i++) {
-        v->keep[i] = kk[i].r;
-        memcpy(v->kid[i], kk[i].id, DHT_ID_LEN);
-        kv[i] = kk[i].r.weight_version;
-    }
-    /* A copy's version is its keeper's word: checked against the other
-     * copies like the holders' (peer_statesync_choose). */
-    v->keep_max = peer_statesync_choose(kv, nk, v->keep_suspect);
-    uint64_t cold = 0;
-    for (int i = 0; i < nk; i++) {
-        if (v->keep_suspect[i])
-            say_ignored(d, info.name, "cold copy kept by", v->kid[i], kv, nk, i);
-        else if (kv[i] > cold)
-            cold = kv[i];
-    }
-    /* The newest state known to have existed: our own before a restart,
-     * and the copies when no holder is online (a holder supersedes them). */
-    v->known = v->prev;
-    if (!v->found && cold > v->known)
-        v->known = cold;
-    d->sync_expect = 0;
-    int fresh = !info.restored && info.version == 0;
-    int pick = -1, seen = 0;
-    for (int i = 0; i < v->nc; i++) {
-        if (v->suspect[i] || v->cand[i].weight_version + 1 < v->best)
-            continue;
-        d->sync_rng = d->sync_rng * 6364136223846793005ULL + 1442695040888963407ULL;
-        if ((int)((d->sync_rng >> 33) % (uint64_t)(++seen)) == 0)
-            pick = i;
-    }
-    if (d->no_state_download) {
-        if (!v->found)
-            d->sync_expect = v->known;
-        sync_settle(d, d->sync_expect > info.version ? "--no-state-download" : NULL, 0);
-        return;
-    }
-    /* Online holders first: they are at least as new as any copy of them,
-     * and a copy's claimed version is only its keeper's word. */
-    if (pick >= 0 && (v->best > info.version || fresh)) {
-        snprintf(d->sync_from, sizeof d->sync_from, "an online holder");
-        v->accept_max = v->hold_max;
-        if (start_download(d, v->ids[pick], v->cand[pick].addr) == 0)
-            return;
-    }
-    if (!v->found && try_cold_copy(d))
-        return;
-    if (!v->found)
-        d->sync_expect = v->known;
-    sync_settle(d, NULL, 0);
-}
-
-static void on_holders(dht *dh, int status, const dht_entry *e, size_t n, void *ud)
-{
-    (void)dh;
-    peer_daemon *d = ud;
-    if (d->stopping)
-        return;
-    peer_block_info info;
-    peer_service_block_info(d->svc, d->syncing, &info);
-    sync_view *v = &d->view;
-    memset(v, 0, sizeof *v);
-    for (size_t i = 0; status == 0 && i < n; i++) {
-        peer_announce a;
-        if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN ||
-            peer_announce_decode(&a, e[i].value, e[i].value_len) != 0 || a.stage_hash != info.stage_hash ||
-            strcmp(a.block, info.name) != 0)
-            continue;
-        if (!memcmp(e[i].subkey, d->ident.id, DHT_ID_LEN)) {
-            /* Our own entry from before a restart (it outlives a crash by
-             * up to a TTL): the version we had. */
-            if (a.state != PEER_STATE_JOINING)
-                v->prev = a.weight_version;
-            continue;
-        }
-        if (a.state != PEER_STATE_ONLINE)
-            continue;
-        v->found = 1;
-        if (v->nc < 16) {
-            v->cand[v->nc] = a;
-            memcpy(v->ids[v->nc], e[i].subkey, DHT_ID_LEN);
-            v->nc++;
-        }
-    }
-    /* One holder's version claim is not trusted on its own word: a claim
-     * far above the other holders' is ignored (peer_statesync_choose), so
-     * a holder announcing version 10^9 does not become every newcomer's
-     * donor. The newest trusted claim is the one to download. */
-    uint64_t hv[16];
-    for (int i = 0; i < v->nc; i++)
-        hv[i] = v->cand[i].weight_version;
-    v->hold_max = peer_statesync_choose(hv, v->nc, v->suspect);
-    for (int i = 0; i < v->nc; i++) {
-        if (v->suspect[i])
-            say_ignored(d, info.name, "holder", v->ids[i], hv, v->nc, i);
-        else if (hv[i] > v->best)
-            v->best = hv[i];
-    }
-    /* Only now, with our previous entry read, does the joining one replace
-     * it. */
-    announce_block(d, d->syncing, PEER_STATE_JOINING, next_expiry(d, PEER_STATE_JOINING), on_put);
-    uint8_t key[DHT_ID_LEN];
-    peer_keep_key(key, info.name, info.stage_hash);
-    if (dht_get(d->dht, key, on_keepers, d) != 0)
-        on_keepers(d->dht, -EAGAIN, NULL, 0, d);
-}
-
-static void sync_next(peer_daemon *d)
-{
-    if (d->stopping)
-        return;
-    for (;;) {
-        if (++d->syncing >= peer_service_n_blocks(d->svc)) {
-            go_online(d);
-            return;
-        }
-        peer_block_info info;
-        uint8_t key[DHT_ID_LEN];
-        peer_service_block_info(d->svc, d->syncing, &info);
-        dht_id_of_bytes(key, info.name, strlen(info.name));
-        if (dht_get(d->dht, key, on_holders, d) == 0)
-            return;
-        say(d, "%s: cannot look up holders; keeping ours", info.name);
-    }
+    peer_daemon *d = arg;
+    d->catchup_running = 0;
+    maybe_free(d);
 }
 
 /* ---- replica averaging (peer/averaging.h) ---- */
@@ -533,7 +247,7 @@ static int avg_ready(void *arg)
 {
     peer_daemon *d = arg;
     /* Only once online (not while fetching state). */
-    return d->joined && d->syncing < 0 && !d->sync_inflight;
+    return d->joined && d->syncing < 0;
 }
 
 static void on_avg_stopped(void *arg)
@@ -609,7 +323,7 @@ static void on_join(dht *dh, int status, void *ud)
      * (on_holders), so that a restarted peer still finds its own entry
      * from before, with the version it had. */
     d->syncing = -1;
-    sync_next(d);
+    catch_up_next(d);
 }
 
 static void start_join(peer_daemon *d)
@@ -950,8 +664,6 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
     d->syncing = -1;
     d->optim_kind = cfg->svc.optim.kind;
     d->average_every_s = cfg->average_every_s;
-    d->no_state_download = cfg->no_state_download;
-    d->sync_rng = (uint64_t)d->ident.id[0] << 8 | d->ident.id[1];
     d->log = cfg->log ? cfg->log : stderr;
     d->on_refused = cfg->on_refused;
     d->refused_arg = cfg->refused_arg;
@@ -1061,6 +773,21 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
                  strerror(-rc));
         goto fail_metrics;
     }
+    peer_catchup_config cc = {0};
+    cc.loop = loop;
+    cc.dht = d->dht;
+    cc.self = &d->ident;
+    cc.swarm_key = d->has_swarm_key ? d->swarm_key : NULL;
+    cc.svc = d->svc;
+    cc.no_state_download = cfg->no_state_download;
+    cc.log = d->log;
+    cc.joining = on_catchup_joining;
+    cc.done = on_caught_up;
+    cc.arg = d;
+    if (!(d->catchup = peer_catchup_create(&cc))) {
+        snprintf(err, errlen, "out of memory");
+        goto fail_metrics;
+    }
     uv_timer_t *timers[] = {&d->announce_timer, &d->join_timer, &d->ckpt_timer, &d->stop_timer};
     for (size_t i = 0; i < 4; i++) {
         uv_timer_init(loop, timers[i]);
@@ -1156,10 +883,11 @@ int peer_daemon_peer_string(const peer_daemon *d, char *buf, size_t cap)
  * can still call back into it. */
 static void maybe_free(peer_daemon *d)
 {
-    if (d->timers_open > 0 || d->sync_inflight || d->avg_running || d->keeper_running || d->stop_phase < 4)
+    if (d->timers_open > 0 || d->catchup_running || d->avg_running || d->keeper_running || d->stop_phase < 4)
         return;
     peer_averaging_destroy(&d->avg);
     peer_keeper_destroy(&d->keeper);
+    peer_catchup_destroy(&d->catchup);
     void (*cb)(int, void *) = d->stop_cb;
     void *arg = d->stop_arg;
     int status = d->final_status;
@@ -1237,6 +965,8 @@ void peer_daemon_stop(peer_daemon *d, void (*cb)(int status, void *arg), void *a
         peer_averaging_stop(d->avg, on_avg_stopped, d);
     if (d->keeper_running)
         peer_keeper_stop(d->keeper, on_keeper_stopped, d);
+    d->catchup_running = 1;
+    peer_catchup_stop(d->catchup, on_catchup_stopped, d);
     d->stop_phase = 1;
     d->offline_puts = d->joined ? announce(d, PEER_STATE_OFFLINE, on_offline_put) : 0;
     if (d->offline_puts == 0) {
