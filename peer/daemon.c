@@ -14,6 +14,7 @@
 #include <sodium.h>
 
 #include "peer/announce.h"
+#include "peer/announcer.h"
 #include "peer/averaging.h"
 #include "peer/catchup.h"
 #include "peer/keeper.h"
@@ -46,7 +47,8 @@ struct peer_daemon {
     dht *dht;
     peer_service *svc;
     peer_metrics *metrics;
-    uv_timer_t announce_timer, join_timer, ckpt_timer, stop_timer;
+    peer_announcer *announcer;
+    uv_timer_t join_timer, ckpt_timer, stop_timer;
     double average_every_s;
     int optim_kind;
     peer_averaging *avg;         /* NULL: no averaging */
@@ -59,10 +61,7 @@ struct peer_daemon {
     int syncing;                 /* index of the block being caught up, or -1 */
     peer_catchup *catchup;
     int catchup_running;         /* its stop callback is still to come */
-    int put_failures_logged;
-    uint64_t last_expiry;        /* announcements expire strictly later each time */
     int stopping;
-    int offline_puts;            /* offline announcements still in flight */
     int stop_phase;              /* 1 announcing offline, 2 closing service, 3 closing the rest, 4 done */
     int ckpt_busy;
     uv_work_t ckpt_work;
@@ -77,127 +76,27 @@ struct peer_daemon {
 #define say(d, ...) peer_log((d)->log, __VA_ARGS__)
 static void maybe_free(peer_daemon *d);
 
-/* ---- announcements ---- */
+/* ---- announcements (peer/announcer.h) ---- */
 
-static void on_announce_timer(uv_timer_t *t);
-
-static void on_put(dht *dh, int status, void *ud)
+/* The daemon's part of block i's announcement. */
+static void fill_announcement(void *arg, int i, peer_announce *a)
 {
-    (void)dh;
-    peer_daemon *d = ud;
-    if (status < 0 && !d->stopping) {
-        if (!d->put_failures_logged)
-            say(d, "announcement not stored (%s); retrying in 2 s", strerror(-status));
-        d->put_failures_logged = 1;
-        /* Retry soon rather than at the next period: until it is stored,
-         * clients see an old state (or nothing). */
-        uint64_t every = (uint64_t)(d->announce_every_s * 1000);
-        if (d->joined && d->syncing < 0 && uv_timer_get_due_in(&d->announce_timer) > 2000)
-            uv_timer_start(&d->announce_timer, on_announce_timer, 2000, every);
-    } else if (status >= 0) {
-        d->put_failures_logged = 0;
-    }
+    peer_daemon *d = arg;
+    peer_averaging_stats as;
+    peer_averaging_get_stats(d->avg, i, &as);
+    a->avg_rounds = as.rounds;
+    a->avg_group = as.group;
+    a->avg_abandoned = as.abandoned;
+    peer_catchup_lost(d->catchup, i, &a->lost_from, &a->lost_to);
 }
 
 static void continue_stop(peer_daemon *d);
 
-static void on_offline_put(dht *dh, int status, void *ud)
+static void on_offline_announced(void *arg)
 {
-    (void)dh;
-    (void)status;
-    peer_daemon *d = ud;
-    if (--d->offline_puts == 0 && d->stop_phase == 1)
+    peer_daemon *d = arg;
+    if (d->stop_phase == 1)
         continue_stop(d);
-}
-
-/* Announcements expire strictly later each time: a new state (joining ->
- * online -> offline) must never tie with or lose to the previous one, even
- * within a millisecond or with a shorter TTL. */
-static uint64_t next_expiry(peer_daemon *d, peer_state state)
-{
-    double ttl = state == PEER_STATE_OFFLINE ? 15.0 : d->ttl_s;
-    uint64_t expiry = dht_now_ms() + (uint64_t)(ttl * 1000);
-    if (expiry <= d->last_expiry)
-        expiry = d->last_expiry + 1;
-    d->last_expiry = expiry;
-    return expiry;
-}
-
-/* Puts block i's announcement with the given state. Returns 1 when the put
- * started, else 0. */
-static int announce_block(peer_daemon *d, int i, peer_state state, uint64_t expiry, dht_done_cb cb)
-{
-    uint8_t val[PEER_ANNOUNCE_MAX_BYTES], key[DHT_ID_LEN];
-    peer_block_info info;
-    if (peer_service_block_info(d->svc, i, &info) != 0)
-        return 0;
-    peer_announce a;
-    memset(&a, 0, sizeof a);
-    snprintf(a.block, sizeof a.block, "%s", info.name);
-    snprintf(a.addr, sizeof a.addr, "%s", d->announce_addr);
-    a.state = state;
-    a.stage_hash = info.stage_hash;
-    a.weight_version = info.version;
-    a.throughput = peer_batcher_train_throughput(&info.stats);
-    a.load = (double)info.stats.queued_rows / (double)d->max_queue_rows;
-    if (a.load > 1)
-        a.load = 1;
-    snprintf(a.device, sizeof a.device, "%s", d->device);
-    a.time_ms = dht_now_ms();
-    peer_averaging_stats as;
-    peer_averaging_get_stats(d->avg, i, &as);
-    a.avg_rounds = as.rounds;
-    a.avg_group = as.group;
-    a.avg_abandoned = as.abandoned;
-    peer_catchup_lost(d->catchup, i, &a.lost_from, &a.lost_to);
-    a.grads_refused = info.refused_requests + info.refused_steps;
-    a.frozen_steps = info.frozen ? info.still_steps : 0;
-    long n = peer_announce_encode(&a, val, sizeof val);
-    if (n < 0)
-        return 0;
-    dht_id_of_bytes(key, info.name, strlen(info.name));
-    return dht_put(d->dht, key, NULL, 0, val, (size_t)n, expiry, 1, cb, d) == 0;
-}
-
-/* Puts every block's announcement (and the model record) with the given
- * state. Returns the number of puts started. */
-static int announce(peer_daemon *d, peer_state state, dht_done_cb cb)
-{
-    uint8_t val[PEER_ANNOUNCE_MAX_BYTES], key[DHT_ID_LEN];
-    uint64_t now = dht_now_ms(), expiry = next_expiry(d, state);
-    int started = 0;
-    for (int i = 0; i < peer_service_n_blocks(d->svc); i++)
-        started += announce_block(d, i, state, expiry, cb);
-    if (state != PEER_STATE_OFFLINE) {
-        peer_model_record m;
-        memset(&m, 0, sizeof m);
-        snprintf(m.model, sizeof m.model, "%s", d->model);
-        m.n_stages = d->n_stages;
-        long n = peer_model_record_encode(&m, val, sizeof val);
-        dht_id_of_bytes(key, PEER_MODELS_KEY, strlen(PEER_MODELS_KEY));
-        if (n > 0 && dht_put(d->dht, key, NULL, 0, val, (size_t)n, now + (uint64_t)(d->ttl_s * 1000), 1,
-                             cb, d) == 0)
-            started++;
-    }
-    return started;
-}
-
-/* Announces online; when the DHT refuses to start some puts (too busy),
- * tries again in 2 s instead of a whole period later. */
-static void announce_online(peer_daemon *d)
-{
-    int want = peer_service_n_blocks(d->svc) + 1;
-    if (announce(d, PEER_STATE_ONLINE, on_put) < want) {
-        uint64_t every = (uint64_t)(d->announce_every_s * 1000);
-        uv_timer_start(&d->announce_timer, on_announce_timer, 2000, every);
-    }
-}
-
-static void on_announce_timer(uv_timer_t *t)
-{
-    peer_daemon *d = t->data;
-    if (d->joined && !d->stopping)
-        announce_online(d);
 }
 
 /* ---- newcomer state (peer/catchup.h) ---- */
@@ -205,11 +104,7 @@ static void on_announce_timer(uv_timer_t *t)
 static void go_online(peer_daemon *d)
 {
     d->syncing = -1;
-    say(d, "online: announcing %d block%s", peer_service_n_blocks(d->svc),
-        peer_service_n_blocks(d->svc) == 1 ? "" : "s");
-    uint64_t every = (uint64_t)(d->announce_every_s * 1000);
-    uv_timer_start(&d->announce_timer, on_announce_timer, every, every);
-    announce_online(d);
+    peer_announcer_go_online(d->announcer);
 }
 
 /* Catches the blocks up one after another (d->syncing), then goes online. */
@@ -232,7 +127,7 @@ static void on_caught_up(void *arg, int block)
 static void on_catchup_joining(void *arg, int block)
 {
     peer_daemon *d = arg;
-    announce_block(d, block, PEER_STATE_JOINING, next_expiry(d, PEER_STATE_JOINING), on_put);
+    peer_announcer_joining(d->announcer, block);
 }
 
 static void on_catchup_stopped(void *arg)
@@ -574,8 +469,28 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
         snprintf(err, errlen, "out of memory");
         goto fail_metrics;
     }
-    uv_timer_t *timers[] = {&d->announce_timer, &d->join_timer, &d->ckpt_timer, &d->stop_timer};
-    for (size_t i = 0; i < 4; i++) {
+    peer_announcer_config anc = {0};
+    anc.loop = loop;
+    anc.dht = d->dht;
+    anc.svc = d->svc;
+    anc.model = d->model;
+    anc.n_stages = d->n_stages;
+    anc.addr = d->announce_addr;
+    anc.device = d->device;
+    anc.max_queue_rows = d->max_queue_rows;
+    anc.every_s = d->announce_every_s;
+    anc.ttl_s = d->ttl_s;
+    anc.log = d->log;
+    anc.fill = fill_announcement;
+    anc.arg = d;
+    if (!(d->announcer = peer_announcer_create(&anc))) {
+        snprintf(err, errlen, "out of memory");
+        peer_catchup_destroy(&d->catchup);
+        goto fail_metrics;
+    }
+    d->timers_open++; /* closed with the timers */
+    uv_timer_t *timers[] = {&d->join_timer, &d->ckpt_timer, &d->stop_timer};
+    for (size_t i = 0; i < 3; i++) {
         uv_timer_init(loop, timers[i]);
         timers[i]->data = d;
         d->timers_open++;
@@ -689,12 +604,20 @@ static void on_timer_closed(uv_handle_t *h)
     maybe_free(d);
 }
 
+static void on_announcer_closed(void *arg)
+{
+    peer_daemon *d = arg;
+    d->announcer = NULL;
+    d->timers_open--;
+    maybe_free(d);
+}
+
 static void on_dht_closed(dht *dh, void *ud)
 {
     (void)dh;
     peer_daemon *d = ud;
     d->stop_phase = 4;
-    uv_close((uv_handle_t *)&d->announce_timer, on_timer_closed);
+    peer_announcer_close(d->announcer, on_announcer_closed, d);
     uv_close((uv_handle_t *)&d->join_timer, on_timer_closed);
     uv_close((uv_handle_t *)&d->ckpt_timer, on_timer_closed);
     uv_close((uv_handle_t *)&d->stop_timer, on_timer_closed);
@@ -743,7 +666,6 @@ void peer_daemon_stop(peer_daemon *d, void (*cb)(int status, void *arg), void *a
     d->stopping = 1;
     d->stop_cb = cb;
     d->stop_arg = arg;
-    uv_timer_stop(&d->announce_timer);
     uv_timer_stop(&d->join_timer);
     uv_timer_stop(&d->ckpt_timer);
     /* Rounds in flight are abandoned while the service still stands. */
@@ -754,8 +676,7 @@ void peer_daemon_stop(peer_daemon *d, void (*cb)(int status, void *arg), void *a
     d->catchup_running = 1;
     peer_catchup_stop(d->catchup, on_catchup_stopped, d);
     d->stop_phase = 1;
-    d->offline_puts = d->joined ? announce(d, PEER_STATE_OFFLINE, on_offline_put) : 0;
-    if (d->offline_puts == 0) {
+    if (peer_announcer_stop(d->announcer, d->joined, on_offline_announced, d) == 0) {
         continue_stop(d);
         return;
     }
