@@ -1,32 +1,31 @@
+/* peer/daemon.c: a whole peer (peer/daemon.h): wires the parts together,
+ * starts them and stops them in order. The parts: the DHT node, the block
+ * service, the metrics endpoint and its text (peer/metrics_text.h),
+ * joining the swarm (peer/joiner.h), catching joining blocks up
+ * (peer/catchup.h), announcements (peer/announcer.h), replica averaging
+ * (peer/averaging.h), cold copies (peer/keeper.h) and the periodic
+ * checkpoint, which stays here: a timer and a work item whose only other
+ * use is that a stop waits for it before the service closes. */
 #include "peer/daemon.h"
 
 #include <errno.h>
-#include <inttypes.h>
-#include <stddef.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "expert/block.h"
 #include "expert/model.h"
-#include <sodium.h>
 
-#include "peer/announce.h"
 #include "peer/announcer.h"
 #include "peer/averaging.h"
 #include "peer/catchup.h"
+#include "peer/joiner.h"
 #include "peer/keeper.h"
 #include "peer/log.h"
 #include "peer/metrics.h"
 #include "peer/metrics_text.h"
-#include "peer/statesync.h"
 #include "peer/timeslice.h"
-#include "peer/wire.h"
 
-#define JOIN_RETRY_MS 5000
-#define MAX_INITIAL 64
 #define STOP_ANNOUNCE_WAIT_MS 3000
 
 struct peer_daemon {
@@ -41,21 +40,20 @@ struct peer_daemon {
     double announce_every_s, ttl_s, checkpoint_every_s;
     int max_queue_rows;
     FILE *log;
-    dht_peer_addr initial[MAX_INITIAL];
-    size_t n_initial;
 
     dht *dht;
     peer_service *svc;
     peer_metrics *metrics;
     peer_announcer *announcer;
-    uv_timer_t join_timer, ckpt_timer, stop_timer;
+    peer_joiner *joiner;         /* NULL: the first node of a swarm */
+    uv_timer_t ckpt_timer, stop_timer;
     double average_every_s;
     int optim_kind;
     peer_averaging *avg;         /* NULL: no averaging */
     int avg_running;             /* its stop callback is still to come */
     peer_keeper *keeper;         /* NULL: no cold copies */
     int keeper_running;
-    int timers_open;
+    int timers_open;             /* the timers, announcer and joiner not yet closed */
 
     int joined;
     int syncing;                 /* index of the block being caught up, or -1 */
@@ -75,6 +73,7 @@ struct peer_daemon {
 
 #define say(d, ...) peer_log((d)->log, __VA_ARGS__)
 static void maybe_free(peer_daemon *d);
+static void continue_stop(peer_daemon *d);
 
 /* ---- announcements (peer/announcer.h) ---- */
 
@@ -90,8 +89,6 @@ static void fill_announcement(void *arg, int i, peer_announce *a)
     peer_catchup_lost(d->catchup, i, &a->lost_from, &a->lost_to);
 }
 
-static void continue_stop(peer_daemon *d);
-
 static void on_offline_announced(void *arg)
 {
     peer_daemon *d = arg;
@@ -99,7 +96,7 @@ static void on_offline_announced(void *arg)
         continue_stop(d);
 }
 
-/* ---- newcomer state (peer/catchup.h) ---- */
+/* ---- joining and newcomer state (peer/joiner.h, peer/catchup.h) ---- */
 
 static void go_online(peer_daemon *d)
 {
@@ -137,7 +134,31 @@ static void on_catchup_stopped(void *arg)
     maybe_free(d);
 }
 
-/* ---- replica averaging (peer/averaging.h) ---- */
+static void on_joined(void *arg)
+{
+    peer_daemon *d = arg;
+    d->joined = 1;
+    say(d, "joined the swarm; fetching the current state of %d block%s from holders",
+        peer_service_n_blocks(d->svc), peer_service_n_blocks(d->svc) == 1 ? "" : "s");
+    /* Each block is announced joining once its holders are read
+     * (peer/catchup.h), so that a restarted peer still finds its own entry
+     * from before, with the version it had. */
+    d->syncing = -1;
+    catch_up_next(d);
+}
+
+/* Another peer is online with our identity (the joiner said so): the
+ * owner stops us (peer_daemon_config.on_refused), or we stop. */
+static void on_join_refused(void *arg)
+{
+    peer_daemon *d = arg;
+    if (d->on_refused)
+        d->on_refused(d->refused_arg);
+    else
+        peer_daemon_stop(d, NULL, NULL);
+}
+
+/* ---- replica averaging and cold copies (peer/averaging.h, peer/keeper.h) ---- */
 
 static int avg_ready(void *arg)
 {
@@ -162,73 +183,6 @@ static void on_keeper_stopped(void *arg)
     peer_daemon *d = arg;
     d->keeper_running = 0;
     maybe_free(d);
-}
-
-/* ---- joining ---- */
-
-static void start_join(peer_daemon *d);
-
-static void on_join_timer(uv_timer_t *t)
-{
-    peer_daemon *d = t->data;
-    if (!d->stopping)
-        start_join(d);
-}
-
-static void on_join(dht *dh, int status, void *ud)
-{
-    peer_daemon *d = ud;
-    if (d->stopping)
-        return;
-    if (status == -EADDRINUSE) {
-        /* Another process runs with our identity file (it proved our node
-         * ID from another address): two peers with one ID would displace
-         * each other in routing tables and announcements. Refuse: no
-         * retry; the owner stops us (peer_daemon_config.on_refused). */
-        char hex[DHT_ID_HEX_LEN + 1], at[DHT_ADDR_STRLEN];
-        dht_id_to_hex(hex, dht_self_id(dh));
-        if (dht_collision_addr(dh, at, sizeof at) < 0)
-            snprintf(at, sizeof at, "another address");
-        say(d, "another peer is online with this identity (node ID %s) at %s; refusing to start: "
-               "use another --identity", hex, at);
-        if (d->on_refused)
-            d->on_refused(d->refused_arg);
-        else
-            peer_daemon_stop(d, NULL, NULL);
-        return;
-    }
-    if (status == -EADDRNOTAVAIL || status == -EKEYREJECTED) {
-        /* The initial peer answered: say what is wrong, not "unreachable". */
-        char why[256];
-        dht_join_strerror(dh, status, why, sizeof why);
-        say(d, "%s: check %s; retrying in %d s", why,
-            status == -EADDRNOTAVAIL ? "the node ID in --initial-peers" : "--swarm-key", JOIN_RETRY_MS / 1000);
-        uv_timer_start(&d->join_timer, on_join_timer, JOIN_RETRY_MS, 0);
-        return;
-    }
-    if (status < 0) {
-        say(d, "cannot reach any initial peer (%s); retrying in %d s", strerror(-status),
-            JOIN_RETRY_MS / 1000);
-        uv_timer_start(&d->join_timer, on_join_timer, JOIN_RETRY_MS, 0);
-        return;
-    }
-    d->joined = 1;
-    say(d, "joined the swarm; fetching the current state of %d block%s from holders",
-        peer_service_n_blocks(d->svc), peer_service_n_blocks(d->svc) == 1 ? "" : "s");
-    /* Each block is announced joining once its holders are read
-     * (on_holders), so that a restarted peer still finds its own entry
-     * from before, with the version it had. */
-    d->syncing = -1;
-    catch_up_next(d);
-}
-
-static void start_join(peer_daemon *d)
-{
-    int rc = dht_join(d->dht, d->initial, d->n_initial, on_join, d);
-    if (rc != 0) {
-        say(d, "join failed to start (%s); retrying", strerror(-rc));
-        uv_timer_start(&d->join_timer, on_join_timer, JOIN_RETRY_MS, 0);
-    }
 }
 
 /* ---- checkpoints ---- */
@@ -274,7 +228,7 @@ static size_t render_metrics(char *buf, size_t cap, void *arg)
     return peer_metrics_text_render(buf, cap, &src);
 }
 
-/* ---- start and stop ---- */
+/* ---- start ---- */
 
 static void destroy_after_close(peer_service *s, int ckpt_status, void *arg)
 {
@@ -299,13 +253,12 @@ static int is_wildcard(const char *host)
     return !strcmp(host, "0.0.0.0") || !strcmp(host, "[::]") || !strcmp(host, "::");
 }
 
-peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, char *err,
-                               size_t errlen)
+/* Checks cfg and writes the listen host to host[0..cap). Returns the
+ * model, or NULL with a sentence in err. */
+static const struct expert_model_spec *check_config(uv_loop_t *loop, const peer_daemon_config *cfg, char *host,
+                                                    size_t cap, char *err, size_t errlen)
 {
-    char host[64];
-    dht_addr bound;
-    struct sockaddr_storage ss;
-    if (!loop || !cfg || !cfg->ident || !cfg->listen || cfg->n_initial > MAX_INITIAL) {
+    if (!loop || !cfg || !cfg->ident || !cfg->listen || cfg->n_initial > PEER_JOINER_MAX_INITIAL) {
         snprintf(err, errlen, "invalid daemon configuration");
         return NULL;
     }
@@ -314,7 +267,7 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
         snprintf(err, errlen, "unknown model '%s'", cfg->svc.model ? cfg->svc.model : "");
         return NULL;
     }
-    if (split_host(cfg->listen, host, sizeof host) != 0) {
+    if (split_host(cfg->listen, host, cap) != 0) {
         snprintf(err, errlen, "--listen '%s' is not HOST:PORT", cfg->listen);
         return NULL;
     }
@@ -324,11 +277,16 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
                  "machines reach this one at", cfg->listen);
         return NULL;
     }
+    return spec;
+}
+
+/* A daemon with cfg's settings, nothing started. NULL: out of memory. */
+static peer_daemon *daemon_new(uv_loop_t *loop, const peer_daemon_config *cfg,
+                               const struct expert_model_spec *spec)
+{
     peer_daemon *d = calloc(1, sizeof *d);
-    if (!d) {
-        snprintf(err, errlen, "out of memory");
+    if (!d)
         return NULL;
-    }
     d->loop = loop;
     d->ident = *cfg->ident;
     if (cfg->swarm_key) {
@@ -348,9 +306,62 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
     d->log = cfg->log ? cfg->log : stderr;
     d->on_refused = cfg->on_refused;
     d->refused_arg = cfg->refused_arg;
-    memcpy(d->initial, cfg->initial, cfg->n_initial * sizeof *cfg->initial);
-    d->n_initial = cfg->n_initial;
+    return d;
+}
 
+/* Creates the block service (which restores checkpoints) and says which
+ * blocks were restored. Returns 0, or -1 with a sentence in err. */
+static int create_service(peer_daemon *d, const peer_daemon_config *cfg, char *err, size_t errlen)
+{
+    peer_service_config sc = cfg->svc;
+    sc.log = d->log;
+    sc.self = &d->ident;
+    sc.swarm_key = cfg->swarm_key;
+    d->svc = peer_service_create(d->loop, &sc, err, errlen);
+    if (!d->svc)
+        return -1;
+    for (int i = 0; i < peer_service_n_blocks(d->svc); i++) {
+        peer_block_info bi;
+        if (peer_service_block_info(d->svc, i, &bi) == 0 && bi.restored)
+            say(d, "restored %s from its checkpoint (weight version %llu)", bi.name,
+                (unsigned long long)bi.version);
+    }
+    return 0;
+}
+
+/* Serves /metrics on listen ("HOST:PORT"; NULL: no endpoint). Returns 0,
+ * or -1 with a sentence in err. */
+static int start_metrics(peer_daemon *d, const char *listen, char *err, size_t errlen)
+{
+    if (!listen)
+        return 0;
+    dht_addr ma;
+    struct sockaddr_storage ss;
+    int rc;
+    if (dht_addr_parse_listen(&ma, listen) != 0 || dht_addr_to_sockaddr(&ma, &ss) < 0) {
+        snprintf(err, errlen, "--metrics '%s' is not HOST:PORT", listen);
+        return -1;
+    }
+    d->metrics = peer_metrics_start(d->loop, (const struct sockaddr *)&ss, render_metrics, d, &rc);
+    if (!d->metrics) {
+        snprintf(err, errlen, "cannot serve metrics on %s: %s", listen, strerror(-rc));
+        return -1;
+    }
+    char mh[64];
+    dht_addr_format(mh, sizeof mh, &ma);
+    *strrchr(mh, ':') = '\0';
+    say(d, "metrics on http://%s:%d/metrics", mh, peer_metrics_port(d->metrics));
+    return 0;
+}
+
+/* Starts the DHT node on cfg->listen and writes the address it is bound
+ * to. The DHT (UDP) and the RPC (TCP) share one port. With port 0 the
+ * kernel picks the UDP port, which TCP may already use for an outgoing
+ * connection; so pick a port free for TCP first (a probe socket held
+ * until the UDP bind succeeded), and try again if UDP has it taken.
+ * Returns 0, or -1 with a sentence in err (d->dht NULL). */
+static int start_dht(peer_daemon *d, const peer_daemon_config *cfg, dht_addr *bound, char *err, size_t errlen)
+{
     dht_config dc;
     dht_config_default(&dc);
     if (cfg->dht_diversity_given)
@@ -359,45 +370,10 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
         dc.has_swarm_key = 1;
         memcpy(dc.swarm_key, d->swarm_key, 32);
     }
-    int rc;
-    peer_service_config sc = cfg->svc;
-    sc.log = d->log;
-    sc.self = &d->ident;
-    sc.swarm_key = cfg->swarm_key;
-    d->svc = peer_service_create(loop, &sc, err, errlen);
-    if (!d->svc)
-        goto fail_dht;
-    for (int i = 0; i < peer_service_n_blocks(d->svc); i++) {
-        peer_block_info bi;
-        if (peer_service_block_info(d->svc, i, &bi) == 0 && bi.restored)
-            say(d, "restored %s from its checkpoint (weight version %llu)", bi.name,
-                (unsigned long long)bi.version);
-    }
-    if (cfg->metrics_listen) {
-        dht_addr ma;
-        if (dht_addr_parse_listen(&ma, cfg->metrics_listen) != 0 ||
-            dht_addr_to_sockaddr(&ma, &ss) < 0) {
-            snprintf(err, errlen, "--metrics '%s' is not HOST:PORT", cfg->metrics_listen);
-            goto fail_svc;
-        }
-        d->metrics = peer_metrics_start(loop, (const struct sockaddr *)&ss, render_metrics, d, &rc);
-        if (!d->metrics) {
-            snprintf(err, errlen, "cannot serve metrics on %s: %s", cfg->metrics_listen, strerror(-rc));
-            goto fail_svc;
-        }
-        char mh[64];
-        dht_addr_format(mh, sizeof mh, &ma);
-        *strrchr(mh, ':') = '\0';
-        say(d, "metrics on http://%s:%d/metrics", mh, peer_metrics_port(d->metrics));
-    }
-    /* The DHT (UDP) and the RPC (TCP) share one port. With port 0 the
-     * kernel picks the UDP port, which TCP may already use for an outgoing
-     * connection; so pick a port free for TCP first (a probe socket held
-     * until the UDP bind succeeded), and try again if UDP has it taken. */
     dht_addr req;
     if (dht_addr_parse_listen(&req, cfg->listen) != 0) {
         snprintf(err, errlen, "--listen '%s' is not a numeric HOST:PORT", cfg->listen);
-        goto fail_metrics_only;
+        return -1;
     }
     for (int attempt = 0;; attempt++) {
         char lst[96];
@@ -412,7 +388,7 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
                 snprintf(err, errlen, "cannot listen on %s: %s", cfg->listen, strerror(errno));
                 if (probe >= 0)
                     close(probe);
-                goto fail_metrics_only;
+                return -1;
             }
             dht_addr pa;
             dht_addr_from_sockaddr(&pa, (struct sockaddr *)&ps);
@@ -420,18 +396,18 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
         } else {
             snprintf(lst, sizeof lst, "%s", cfg->listen);
         }
-        d->dht = dht_create(loop, &d->ident, &dc);
+        d->dht = dht_create(d->loop, &d->ident, &dc);
         if (!d->dht) {
             snprintf(err, errlen, "cannot create the DHT node");
             if (probe >= 0)
                 close(probe);
-            goto fail_metrics_only;
+            return -1;
         }
-        rc = dht_start(d->dht, lst);
-        if (rc == 0 && dht_local_addr(d->dht, &bound) == 0) {
+        int rc = dht_start(d->dht, lst);
+        if (rc == 0 && dht_local_addr(d->dht, bound) == 0) {
             if (probe >= 0)
                 close(probe);
-            break;
+            return 0;
         }
         dht_close(d->dht, NULL, NULL);
         d->dht = NULL;
@@ -439,58 +415,153 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
             close(probe);
         if (req.port != 0 || attempt >= 15) {
             snprintf(err, errlen, "cannot listen on %s (UDP): %s", lst, strerror(rc < 0 ? -rc : EINVAL));
-            goto fail_metrics_only;
+            return -1;
         }
     }
+}
+
+/* Sets the address we announce (the announce host, or the listen host,
+ * and the bound port) and serves the tensor RPC on the bound port.
+ * Returns 0, or -1 with a sentence in err. */
+static int listen_rpc(peer_daemon *d, const peer_daemon_config *cfg, const char *host, const dht_addr *bound,
+                      char *err, size_t errlen)
+{
     const char *ahost = cfg->announce_host ? cfg->announce_host : host;
     if (strlen(ahost) > 48) {
         snprintf(err, errlen, "announce host '%.60s' is too long", ahost);
-        goto fail_metrics;
+        return -1;
     }
-    snprintf(d->announce_addr, sizeof d->announce_addr, "%.48s:%u", ahost, (unsigned)bound.port);
-    if (dht_addr_to_sockaddr(&bound, &ss) < 0 ||
+    snprintf(d->announce_addr, sizeof d->announce_addr, "%.48s:%u", ahost, (unsigned)bound->port);
+    struct sockaddr_storage ss;
+    int rc = -EINVAL;
+    if (dht_addr_to_sockaddr(bound, &ss) < 0 ||
         (rc = peer_service_listen(d->svc, (const struct sockaddr *)&ss)) != 0) {
-        snprintf(err, errlen, "cannot listen on %s (TCP port %u): %s", cfg->listen, bound.port,
+        snprintf(err, errlen, "cannot listen on %s (TCP port %u): %s", cfg->listen, bound->port,
                  strerror(-rc));
-        goto fail_metrics;
+        return -1;
     }
-    peer_catchup_config cc = {0};
-    cc.loop = loop;
-    cc.dht = d->dht;
-    cc.self = &d->ident;
-    cc.swarm_key = d->has_swarm_key ? d->swarm_key : NULL;
-    cc.svc = d->svc;
-    cc.no_state_download = cfg->no_state_download;
-    cc.log = d->log;
-    cc.joining = on_catchup_joining;
-    cc.done = on_caught_up;
-    cc.arg = d;
-    if (!(d->catchup = peer_catchup_create(&cc))) {
-        snprintf(err, errlen, "out of memory");
-        goto fail_metrics;
-    }
-    peer_announcer_config anc = {0};
-    anc.loop = loop;
-    anc.dht = d->dht;
-    anc.svc = d->svc;
-    anc.model = d->model;
-    anc.n_stages = d->n_stages;
-    anc.addr = d->announce_addr;
-    anc.device = d->device;
-    anc.max_queue_rows = d->max_queue_rows;
-    anc.every_s = d->announce_every_s;
-    anc.ttl_s = d->ttl_s;
-    anc.log = d->log;
-    anc.fill = fill_announcement;
-    anc.arg = d;
-    if (!(d->announcer = peer_announcer_create(&anc))) {
+    return 0;
+}
+
+/* Creates the catch-up, the announcer and (with initial peers) the
+ * joiner, which start nothing yet. Returns 0, or -1 with a sentence in
+ * err (none of them left). */
+static int create_parts(peer_daemon *d, const peer_daemon_config *cfg, char *err, size_t errlen)
+{
+    peer_catchup_config cc = {
+        .loop = d->loop, .dht = d->dht, .self = &d->ident, .swarm_key = d->has_swarm_key ? d->swarm_key : NULL,
+        .svc = d->svc, .no_state_download = cfg->no_state_download, .log = d->log,
+        .joining = on_catchup_joining, .done = on_caught_up, .arg = d,
+    };
+    peer_announcer_config ac = {
+        .loop = d->loop, .dht = d->dht, .svc = d->svc, .model = d->model, .n_stages = d->n_stages,
+        .addr = d->announce_addr, .device = d->device, .max_queue_rows = d->max_queue_rows,
+        .every_s = d->announce_every_s, .ttl_s = d->ttl_s, .log = d->log, .fill = fill_announcement, .arg = d,
+    };
+    peer_joiner_config jc = {
+        .loop = d->loop, .dht = d->dht, .initial = cfg->initial, .n_initial = cfg->n_initial, .log = d->log,
+        .joined = on_joined, .refused = on_join_refused, .arg = d,
+    };
+    d->catchup = peer_catchup_create(&cc);
+    d->announcer = d->catchup ? peer_announcer_create(&ac) : NULL;
+    d->joiner = d->announcer && cfg->n_initial > 0 ? peer_joiner_create(&jc) : NULL;
+    if (!d->catchup || !d->announcer || (cfg->n_initial > 0 && !d->joiner)) {
         snprintf(err, errlen, "out of memory");
         peer_catchup_destroy(&d->catchup);
-        goto fail_metrics;
+        peer_announcer_close(d->announcer, NULL, NULL);
+        d->announcer = NULL;
+        return -1;
     }
-    d->timers_open++; /* closed with the timers */
-    uv_timer_t *timers[] = {&d->join_timer, &d->ckpt_timer, &d->stop_timer};
-    for (size_t i = 0; i < 3; i++) {
+    d->timers_open += 1 + (d->joiner != NULL); /* closed with the timers */
+    return 0;
+}
+
+static void start_averaging(peer_daemon *d)
+{
+    peer_averaging_config ac = {0};
+    ac.loop = d->loop;
+    ac.dht = d->dht;
+    ac.self = &d->ident;
+    ac.swarm_key = d->has_swarm_key ? d->swarm_key : NULL;
+    ac.svc = d->svc;
+    ac.addr = d->announce_addr;
+    ac.optim_kind = d->optim_kind;
+    ac.every_s = d->average_every_s;
+    ac.ready = avg_ready;
+    ac.ready_arg = d;
+    ac.log = d->log;
+    if (!(d->avg = peer_averaging_start(&ac)))
+        say(d, "cannot start replica averaging (out of memory); serving without it");
+    d->avg_running = d->avg != NULL;
+}
+
+static void start_keeper(peer_daemon *d, const peer_daemon_config *cfg)
+{
+    peer_keeper_config kc = {0};
+    kc.loop = d->loop;
+    kc.dht = d->dht;
+    kc.self = &d->ident;
+    kc.swarm_key = d->has_swarm_key ? d->swarm_key : NULL;
+    kc.svc = d->svc;
+    kc.model = d->model;
+    kc.addr = d->announce_addr;
+    kc.every_s = cfg->keep_every_s;
+    kc.replicas = cfg->keep_copies > 0 ? cfg->keep_copies : 2;
+    kc.max_bytes = cfg->keep_max_bytes ? cfg->keep_max_bytes : (size_t)2 << 30;
+    kc.ready = avg_ready;
+    kc.ready_arg = d;
+    kc.log = d->log;
+    char kerr[160];
+    if (!(d->keeper = peer_keeper_start(&kc, kerr, sizeof kerr)))
+        say(d, "%s; serving without cold copies", kerr);
+    d->keeper_running = d->keeper != NULL;
+}
+
+/* Undoes a start that failed before any part ran. Once the service has
+ * tried to listen (listened) it has handles open: it is closed
+ * asynchronously (and frees itself in the callback); before, it is
+ * destroyed at once. */
+static void undo_start(peer_daemon *d, int listened)
+{
+    peer_metrics_stop(d->metrics); /* frees itself once its handles close */
+    if (listened) {
+        peer_service_close(d->svc, destroy_after_close, NULL);
+        d->svc = NULL;
+    } else {
+        peer_service_destroy(&d->svc);
+    }
+    if (d->dht)
+        dht_close(d->dht, NULL, NULL);
+    free(d);
+}
+
+peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, char *err,
+                               size_t errlen)
+{
+    char host[64];
+    dht_addr bound;
+    const struct expert_model_spec *spec = check_config(loop, cfg, host, sizeof host, err, errlen);
+    if (!spec)
+        return NULL;
+    peer_daemon *d = daemon_new(loop, cfg, spec);
+    if (!d) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    if (create_service(d, cfg, err, errlen) != 0) {
+        free(d);
+        return NULL;
+    }
+    if (start_metrics(d, cfg->metrics_listen, err, errlen) != 0 || start_dht(d, cfg, &bound, err, errlen) != 0) {
+        undo_start(d, 0);
+        return NULL;
+    }
+    if (listen_rpc(d, cfg, host, &bound, err, errlen) != 0 || create_parts(d, cfg, err, errlen) != 0) {
+        undo_start(d, 1);
+        return NULL;
+    }
+    uv_timer_t *timers[] = {&d->ckpt_timer, &d->stop_timer};
+    for (size_t i = 0; i < 2; i++) {
         uv_timer_init(loop, timers[i]);
         timers[i]->data = d;
         d->timers_open++;
@@ -499,69 +570,18 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
         uint64_t ms = (uint64_t)(d->checkpoint_every_s * 1000);
         uv_timer_start(&d->ckpt_timer, on_ckpt_timer, ms, ms);
     }
-    if (d->average_every_s > 0) {
-        peer_averaging_config ac = {0};
-        ac.loop = loop;
-        ac.dht = d->dht;
-        ac.self = &d->ident;
-        ac.swarm_key = d->has_swarm_key ? d->swarm_key : NULL;
-        ac.svc = d->svc;
-        ac.addr = d->announce_addr;
-        ac.optim_kind = d->optim_kind;
-        ac.every_s = d->average_every_s;
-        ac.ready = avg_ready;
-        ac.ready_arg = d;
-        ac.log = d->log;
-        if (!(d->avg = peer_averaging_start(&ac)))
-            say(d, "cannot start replica averaging (out of memory); serving without it");
-        d->avg_running = d->avg != NULL;
-    }
-    if (cfg->keep_every_s > 0) {
-        peer_keeper_config kc = {0};
-        kc.loop = loop;
-        kc.dht = d->dht;
-        kc.self = &d->ident;
-        kc.swarm_key = d->has_swarm_key ? d->swarm_key : NULL;
-        kc.svc = d->svc;
-        kc.model = d->model;
-        kc.addr = d->announce_addr;
-        kc.every_s = cfg->keep_every_s;
-        kc.replicas = cfg->keep_copies > 0 ? cfg->keep_copies : 2;
-        kc.max_bytes = cfg->keep_max_bytes ? cfg->keep_max_bytes : (size_t)2 << 30;
-        kc.ready = avg_ready;
-        kc.ready_arg = d;
-        kc.log = d->log;
-        char kerr[160];
-        if (!(d->keeper = peer_keeper_start(&kc, kerr, sizeof kerr)))
-            say(d, "%s; serving without cold copies", kerr);
-        d->keeper_running = d->keeper != NULL;
-    }
-    if (d->n_initial > 0) {
-        start_join(d);
+    if (d->average_every_s > 0)
+        start_averaging(d);
+    if (cfg->keep_every_s > 0)
+        start_keeper(d, cfg);
+    if (d->joiner) {
+        peer_joiner_start(d->joiner);
     } else {
         /* The first node of a swarm: nothing to join or fetch. */
         d->joined = 1;
         go_online(d);
     }
     return d;
-
-fail_metrics:
-    /* A failed listen leaves handles open: close the service asynchronously
-     * (it frees itself in the callback). */
-    peer_metrics_stop(d->metrics); /* frees itself once its handles close */
-    peer_service_close(d->svc, destroy_after_close, NULL);
-    d->svc = NULL;
-    goto fail_dht;
-fail_metrics_only:
-    peer_metrics_stop(d->metrics);
-fail_svc:
-    /* The service never listened, so it can be destroyed at once. */
-    peer_service_destroy(&d->svc);
-fail_dht:
-    if (d->dht)
-        dht_close(d->dht, NULL, NULL);
-    free(d);
-    return NULL;
 }
 
 dht *peer_daemon_dht(peer_daemon *d)
@@ -579,6 +599,8 @@ int peer_daemon_peer_string(const peer_daemon *d, char *buf, size_t cap)
     int n = snprintf(buf, cap, "%s/%s", d->announce_addr, id);
     return n < 0 || (size_t)n >= cap ? -ENOSPC : n;
 }
+
+/* ---- stop ---- */
 
 /* The daemon goes away once its timers are closed and no state download
  * can still call back into it. */
@@ -604,10 +626,9 @@ static void on_timer_closed(uv_handle_t *h)
     maybe_free(d);
 }
 
-static void on_announcer_closed(void *arg)
+static void on_part_closed(void *arg)
 {
     peer_daemon *d = arg;
-    d->announcer = NULL;
     d->timers_open--;
     maybe_free(d);
 }
@@ -617,8 +638,10 @@ static void on_dht_closed(dht *dh, void *ud)
     (void)dh;
     peer_daemon *d = ud;
     d->stop_phase = 4;
-    peer_announcer_close(d->announcer, on_announcer_closed, d);
-    uv_close((uv_handle_t *)&d->join_timer, on_timer_closed);
+    peer_announcer_close(d->announcer, on_part_closed, d);
+    d->announcer = NULL;
+    peer_joiner_close(d->joiner, on_part_closed, d);
+    d->joiner = NULL;
     uv_close((uv_handle_t *)&d->ckpt_timer, on_timer_closed);
     uv_close((uv_handle_t *)&d->stop_timer, on_timer_closed);
 }
@@ -666,7 +689,7 @@ void peer_daemon_stop(peer_daemon *d, void (*cb)(int status, void *arg), void *a
     d->stopping = 1;
     d->stop_cb = cb;
     d->stop_arg = arg;
-    uv_timer_stop(&d->join_timer);
+    peer_joiner_stop(d->joiner);
     uv_timer_stop(&d->ckpt_timer);
     /* Rounds in flight are abandoned while the service still stands. */
     if (d->avg_running)
