@@ -19,6 +19,11 @@
  * A stop announces the blocks offline, closes the service (which writes
  * checkpoints), and closes the DHT.
  *
+ * Each of these is a part of its own, which the daemon wires together,
+ * starts and stops: peer/joiner.h (joining), peer/catchup.h (where a
+ * joining block's state comes from), peer/announcer.h (announcements),
+ * peer/metrics_text.h (the metrics text), averaging and keeper.
+ *
  * Loop thread only.
  */
 #ifndef PEER_DAEMON_H
