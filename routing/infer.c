@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "peer/meta.h"
 #include "peer/rpc_client.h"
 #include "peer/wire.h"
 #include "routing/conns.h"
@@ -243,7 +244,8 @@ static void on_reply(void *arg, int status, const peer_msg *m)
     }
     /* One weight version per stage served: a peer may serve fewer stages
      * of the span than asked (one, if it predates spans). */
-    int served = m->meta && m->meta_len % 8 == 0 ? (int)(m->meta_len / 8) : 0;
+    uint64_t vers[ROUTE_PIPELINE_MAX_STAGES];
+    int served = peer_meta_versions_decode(m->meta, m->meta_len, vers, u->span);
     int last = u->stage + served - 1;
     route_stage *st = served >= 1 && served <= u->span ? route_swarm_stage(in->swarm, last) : NULL;
     if (!st || m->n_tensors != 1 || m->t[0].dtype != PEER_DTYPE_F32 || m->t[0].ndim != 2 ||
@@ -255,7 +257,7 @@ static void on_reply(void *arg, int status, const peer_msg *m)
     }
     memcpy(u->buf[(last + 1) & 1], m->t[0].data, (size_t)u->rows * (size_t)st->out * sizeof(float));
     for (int i = 0; i < served; i++) {
-        uint64_t v = peer_get_le64((const uint8_t *)m->meta + 8 * i);
+        uint64_t v = vers[i];
         if (v < in->res->ver_min[u->stage + i])
             in->res->ver_min[u->stage + i] = v;
         if (v > in->res->ver_max[u->stage + i])
@@ -365,15 +367,12 @@ static int dispatch(infer *in, unit *u)
         /* The stages after this one that the same peer holds go in the
          * same request (a span): one round trip instead of one per stage. */
         int span = span_of(in, u->stage, h->rep.id, now);
-        uint8_t meta[8];
-        peer_put_le64(meta, (uint64_t)span);
+        uint8_t meta[PEER_META_U64_LEN];
         peer_msg m;
         peer_msg_init(&m, PEER_KIND_REQUEST, PEER_METHOD_INFER, 0);
         snprintf(m.block, sizeof m.block, "%s", st->name);
-        if (span > 1) {
-            m.meta = meta;
-            m.meta_len = sizeof meta;
-        }
+        m.meta_len = peer_meta_span_encode(meta, span);
+        m.meta = m.meta_len ? meta : NULL;
         uint64_t shape[2] = {(uint64_t)u->rows, (uint64_t)st->in};
         const float *x = u->stage == 0 ? in->cfg.inputs + (size_t)u->batch * (size_t)in->cfg.batch * (size_t)st->in
                                        : u->buf[u->stage & 1];

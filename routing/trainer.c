@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 
 #include "expert/ops.h"
+#include "peer/meta.h"
 #include "peer/rpc_client.h"
 #include "routing/conns.h"
 #include "peer/wire.h"
@@ -432,9 +433,9 @@ static void on_reply(void *arg, int status, const peer_msg *m)
     if (c->kind == ROUTE_CALL_FORWARD) {
         int slot = c->slot;
         memcpy(t->fwd_holder[slot][c->stage], p->holder, DHT_ID_LEN);
-        t->fwd_version_known[slot][c->stage] = m->meta && m->meta_len == 8;
+        uint64_t v = 0, from = 0;
+        t->fwd_version_known[slot][c->stage] = peer_meta_versions_decode(m->meta, m->meta_len, &v, 1) == 1;
         if (t->fwd_version_known[slot][c->stage]) {
-            uint64_t v = peer_get_le64(m->meta), from = 0;
             t->fwd_version[slot][c->stage] = v;
             /* Forwards only: a backward may name an older, stashed version. */
             if (route_versions_observe(t->versions, c->stage, p->holder, p->conn, v, &from) == 1)
@@ -547,15 +548,14 @@ static int dispatch(trainer *t, pend *p)
         uint64_t sout[2] = {(uint64_t)p->call.rows, (uint64_t)p->call.width_out};
         peer_tensor_f32(&m.t[0], p->call.inputs, 2, sin);
         m.n_tensors = 1;
-        uint8_t meta[8];
+        uint8_t meta[PEER_META_U64_LEN];
         if (p->call.kind == ROUTE_CALL_BACKWARD) {
             peer_tensor_f32(&m.t[1], p->call.grad_outputs, 2, sout);
             m.n_tensors = 2;
             int slot = p->call.slot;
             if (k == affine && t->fwd_version_known[slot][p->call.stage]) {
-                peer_put_le64(meta, t->fwd_version[slot][p->call.stage]);
                 m.meta = meta;
-                m.meta_len = sizeof meta;
+                m.meta_len = peer_meta_at_version_encode(meta, t->fwd_version[slot][p->call.stage]);
             }
         }
         uint64_t timeout = (uint64_t)(t->cfg.call_timeout_s * 1000);
