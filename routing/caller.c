@@ -157,7 +157,7 @@ static void log_failure(route_caller *r, const route_caller_call *c, int code, c
     if (code == ERANGE && c->method == PEER_METHOD_BACKWARD)
         route_caller_note(r, "stage %s refused a backward: %s (holder %.8s; sent to another replica, at most %d "
                              "refusals per micro-batch; further refusals are summarised every %.0f s)",
-                          name, sentence, hex, r->cfg.max_refusals, ROUTE_CALLER_ERRLOG_PERIOD_S);
+                          name, sentence, hex, r->cfg.max_refusals, ROUTE_ERRLOG_PERIOD_S);
     else if (code > 0)
         route_caller_note(r, "stage %s (holder %.8s) answered a%s %s with %s: %s; trying other replicas", name, hex,
                           c->method == PEER_METHOD_INFER ? "n" : "", kind, err_name(code), sentence);
@@ -196,7 +196,7 @@ static void summary_line(void *arg, const route_errlog_kind *k)
         sm->len += (size_t)n < sizeof sm->buf - sm->len ? (size_t)n : sizeof sm->buf - sm->len - 1;
 }
 
-/* At most one line every ROUTE_CALLER_ERRLOG_PERIOD_S (and, with last,
+/* At most one line every ROUTE_ERRLOG_PERIOD_S (and, with last,
  * one at the end): the failures not logged one by one since the last. */
 static void summarize(route_caller *r, int last)
 {
@@ -593,7 +593,7 @@ int route_caller_run(route_caller *r)
     if (!r || r->timer_started)
         return -EINVAL;
     uv_update_time(r->loop);
-    route_errlog_init(&r->errs, ROUTE_CALLER_ERRLOG_PERIOD_S, route_caller_now(r));
+    route_errlog_init(&r->errs, ROUTE_ERRLOG_PERIOD_S, route_caller_now(r));
     uv_timer_init(r->loop, &r->timer);
     r->timer.data = r;
     r->timer_started = 1;

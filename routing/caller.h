@@ -27,7 +27,7 @@
  *   naming the stage.
  * - the log: every failure's sentence reaches on_message, the first of each
  *   (stage, error) at once, the rest in one summary line at most every
- *   ROUTE_CALLER_ERRLOG_PERIOD_S (routing/pipeline.h's route_errlog).
+ *   ROUTE_ERRLOG_PERIOD_S (routing/pipeline.h's route_errlog).
  * - the clock: route_caller_now, from uv_hrtime. uv_now has millisecond
  *   resolution, too coarse for the latencies measured here (a call to a
  *   local holder takes well under a millisecond), so every time the caller
@@ -64,7 +64,6 @@
 #include "routing/swarm.h"
 
 #define ROUTE_CALLER_PUMP_MS 20
-#define ROUTE_CALLER_ERRLOG_PERIOD_S 10.0   /* between summary lines of failures */
 #define ROUTE_CALLER_META_MAX 64            /* bytes of request meta build may write */
 
 typedef struct route_caller route_caller;

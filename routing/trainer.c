@@ -503,9 +503,9 @@ static void pump(void *arg)
 }
 
 /* Checks the configuration; writes the reason into out->error. */
-static int check_config(const route_train_config *c, route_train_result *out)
+static int check_config(const uv_loop_t *loop, const route_train_config *c, route_train_result *out)
 {
-    if (!c || !c->dht || !c->ident || !c->model || !c->train || !c->test || c->epochs < 1 || c->batch < 1 ||
+    if (!loop || !c || !c->dht || !c->ident || !c->model || !c->train || !c->test || c->epochs < 1 || c->batch < 1 ||
         c->inflight < 1 || c->inflight > ROUTE_PIPELINE_MAX_INFLIGHT || c->sync_samples < 0 ||
         c->model->n_stages > ROUTE_PIPELINE_MAX_STAGES) {
         snprintf(out->error, sizeof out->error, "invalid training configuration");
@@ -595,9 +595,7 @@ int route_train_run(uv_loop_t *loop, const route_train_config *cfg_in, route_tra
     if (!out)
         return -EINVAL;
     memset(out, 0, sizeof *out);
-    if (!loop)
-        return -EINVAL;
-    int rc = check_config(cfg_in, out);
+    int rc = check_config(loop, cfg_in, out);
     if (rc != 0)
         return rc;
     trainer *t = calloc(1, sizeof *t);
