@@ -87,8 +87,6 @@ static double now_s(const trainer *t)
     return route_caller_now(t->caller);
 }
 
-#define note(t, ...) route_caller_note((t)->caller, __VA_ARGS__)
-
 static const char *stage_name(trainer *t, int stage)
 {
     return route_caller_stage_name(t->caller, stage);
@@ -182,8 +180,10 @@ static void accepted(trainer *t, int slot, int stage, const uint8_t by[DHT_ID_LE
             char a[DHT_ID_HEX_LEN + 1], b[DHT_ID_HEX_LEN + 1];
             dht_id_to_hex(a, t->refusers[slot][i]);
             dht_id_to_hex(b, by);
-            note(t, "stage %s: holder %.8s accepted a backward that holder %.8s refused; backing off from %.8s",
-                 stage_name(t, stage), b, a, a);
+            route_caller_note(t->caller,
+                              "stage %s: holder %.8s accepted a backward that holder %.8s refused; backing off "
+                              "from %.8s",
+                              stage_name(t, stage), b, a, a);
         }
     }
     t->n_refusers[slot] = 0;
@@ -203,10 +203,9 @@ static void rolled_back(trainer *t, int stage, const uint8_t id[DHT_ID_LEN], uin
     r->n_rollbacks++;
     char hex[DHT_ID_HEX_LEN + 1];
     dht_id_to_hex(hex, id);
-    note(t, "stage %d (holder %.8s) went back from weight version %llu to %llu", stage, hex,
-         (unsigned long long)from, (unsigned long long)to);
+    route_caller_note(t->caller, "stage %d (holder %.8s) went back from weight version %llu to %llu", stage, hex,
+                      (unsigned long long)from, (unsigned long long)to);
 }
-
 
 /* ---- calls: the caller's hooks ---- */
 
@@ -301,7 +300,7 @@ static int on_reply(void *arg, route_caller_call *rc, const peer_msg *m)
     p->used = 0;
     int err = route_pipeline_call_done(t->pipe, c->token, 0);
     if (err != 0 && err != -ENOENT)
-        note(t, "a batch was dropped: its labels are out of range (%s)", strerror(-err));
+        route_caller_note(t->caller, "a batch was dropped: its labels are out of range (%s)", strerror(-err));
     return 1;
 }
 
@@ -324,10 +323,11 @@ static void on_failed(void *arg, route_caller_call *rc, int status, int refusal)
     route_pipeline_call_done(t->pipe, p->call.token, refusal ? -ERANGE : -EIO);
     if (route_pipeline_refused_batches(t->pipe) != dropped &&
         route_caller_log_once(t->caller, p->call.stage, LOG_DROPPED, ""))
-        note(t, "stage %s refused the backward of a micro-batch (%d samples) %d times: its update is dropped "
-                "(the samples count as processed; \"refused_samples\" in the summary); when every replica "
-                "refuses, the trainer's own gradients are out of bounds",
-             stage_name(t, p->call.stage), p->call.rows, ROUTE_PIPELINE_MAX_REFUSALS);
+        route_caller_note(t->caller,
+                          "stage %s refused the backward of a micro-batch (%d samples) %d times: its update is "
+                          "dropped (the samples count as processed; \"refused_samples\" in the summary); when "
+                          "every replica refuses, the trainer's own gradients are out of bounds",
+                          stage_name(t, p->call.stage), p->call.rows, ROUTE_PIPELINE_MAX_REFUSALS);
 }
 
 /* hooks.summary_part: the trainer's own errlog codes. */
