@@ -7,7 +7,19 @@
  * mixes two versions of a block). With replicas = K the same batch is sent
  * along K paths that use different holders wherever the swarm has them, and
  * each sample's answer is the majority vote of the paths, ties broken by
- * the mean probability. Routing, bans and retries are the trainer's.
+ * the mean probability. Routing, bans, retries, waits and the failure log
+ * are the trainer's: both send through routing/caller.h.
+ *
+ * Threads: route_infer_run runs the given loop on the calling thread (the
+ * loop's thread; the DHT must already be started and joined on that loop
+ * and stays the caller's) until every sample is answered or the run fails.
+ * on_message is called on that thread, from inside route_infer_run, with a
+ * line valid for the duration of the call only; it must not run the loop.
+ *
+ * Ownership: the config's pointers (DHT, identity, model, inputs) are
+ * borrowed for the duration of route_infer_run; the config is copied. *out
+ * and the arrays it points to (pred, prob, agree) are the caller's; out is
+ * filled on every return (pred/prob/agree only for batches that finished).
  */
 #ifndef ROUTE_INFER_H
 #define ROUTE_INFER_H
@@ -45,13 +57,14 @@ typedef struct route_infer_result {
     double requests_per_s;     /* (batch, path) units completed per second */
     double samples_per_s;      /* samples answered per second */
     double elapsed_s;
-    long retries;
-    char error[320];
+    long retries;              /* calls sent again: failed, timed out, or parked on a
+                                  connection that could not be made */
+    char error[320];           /* why it stopped early, or "" */
 } route_infer_result;
 
 /* Runs to the end. out->pred (and prob/agree when set) must have n entries.
- * Returns 0, -ETIMEDOUT (a stage had no holder for max_wait_s), -EINVAL,
- * -ENOMEM; out->error says what happened. */
+ * Returns 0, -ETIMEDOUT (a stage had no holder for max_wait_s), -EINVAL
+ * (bad config: nothing ran), -ENOMEM; out->error says what happened. */
 int route_infer_run(uv_loop_t *loop, const route_infer_config *cfg, route_infer_result *out);
 
 #endif

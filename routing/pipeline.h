@@ -151,6 +151,7 @@ uint64_t route_pipeline_refused_rows(const route_pipeline *p);
  * in; the caller formats and prints. */
 
 #define ROUTE_ERRLOG_KINDS 32
+#define ROUTE_ERRLOG_PERIOD_S 10.0    /* between summary lines, in the trainer and infer */
 
 typedef struct route_errlog_kind {
     int stage;                    /* -1: not a stage's (e.g. a connection) */

@@ -17,7 +17,8 @@
  *
  * A holder's error reply is logged with its sentence, as is a call that
  * failed in transport: the first of each (stage, error) at once, then at
- * most one summary line every ROUTE_ERRLOG_PERIOD_S with the counts. A
+ * most one summary line every ROUTE_ERRLOG_PERIOD_S (routing/pipeline.h)
+ * with the counts. A
  * backward refused with ERANGE (the holder's gradient checks failed) is
  * sent to another replica without banning the refuser; a refuser is backed
  * off only when another replica accepts what it refused (it refuses what
@@ -30,8 +31,23 @@
  * version goes down (it restarted from an older checkpoint or its initial
  * weights) is reported as a rollback (routing/versions.h).
  *
- * route_train_run drives the given loop until training ends; the DHT must
- * already be started (and joined) on that loop and stays the caller's.
+ * Calls go out through routing/caller.h, which the trainer shares with
+ * inference: the trainer's own part is the data order, the pipeline's
+ * calls, backward affinity and refusals, the loss, epochs and evaluation.
+ *
+ * Threads: route_train_run runs the given loop on the calling thread (the
+ * loop's thread; the DHT must already be started and joined on that loop
+ * and stays the caller's) until training ends. Every callback in the config
+ * (on_progress, on_epoch, on_message) is called on that thread, from inside
+ * route_train_run; their pointer arguments are valid for the duration of
+ * the callback only. The callbacks must not run the loop or call
+ * route_train_run.
+ *
+ * Ownership: everything the config points to (DHT, identity, model, data
+ * sets) is borrowed for the duration of route_train_run and must not change
+ * meanwhile; the config itself is copied. *out is the caller's; it is
+ * filled on every return, errors included. Nothing is left allocated or
+ * open on the loop when route_train_run returns (the DHT's handles aside).
  */
 #ifndef ROUTE_TRAINER_H
 #define ROUTE_TRAINER_H
@@ -73,7 +89,6 @@ typedef struct route_rollback {
 } route_rollback;
 
 #define ROUTE_MAX_ROLLBACKS 32
-#define ROUTE_ERRLOG_PERIOD_S 10.0   /* between summary lines of remote errors */
 
 typedef struct route_train_config {
     dht *dht;                               /* started and joined; borrowed */
@@ -129,8 +144,9 @@ typedef struct route_train_result {
 } route_train_result;
 
 /* Runs training to the end. Returns 0, or -ETIMEDOUT (a stage stayed without
- * holders longer than max_wait_s), -EINVAL (bad config), -ENOMEM; out->error
- * says what happened. */
+ * holders longer than max_wait_s), -EINVAL (bad config, or the data does not
+ * fit the model: nothing ran), -ENOMEM; out->error says what happened, and
+ * out's counts cover what ran before the end. */
 int route_train_run(uv_loop_t *loop, const route_train_config *cfg, route_train_result *out);
 
 #endif

@@ -168,113 +168,270 @@ static void on_message(void *arg, const char *msg)
     fprintf(stderr, "starling train: %s\n", msg);
 }
 
-int cmd_train(int argc, char **argv)
-{
-    enum { O_INITIAL = 256, O_MODEL, O_EPOCHS, O_BATCH, O_INFLIGHT, O_DATA, O_NTRAIN, O_NTEST,
-           O_SEED, O_TIMEOUT, O_MAXWAIT, O_REFRESH, O_SYNC_GROUP, O_LOG, O_PLOT, O_JSON, O_LISTEN, O_IDENTITY, O_SWARM,
-           O_LR };
-    static const struct option opts[] = {
-        {"initial-peers", required_argument, NULL, O_INITIAL},
-        {"model", required_argument, NULL, O_MODEL},
-        {"epochs", required_argument, NULL, O_EPOCHS},
-        {"batch", required_argument, NULL, O_BATCH},
-        {"inflight", required_argument, NULL, O_INFLIGHT},
-        {"data", required_argument, NULL, O_DATA},
-        {"train-samples", required_argument, NULL, O_NTRAIN},
-        {"test-samples", required_argument, NULL, O_NTEST},
-        {"seed", required_argument, NULL, O_SEED},
-        {"timeout", required_argument, NULL, O_TIMEOUT},
-        {"max-wait", required_argument, NULL, O_MAXWAIT},
-        {"refresh", required_argument, NULL, O_REFRESH},
-        {"sync", required_argument, NULL, O_SYNC_GROUP},
-        {"metrics-log", required_argument, NULL, O_LOG},
-        {"plot", required_argument, NULL, O_PLOT},
-        {"json", no_argument, NULL, O_JSON},
-        {"listen", required_argument, NULL, O_LISTEN},
-        {"identity", required_argument, NULL, O_IDENTITY},
-        {"swarm-key", required_argument, NULL, O_SWARM},
-        {"lr", required_argument, NULL, O_LR},
-        {"help", no_argument, NULL, 'h'},
-        {NULL, 0, NULL, 0},
-    };
-    const char *initial = NULL, *model = "fmnist-mlp", *data = NULL, *log_path = "starling-train.jsonl";
-    const char *plot_path = "starling-train.svg", *listen = NULL, *identity = NULL, *swarm = NULL;
-    long epochs = 1, batch = 64, inflight = 2, ntrain = 0, ntest = 0, seed = 0, sync = 0;
-    double timeout = 30, max_wait = 120, refresh = 10;
-    int json = 0, c;
+enum { O_INITIAL = 256, O_MODEL, O_EPOCHS, O_BATCH, O_INFLIGHT, O_DATA, O_NTRAIN, O_NTEST,
+       O_SEED, O_TIMEOUT, O_MAXWAIT, O_REFRESH, O_SYNC_GROUP, O_LOG, O_PLOT, O_JSON, O_LISTEN, O_IDENTITY, O_SWARM,
+       O_LR };
 
+static const struct option train_opts[] = {
+    {"initial-peers", required_argument, NULL, O_INITIAL},
+    {"model", required_argument, NULL, O_MODEL},
+    {"epochs", required_argument, NULL, O_EPOCHS},
+    {"batch", required_argument, NULL, O_BATCH},
+    {"inflight", required_argument, NULL, O_INFLIGHT},
+    {"data", required_argument, NULL, O_DATA},
+    {"train-samples", required_argument, NULL, O_NTRAIN},
+    {"test-samples", required_argument, NULL, O_NTEST},
+    {"seed", required_argument, NULL, O_SEED},
+    {"timeout", required_argument, NULL, O_TIMEOUT},
+    {"max-wait", required_argument, NULL, O_MAXWAIT},
+    {"refresh", required_argument, NULL, O_REFRESH},
+    {"sync", required_argument, NULL, O_SYNC_GROUP},
+    {"metrics-log", required_argument, NULL, O_LOG},
+    {"plot", required_argument, NULL, O_PLOT},
+    {"json", no_argument, NULL, O_JSON},
+    {"listen", required_argument, NULL, O_LISTEN},
+    {"identity", required_argument, NULL, O_IDENTITY},
+    {"swarm-key", required_argument, NULL, O_SWARM},
+    {"lr", required_argument, NULL, O_LR},
+    {"help", no_argument, NULL, 'h'},
+    {NULL, 0, NULL, 0},
+};
+
+/* The command line, parsed. */
+typedef struct train_args {
+    const char *initial, *model, *data, *log_path, *plot_path, *listen, *identity, *swarm;
+    long epochs, batch, inflight, ntrain, ntest, seed, sync;
+    double timeout, max_wait, refresh;
+    int json;
+} train_args;
+
+/* Parses a numeric option c (its argument in optarg) into a. Returns -1 to
+ * go on, else the exit status (a usage error). */
+static int parse_train_number(int c, train_args *a)
+{
+    int bad = 0;
+    switch (c) {
+    case O_EPOCHS: bad = cli_parse_long("train", "--epochs", optarg, 1, 10000, &a->epochs); break;
+    case O_BATCH: bad = cli_parse_long("train", "--batch", optarg, 1, 65536, &a->batch); break;
+    case O_INFLIGHT:
+        bad = cli_parse_long("train", "--inflight", optarg, 1, ROUTE_PIPELINE_MAX_INFLIGHT, &a->inflight);
+        break;
+    case O_NTRAIN: bad = cli_parse_long("train", "--train-samples", optarg, 1, INT_MAX, &a->ntrain); break;
+    case O_NTEST: bad = cli_parse_long("train", "--test-samples", optarg, 1, INT_MAX, &a->ntest); break;
+    case O_SEED: bad = cli_parse_long("train", "--seed", optarg, 0, LONG_MAX, &a->seed); break;
+    case O_TIMEOUT: bad = cli_parse_double("train", "--timeout", optarg, 0.05, 3600, &a->timeout); break;
+    case O_MAXWAIT: bad = cli_parse_double("train", "--max-wait", optarg, 0.1, 1e7, &a->max_wait); break;
+    case O_REFRESH: bad = cli_parse_double("train", "--refresh", optarg, 0.1, 3600, &a->refresh); break;
+    case O_SYNC_GROUP: bad = cli_parse_long("train", "--sync", optarg, 0, 1 << 24, &a->sync); break;
+    default: return -2;
+    }
+    return bad ? CLI_EXIT_USAGE : -1;
+}
+
+/* Parses one option c into a. Returns -1 to go on, else the exit status
+ * (help printed, or a usage error). */
+static int parse_train_option(int c, char **argv, train_args *a)
+{
+    switch (c) {
+    case 'h': fputs(train_help, stdout); return CLI_EXIT_OK;
+    case O_INITIAL: a->initial = optarg; break;
+    case O_MODEL: a->model = optarg; break;
+    case O_DATA: a->data = optarg; break;
+    case O_LOG: a->log_path = optarg; break;
+    case O_PLOT: a->plot_path = optarg; break;
+    case O_JSON: a->json = 1; break;
+    case O_LISTEN: a->listen = optarg; break;
+    case O_IDENTITY: a->identity = optarg; break;
+    case O_SWARM: a->swarm = optarg; break;
+    case O_LR:
+        return cli_usage_error("train", "the optimizer runs on the peers: set the learning rate "
+                                        "with 'starling peer --lr X' on each peer");
+    default: {
+        int st = parse_train_number(c, a);
+        return st == -2 ? cli_bad_option("train", c, argv) : st;
+    }
+    }
+    return -1;
+}
+
+/* Parses and checks the command line into a and *spec. Returns -1 to go
+ * on, else the exit status. */
+static int parse_train_args(int argc, char **argv, train_args *a, const struct expert_model_spec **spec)
+{
+    memset(a, 0, sizeof *a);
+    a->model = "fmnist-mlp";
+    a->log_path = "starling-train.jsonl";
+    a->plot_path = "starling-train.svg";
+    a->epochs = 1;
+    a->batch = 64;
+    a->inflight = 2;
+    a->timeout = 30;
+    a->max_wait = 120;
+    a->refresh = 10;
+    int c;
     optind = 1;
     opterr = 0;
-    while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
-        switch (c) {
-        case 'h': fputs(train_help, stdout); return CLI_EXIT_OK;
-        case O_INITIAL: initial = optarg; break;
-        case O_MODEL: model = optarg; break;
-        case O_DATA: data = optarg; break;
-        case O_LOG: log_path = optarg; break;
-        case O_PLOT: plot_path = optarg; break;
-        case O_JSON: json = 1; break;
-        case O_LISTEN: listen = optarg; break;
-        case O_IDENTITY: identity = optarg; break;
-        case O_SWARM: swarm = optarg; break;
-        case O_LR:
-            return cli_usage_error("train", "the optimizer runs on the peers: set the learning rate "
-                                            "with 'starling peer --lr X' on each peer");
-        case O_EPOCHS:
-            if (cli_parse_long("train", "--epochs", optarg, 1, 10000, &epochs))
-                return CLI_EXIT_USAGE;
-            break;
-        case O_BATCH:
-            if (cli_parse_long("train", "--batch", optarg, 1, 65536, &batch))
-                return CLI_EXIT_USAGE;
-            break;
-        case O_INFLIGHT:
-            if (cli_parse_long("train", "--inflight", optarg, 1, ROUTE_PIPELINE_MAX_INFLIGHT, &inflight))
-                return CLI_EXIT_USAGE;
-            break;
-        case O_NTRAIN:
-            if (cli_parse_long("train", "--train-samples", optarg, 1, INT_MAX, &ntrain))
-                return CLI_EXIT_USAGE;
-            break;
-        case O_NTEST:
-            if (cli_parse_long("train", "--test-samples", optarg, 1, INT_MAX, &ntest))
-                return CLI_EXIT_USAGE;
-            break;
-        case O_SEED:
-            if (cli_parse_long("train", "--seed", optarg, 0, LONG_MAX, &seed))
-                return CLI_EXIT_USAGE;
-            break;
-        case O_TIMEOUT:
-            if (cli_parse_double("train", "--timeout", optarg, 0.05, 3600, &timeout))
-                return CLI_EXIT_USAGE;
-            break;
-        case O_MAXWAIT:
-            if (cli_parse_double("train", "--max-wait", optarg, 0.1, 1e7, &max_wait))
-                return CLI_EXIT_USAGE;
-            break;
-        case O_REFRESH:
-            if (cli_parse_double("train", "--refresh", optarg, 0.1, 3600, &refresh))
-                return CLI_EXIT_USAGE;
-            break;
-        case O_SYNC_GROUP:
-            if (cli_parse_long("train", "--sync", optarg, 0, 1 << 24, &sync))
-                return CLI_EXIT_USAGE;
-            break;
-        default: return cli_bad_option("train", c, argv);
-        }
+    while ((c = getopt_long(argc, argv, ":h", train_opts, NULL)) != -1) {
+        int st = parse_train_option(c, argv, a);
+        if (st >= 0)
+            return st;
     }
     if (cli_no_positional("train", argc, argv))
         return CLI_EXIT_USAGE;
-    const struct expert_model_spec *spec = expert_model_find(model);
-    if (!spec)
-        return cli_usage_error("train", "unknown model '%s'", model);
-    if (!initial)
+    *spec = expert_model_find(a->model);
+    if (!*spec)
+        return cli_usage_error("train", "unknown model '%s'", a->model);
+    if (!a->initial)
         return cli_usage_error("train", "--initial-peers LIST is required");
+    return -1;
+}
 
+/* The metrics log's end line. */
+static void log_end(FILE *f, int rc, const route_train_result *res)
+{
+    fprintf(f,
+            "{\"event\":\"end\",\"status\":\"%s\",\"epochs\":%d,\"samples\":%ld,"
+            "\"samples_per_s\":%.1f,\"test_acc\":%.6f,\"retries\":%ld,\"refused\":%ld,"
+            "\"refused_samples\":%ld,\"errors\":%ld,",
+            train_status(rc, res), res->epochs, res->samples, res->samples_per_s, res->test_acc, res->retries,
+            res->refused, res->refused_samples, res->errors);
+    print_rollbacks(f, res);
+    fputs("}\n", f);
+}
+
+/* The loss and accuracy plot, when asked for and there is something to draw. */
+static void write_plot(const char *plot_path, const train_ui *ui, const struct expert_model_spec *spec,
+                       long n_train)
+{
+    if (!plot_path || !*plot_path || (ui->np == 0 && ui->ne == 0))
+        return;
+    /* Accuracy is drawn at each epoch's end, on the samples axis. */
+    double ax[1024];
+    for (int i = 0; i < ui->ne; i++)
+        ax[i] = ui->ex[i] * (double)n_train;
+    report_series s[2] = {
+        {"training loss", "#1f77b4", ui->px, ui->py, ui->np, 0},
+        {"test accuracy", "#d62728", ax, ui->eacc, ui->ne, 1},
+    };
+    char title[128];
+    snprintf(title, sizeof title, "starling train: %s on Fashion-MNIST", spec->name);
+    int prc = report_plot_svg(plot_path, title, "training samples", "loss", "test accuracy", s, 2);
+    if (prc != 0)
+        fprintf(stderr, "starling train: warning: cannot write %s: %s\n", plot_path, strerror(-prc));
+}
+
+/* The final lines: JSON on stdout when asked, the outcome on stderr.
+ * Returns the exit status. */
+static int report_end(const train_args *a, int rc, const route_train_result *res)
+{
+    if (a->json) {
+        printf("{\"samples_per_s\":%.1f,\"test_acc\":%.6f,\"test_loss\":%.6f,\"epochs\":%d,"
+               "\"samples\":%ld,\"retries\":%ld,\"refused\":%ld,\"refused_batches\":%ld,"
+               "\"refused_samples\":%ld,\"errors\":%ld,\"train_time_s\":%.3f,",
+               res->samples_per_s, res->test_acc, res->test_loss, res->epochs, res->samples, res->retries,
+               res->refused, res->refused_batches, res->refused_samples, res->errors, res->train_time_s);
+        print_rollbacks(stdout, res);
+        printf(",\"status\":\"%s\"}\n", train_status(rc, res));
+    }
+    if (rc != 0)
+        return cli_fail("train", "%s", res->error[0] ? res->error : strerror(-rc));
+    fprintf(stderr, "starling train: done: test accuracy %.4f after %d epoch%s, %.0f samples/s, %ld retries\n",
+            res->test_acc, res->epochs, res->epochs == 1 ? "" : "s", res->samples_per_s, res->retries);
+    if (res->refused > 0)
+        fprintf(stderr, "starling train: holders refused %ld backward call%s (gradients out of bounds)%s\n",
+                res->refused, res->refused == 1 ? "" : "s",
+                res->refused_samples > 0 ? "; some micro-batches were refused every time" : "");
+    if (res->refused_samples > 0)
+        fprintf(stderr, "starling train: %ld sample%s of %ld processed without a full update: their "
+                        "backward was refused %d times, so it was dropped\n",
+                res->refused_samples, res->refused_samples == 1 ? "" : "s", res->samples,
+                ROUTE_PIPELINE_MAX_REFUSALS);
+    if (res->n_rollbacks > 0)
+        fprintf(stderr, "starling train: %d holder rollback%s: some stages went back to older weights "
+                        "(a holder restarted from an older checkpoint or its initial weights)\n",
+                res->n_rollbacks, res->n_rollbacks == 1 ? "" : "s");
+    return CLI_EXIT_OK;
+}
+
+/* Trains through the joined client cl on train/test, with ui's progress
+ * output; fills *res. Returns route_train_run's result. */
+static int run_training(const train_args *a, const struct expert_model_spec *spec, tools_client *cl,
+                        const route_dataset *train, const route_dataset *test, train_ui *ui,
+                        route_train_result *res)
+{
+    route_train_config tc;
+    memset(&tc, 0, sizeof tc);
+    tc.dht = cl->d;
+    tc.ident = &cl->ident;
+    tc.swarm_key = cl->has_swarm_key ? cl->swarm_key : NULL;
+    tc.model = spec;
+    tc.train = train;
+    tc.test = test;
+    tc.n_train = (int)a->ntrain;
+    tc.n_test = (int)a->ntest;
+    tc.epochs = (int)a->epochs;
+    tc.batch = (int)a->batch;
+    tc.inflight = (int)a->inflight;
+    tc.seed = (uint64_t)a->seed;
+    tc.refresh_s = a->refresh;
+    tc.sync_samples = (int)a->sync;
+    tc.call_timeout_s = a->timeout;
+    tc.max_wait_s = a->max_wait;
+    tc.on_progress = on_progress;
+    tc.on_epoch = on_epoch;
+    tc.on_message = on_message;
+    tc.arg = ui;
+    return route_train_run(&cl->loop, &tc, res);
+}
+
+/* Joins the swarm, trains, writes the log and plot and reports. Returns
+ * the exit status. */
+static int train_with(const train_args *a, const struct expert_model_spec *spec, const route_dataset *train,
+                      const route_dataset *test)
+{
+    tools_client cl;
+    int rc = tools_client_open(&cl, "train", a->initial, a->listen, a->identity, a->swarm, 15);
+    if (rc != CLI_EXIT_OK)
+        return rc;
+    train_ui ui;
+    memset(&ui, 0, sizeof ui);
+    long n_train = a->ntrain > 0 && a->ntrain < train->n ? a->ntrain : train->n;
+    long total = n_train * a->epochs;
+    report_progress_init(&ui.prog, stderr, total, -1, mono());
+    ui.px = calloc(MAX_POINTS, sizeof *ui.px);
+    ui.py = calloc(MAX_POINTS, sizeof *ui.py);
+    ui.point_every = total / 200 > a->batch ? total / 200 : a->batch;
+    if (a->log_path && *a->log_path) {
+        ui.jsonl = fopen(a->log_path, "w");
+        if (!ui.jsonl)
+            fprintf(stderr, "starling train: warning: cannot write %s: %s\n", a->log_path, strerror(errno));
+    }
+    fprintf(stderr, "starling train: %s, %ld training samples x %ld epoch%s, batch %ld\n", spec->name, n_train,
+            a->epochs, a->epochs == 1 ? "" : "s", a->batch);
+    route_train_result res;
+    rc = run_training(a, spec, &cl, train, test, &ui, &res);
+    tools_client_close(&cl);
+    if (ui.jsonl) {
+        log_end(ui.jsonl, rc, &res);
+        fclose(ui.jsonl);
+    }
+    write_plot(a->plot_path, &ui, spec, n_train);
+    free(ui.px);
+    free(ui.py);
+    return report_end(a, rc, &res);
+}
+
+int cmd_train(int argc, char **argv)
+{
+    train_args a;
+    const struct expert_model_spec *spec = NULL;
+    int st = parse_train_args(argc, argv, &a, &spec);
+    if (st >= 0)
+        return st;
     /* Data first: a missing package is the most likely problem. */
     char dir[4096], err[512];
     route_dataset train, test;
-    if (route_data_find_dir(data, dir, sizeof dir, err, sizeof err) != 0)
+    if (route_data_find_dir(a.data, dir, sizeof dir, err, sizeof err) != 0)
         return cli_fail("train", "%s", err);
     if (route_data_load(&train, dir, "train", err, sizeof err) != 0)
         return cli_fail("train", "%s", err);
@@ -282,112 +439,8 @@ int cmd_train(int argc, char **argv)
         route_data_free(&train);
         return cli_fail("train", "%s", err);
     }
-
-    tools_client cl;
-    int rc = tools_client_open(&cl, "train", initial, listen, identity, swarm, 15);
-    if (rc != CLI_EXIT_OK) {
-        route_data_free(&train);
-        route_data_free(&test);
-        return rc;
-    }
-
-    train_ui ui;
-    memset(&ui, 0, sizeof ui);
-    long n_train = ntrain > 0 && ntrain < train.n ? ntrain : train.n;
-    long total = n_train * epochs;
-    report_progress_init(&ui.prog, stderr, total, -1, mono());
-    ui.px = calloc(MAX_POINTS, sizeof *ui.px);
-    ui.py = calloc(MAX_POINTS, sizeof *ui.py);
-    ui.point_every = total / 200 > batch ? total / 200 : batch;
-    if (log_path && *log_path) {
-        ui.jsonl = fopen(log_path, "w");
-        if (!ui.jsonl)
-            fprintf(stderr, "starling train: warning: cannot write %s: %s\n", log_path, strerror(errno));
-    }
-    fprintf(stderr, "starling train: %s, %ld training samples x %ld epoch%s, batch %ld\n", spec->name,
-            n_train, epochs, epochs == 1 ? "" : "s", batch);
-
-    route_train_config tc;
-    memset(&tc, 0, sizeof tc);
-    tc.dht = cl.d;
-    tc.ident = &cl.ident;
-    tc.swarm_key = cl.has_swarm_key ? cl.swarm_key : NULL;
-    tc.model = spec;
-    tc.train = &train;
-    tc.test = &test;
-    tc.n_train = (int)ntrain;
-    tc.n_test = (int)ntest;
-    tc.epochs = (int)epochs;
-    tc.batch = (int)batch;
-    tc.inflight = (int)inflight;
-    tc.seed = (uint64_t)seed;
-    tc.refresh_s = refresh;
-    tc.sync_samples = (int)sync;
-    tc.call_timeout_s = timeout;
-    tc.max_wait_s = max_wait;
-    tc.on_progress = on_progress;
-    tc.on_epoch = on_epoch;
-    tc.on_message = on_message;
-    tc.arg = &ui;
-    route_train_result res;
-    rc = route_train_run(&cl.loop, &tc, &res);
-    tools_client_close(&cl);
-
-    if (ui.jsonl) {
-        fprintf(ui.jsonl,
-                "{\"event\":\"end\",\"status\":\"%s\",\"epochs\":%d,\"samples\":%ld,"
-                "\"samples_per_s\":%.1f,\"test_acc\":%.6f,\"retries\":%ld,\"refused\":%ld,"
-                "\"refused_samples\":%ld,\"errors\":%ld,",
-                train_status(rc, &res), res.epochs, res.samples, res.samples_per_s, res.test_acc,
-                res.retries, res.refused, res.refused_samples, res.errors);
-        print_rollbacks(ui.jsonl, &res);
-        fputs("}\n", ui.jsonl);
-        fclose(ui.jsonl);
-    }
-    if (plot_path && *plot_path && (ui.np > 0 || ui.ne > 0)) {
-        /* Accuracy is drawn at each epoch's end, on the samples axis. */
-        double ax[1024];
-        for (int i = 0; i < ui.ne; i++)
-            ax[i] = ui.ex[i] * (double)n_train;
-        report_series s[2] = {
-            {"training loss", "#1f77b4", ui.px, ui.py, ui.np, 0},
-            {"test accuracy", "#d62728", ax, ui.eacc, ui.ne, 1},
-        };
-        char title[128];
-        snprintf(title, sizeof title, "starling train: %s on Fashion-MNIST", spec->name);
-        int prc = report_plot_svg(plot_path, title, "training samples", "loss", "test accuracy", s, 2);
-        if (prc != 0)
-            fprintf(stderr, "starling train: warning: cannot write %s: %s\n", plot_path, strerror(-prc));
-    }
-    free(ui.px);
-    free(ui.py);
+    st = train_with(&a, spec, &train, &test);
     route_data_free(&train);
     route_data_free(&test);
-    if (json) {
-        printf("{\"samples_per_s\":%.1f,\"test_acc\":%.6f,\"test_loss\":%.6f,\"epochs\":%d,"
-               "\"samples\":%ld,\"retries\":%ld,\"refused\":%ld,\"refused_batches\":%ld,"
-               "\"refused_samples\":%ld,\"errors\":%ld,\"train_time_s\":%.3f,",
-               res.samples_per_s, res.test_acc, res.test_loss, res.epochs, res.samples, res.retries,
-               res.refused, res.refused_batches, res.refused_samples, res.errors, res.train_time_s);
-        print_rollbacks(stdout, &res);
-        printf(",\"status\":\"%s\"}\n", train_status(rc, &res));
-    }
-    if (rc != 0)
-        return cli_fail("train", "%s", res.error[0] ? res.error : strerror(-rc));
-    fprintf(stderr, "starling train: done: test accuracy %.4f after %d epoch%s, %.0f samples/s, %ld retries\n",
-            res.test_acc, res.epochs, res.epochs == 1 ? "" : "s", res.samples_per_s, res.retries);
-    if (res.refused > 0)
-        fprintf(stderr, "starling train: holders refused %ld backward call%s (gradients out of bounds)%s\n",
-                res.refused, res.refused == 1 ? "" : "s",
-                res.refused_samples > 0 ? "; some micro-batches were refused every time" : "");
-    if (res.refused_samples > 0)
-        fprintf(stderr, "starling train: %ld sample%s of %ld processed without a full update: their "
-                        "backward was refused %d times, so it was dropped\n",
-                res.refused_samples, res.refused_samples == 1 ? "" : "s", res.samples,
-                ROUTE_PIPELINE_MAX_REFUSALS);
-    if (res.n_rollbacks > 0)
-        fprintf(stderr, "starling train: %d holder rollback%s: some stages went back to older weights "
-                        "(a holder restarted from an older checkpoint or its initial weights)\n",
-                res.n_rollbacks, res.n_rollbacks == 1 ? "" : "s");
-    return CLI_EXIT_OK;
+    return st;
 }
