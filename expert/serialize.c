@@ -1,8 +1,9 @@
 /* expert/serialize.c: the checkpoint format, a block's state as bytes
- * (docs/expert.md, "Checkpoint format"): expert_block_serialize writes
- * format 2, expert_block_deserialize reads formats 1 and 2 and trusts
- * nothing in them, expert_ckpt_peek reads a header alone and
- * expert_block_ckpt_fits says whether it names this block.
+ * (docs/expert.md, "Checkpoint / serialisation format"):
+ * expert_block_serialize writes format 2, expert_block_deserialize reads
+ * formats 1 and 2 and trusts nothing in them, expert_ckpt_peek reads a
+ * header alone and expert_block_ckpt_fits says whether it names this
+ * block.
  *
  * Its own file rather than part of expert/checkpoint.c: the format is what
  * peers exchange (a newcomer downloads a holder's state in it) as well as
