@@ -5,10 +5,16 @@
  * above include this header only.
  *
  * A dht runs one node on one UDP socket (IPv4 or IPv6) on a libuv loop. All
- * functions must be called on the loop's thread, and every callback runs on
- * it. A function that takes a callback and fails (returns -errno) never
- * calls it; one that succeeds calls it exactly once, later (never from
- * inside the call), with -ECANCELED if the dht is closed first.
+ * functions but dht_now_ms and dht_swarm_key_load must be called on the
+ * loop's thread, and every callback runs on it. A function that takes a
+ * callback and fails (returns -errno) never calls it; one that succeeds
+ * calls it exactly once, later (never from inside the call), with
+ * -ECANCELED if the dht is closed first. Functions that take a dht need a
+ * live one (not NULL unless said otherwise, not after dht_close).
+ *
+ * Callbacks may call any function here, dht_close included: a dht closed
+ * from inside one of its callbacks is closed once that callback has
+ * returned, and meanwhile new operations fail with -ECANCELED.
  *
  * Typical use by the peer layer (announce a block every ~20 s):
  *
@@ -47,12 +53,14 @@ typedef struct dht dht;
  * worked). dht_get_join_diag and dht_join_strerror give the details. */
 typedef void (*dht_done_cb)(dht *d, int status, void *ud);
 
-/* status 0 or -errno; entries[0..n) are every live entry of the key found on
- * the quorum (DHT_QUORUM, 8) nearest nodes, merged, one per (subkey, signed)
- * with the latest expiration. They are borrowed for the duration of the
- * callback only. */
+/* status 0 or -errno (dht_get); entries[0..n) are every live entry of the
+ * key found on the quorum (DHT_QUORUM, 8) nearest nodes, merged, one per
+ * (subkey, signed) with the latest expiration (entries may be NULL when n is
+ * 0). The array and the bytes its entries point to are borrowed for the
+ * duration of the callback only: copy what you keep. */
 typedef void (*dht_get_cb)(dht *d, int status, const dht_entry *entries, size_t n, void *ud);
 
+/* dht_close's: d is only an identity here, freed when this returns. */
 typedef void (*dht_close_cb)(dht *d, void *ud);
 
 /* Wall-clock milliseconds since the epoch: the clock expirations use. */
@@ -63,9 +71,11 @@ uint64_t dht_now_ms(void);
  * others) or another -errno. */
 int dht_swarm_key_load(uint8_t key[32], const char *path);
 
-/* Creates a node with identity ident (copied) and configuration cfg (NULL:
- * defaults; set cfg->has_swarm_key/swarm_key for a private swarm) on loop.
- * Returns NULL on failure. Nothing happens on the network until dht_start. */
+/* Creates a node with identity ident (copied) and configuration cfg (copied;
+ * NULL: defaults; set cfg->has_swarm_key/swarm_key for a private swarm) on
+ * loop, which must outlive d (until dht_close's callback). Returns NULL on
+ * failure (loop or ident NULL, no memory, libsodium cannot start). Nothing
+ * happens on the network until dht_start. */
 dht *dht_create(uv_loop_t *loop, const dht_identity *ident, const dht_config *cfg);
 
 /* Binds the UDP socket to listen ("HOST:PORT", "[V6]:PORT"; port 0 picks a
@@ -80,14 +90,21 @@ int dht_local_addr(const dht *d, dht_addr *out);
 
 /* The peer address string others pass to --initial-peers ("HOST:PORT/ID").
  * A wildcard host (0.0.0.0, ::) is printed as given; replace it by a
- * reachable address. Returns the length or -errno. */
+ * reachable address. Returns the length written (without NUL), or
+ * -ENOTCONN (not started), -ENOSPC (cap too small) or -EINVAL. */
 int dht_peer_string(const dht *d, char *buf, size_t cap);
 
+/* Our node ID: DHT_ID_LEN bytes owned by d, set by dht_create (from the
+ * identity) and never changed, valid until dht_close frees d (copy it to
+ * keep it longer). Usable before dht_start. */
 const uint8_t *dht_self_id(const dht *d);
 
 /* Joins the swarm through peers (see dht_node_join for what is done and
- * for every status). Returns 0 or -EINVAL, -ENOTCONN (not started),
- * -ECANCELED (closing), -ENOMEM, -EAGAIN. */
+ * for every status). peers[0..n_peers) are read during the call only. cb
+ * (may be NULL) runs once, later, on the loop thread, with the join's
+ * status (dht_done_cb). Returns 0 or -EINVAL (d or peers NULL, n_peers 0),
+ * -ENOTCONN (not started), -ECANCELED (closing), -ENOMEM, -EAGAIN (too
+ * many operations under way); then cb never runs. */
 int dht_join(dht *d, const dht_peer_addr *peers, size_t n_peers, dht_done_cb cb, void *ud);
 
 /* The detail of the latest join that ended with -EADDRNOTAVAIL,
@@ -112,20 +129,45 @@ int dht_join_strerror(const dht *d, int status, char *buf, size_t cap);
  * at most 24 h ahead). With sign != 0 the subkey argument is ignored: the
  * entry's subkey is our node ID and it is signed with our identity, so
  * nobody else can overwrite it; unsigned entries get a small share of
- * each node and are not republished by others (dht_node_put). value is
- * copied. Returns 0 or -EINVAL (sizes: value <= DHT_MAX_VALUE, subkey <=
- * DHT_MAX_SUBKEY), -EAGAIN, -ENOMEM, -ECANCELED (closing). */
+ * each node and are not republished by others (dht_node_put). value and
+ * subkey are copied. cb (may be NULL) runs once, later, on the loop thread,
+ * with the count of nodes that stored it or -errno (dht_done_cb). Returns
+ * 0 or -EINVAL (d or key NULL, value NULL with value_len > 0; sizes: value
+ * <= DHT_MAX_VALUE, subkey <= DHT_MAX_SUBKEY; expires_ms not in (now, now +
+ * DHT_MAX_TTL_MS]),
+ * -ENOTCONN (not started), -ECANCELED (closing), -ENOMEM, -EAGAIN (too
+ * many operations under way); then cb never runs. */
 int dht_put(dht *d, const uint8_t key[DHT_ID_LEN], const uint8_t *subkey, size_t subkey_len,
             const void *value, size_t value_len, uint64_t expires_ms, int sign, dht_done_cb cb,
             void *ud);
 
+/* Collects every live entry of key from the quorum nearest nodes and our
+ * own store (dht_node_get). cb (required) runs once, later, on the loop
+ * thread (dht_get_cb): status 0 with the entries (none if nobody holds
+ * the key), -EHOSTUNREACH when no node answered and no entry was found,
+ * -ENOMEM when the entries could not be handed over, or -ECANCELED (the
+ * dht closed first; the entries collected from other nodes so far, if
+ * any, still come with it). Signed entries' signatures are checked;
+ * unsigned entries are whatever anyone stored, to be checked by the
+ * caller. Returns 0 or -EINVAL (d, key or cb NULL), -ENOTCONN (not
+ * started), -ECANCELED (closing), -ENOMEM, -EAGAIN (too many operations
+ * under way); then cb never runs. */
 int dht_get(dht *d, const uint8_t key[DHT_ID_LEN], dht_get_cb cb, void *ud);
 
+/* Fills *out (the caller's) with a snapshot of the node's counters, table
+ * and store sizes, requests and operations under way (dht/node.h). Cannot
+ * fail; usable before dht_start. */
 void dht_get_stats(const dht *d, dht_node_stats *out);
 
 /* Cancels pending operations (their callbacks get -ECANCELED), closes the
  * handles and frees d; cb (may be NULL) runs once everything is closed.
- * d must not be used after this call. */
+ * Called from one of d's callbacks, all of this happens when that callback
+ * returns; otherwise the cancelled callbacks run inside this call, and so
+ * does cb when d holds no libuv handle (dht_start not called, or failed
+ * before opening one); else cb runs in a later loop iteration, once libuv
+ * has closed the handles. Meanwhile a second dht_close does nothing and
+ * new operations fail with -ECANCELED. dht_close(NULL) does nothing. d
+ * must not be used after this call. */
 void dht_close(dht *d, dht_close_cb cb, void *ud);
 
 #endif

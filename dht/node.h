@@ -143,26 +143,31 @@ dht_node *dht_node_create(const dht_identity *ident, const dht_config *cfg, uint
 /* Cancels pending operations (callbacks get -ECANCELED) and frees. */
 void dht_node_destroy(dht_node **n);
 
+/* Our node ID: DHT_ID_LEN bytes owned by n, never changed, valid until
+ * dht_node_destroy. */
 const uint8_t *dht_node_id(const dht_node *n);
 
 /* Which address families the transport can send to (both by default).
  * Lookups skip candidates the node could not reach. */
 void dht_node_set_families(dht_node *n, int v4, int v6);
 
-/* Feeds one datagram received from `from`. Bad datagrams are counted and
- * dropped. Returns 0, or -EBADMSG/-EPERM/-EAGAIN when it was dropped. */
+/* Feeds one datagram received from `from` (buf is read during the call
+ * only). Bad datagrams are counted and dropped. Callbacks of operations
+ * may run inside. Returns 0, or -EBADMSG/-EPERM/-EAGAIN when it was
+ * dropped, -EINVAL when n, buf or from is NULL. */
 int dht_node_input(dht_node *n, const uint8_t *buf, size_t len, const dht_addr *from,
                    uint64_t now);
 
 /* Moves the oldest queued datagram into buf (cap >= DHT_MAX_DATAGRAM) and
- * its destination into to. Returns its length, or 0 when the queue is empty. */
+ * its destination into to. Returns its length, 0 when the queue is empty,
+ * or -EMSGSIZE when it was longer than cap (it is dropped; to is not set). */
 int dht_node_pop_output(dht_node *n, uint8_t *buf, size_t cap, dht_addr *to);
 
 /* Next time dht_node_tick has work (UINT64_MAX: none). */
 uint64_t dht_node_next_deadline(const dht_node *n);
 
 /* Handles timeouts and housekeeping (expiry, token rotation, bucket refresh,
- * republish) due at now. */
+ * republish) due at now. Callbacks of operations may run inside. */
 void dht_node_tick(dht_node *n, uint64_t now);
 
 /* Joins through the given peers (n_peers >= 1): a lookup of our own ID
@@ -182,7 +187,8 @@ void dht_node_tick(dht_node *n, uint64_t now);
  *   -EHOSTUNREACH  nobody answered.
  * dht_node_join_diag then tells which address (and IDs). A join that meets
  * our ID in a node list waits for that node's answer (at most
- * rpc_timeout_ms). Returns 0 or -EINVAL/-ENOMEM/-EAGAIN. */
+ * rpc_timeout_ms). peers are read during the call only. Returns 0 or
+ * -EINVAL/-ENOMEM/-EAGAIN, or -ECANCELED (destroying). */
 int dht_node_join(dht_node *n, const dht_peer_addr *peers, size_t n_peers, dht_node_cb cb,
                   void *ud, uint64_t now);
 
@@ -195,13 +201,21 @@ int dht_node_join_diag(const dht_node *n, dht_join_diag *out);
  * a join or in any later lookup). Returns 0, or -ENOENT if none has. */
 int dht_node_collision(const dht_node *n, dht_addr *out);
 
-/* Iterative find_node for target (result nodes, nearest first). */
+/* Iterative find_node for target (result nodes, nearest first). status 0
+ * when some node answered, else -EHOSTUNREACH (or -ECANCELED). Returns 0 or
+ * -EINVAL (n or target NULL), -ECANCELED (destroying), -EAGAIN (too many
+ * operations), -ENOMEM. */
 int dht_node_find(dht_node *n, const uint8_t target[DHT_ID_LEN], dht_node_cb cb, void *ud,
                   uint64_t now);
 
 /* Collects every live entry of key from the quorum nearest nodes (and our
  * own store), following paged replies: the lookup asks the quorum nearest
- * candidates at once and is over when the quorum nearest have answered. */
+ * candidates at once and is over when the quorum nearest have answered.
+ * status 0 (with the entries, ours merged in), -EHOSTUNREACH (no node
+ * answered, no entry found), -ENOMEM (the entries could not be handed
+ * over) or -ECANCELED (with the entries other nodes sent so far). Signed
+ * entries' signatures are checked. Returns 0 or -EINVAL (n or key NULL),
+ * -ECANCELED (destroying), -EAGAIN (too many operations), -ENOMEM. */
 int dht_node_get(dht_node *n, const uint8_t key[DHT_ID_LEN], dht_node_cb cb, void *ud,
                  uint64_t now);
 
@@ -214,12 +228,14 @@ int dht_node_get(dht_node *n, const uint8_t key[DHT_ID_LEN], dht_node_cb cb, voi
  * share of each node that unsigned entries have (dht/store.h) and is never
  * republished or handed over by the nodes that hold it: it stays on the
  * nodes it was stored on until it expires (put it again to follow churn).
- * Returns 0, or -EINVAL (sizes, expiration not in
- * (now, now + DHT_MAX_TTL_MS]), -ENOMEM, -EAGAIN (too many operations). */
+ * value and subkey are copied. Returns 0, or -EINVAL (sizes, expiration not
+ * in (now, now + DHT_MAX_TTL_MS]), -ENOMEM, -EAGAIN (too many operations),
+ * -ECANCELED (destroying). */
 int dht_node_put(dht_node *n, const uint8_t key[DHT_ID_LEN], const uint8_t *subkey,
                  size_t subkey_len, const uint8_t *value, size_t value_len, uint64_t expires,
                  int sign, dht_node_cb cb, void *ud, uint64_t now);
 
+/* Fills *out with a snapshot of n's counters and sizes. Cannot fail. */
 void dht_node_get_stats(const dht_node *n, dht_node_stats *out);
 
 /* Closest table entries to target as wire nodes (for tools and tests). */

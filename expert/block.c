@@ -1,7 +1,9 @@
 /* expert/block.c: blocks (linear, residual FFN, head) on the CPU backend:
  * flat parameter/gradient/optimizer arrays, double-buffered weights, the
- * recomputing backward, optimizer steps and serialisation. */
+ * recomputing backward and optimizer steps. Their bytes (the checkpoint
+ * format) are expert/serialize.c's, through expert/block_internal.h. */
 #include "expert/block.h"
+#include "expert/block_internal.h"
 #include "expert/guard.h"
 #include "expert/model.h"
 #include "expert/pool.h"
@@ -16,11 +18,6 @@
 #include <string.h>
 
 #include <cblas.h>
-#include <zlib.h>
-
-#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
-#error "the checkpoint format stores floats little-endian; port the (de)serialiser first"
-#endif
 
 struct expert_block {
     struct expert_block_config cfg;
@@ -139,28 +136,6 @@ static void put_u32(uint8_t *p, uint32_t v)
 {
     for (int i = 0; i < 4; i++)
         p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put_u64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint32_t get_u32(const uint8_t *p)
-{
-    uint32_t v = 0;
-    for (int i = 0; i < 4; i++)
-        v |= (uint32_t)p[i] << (8 * i);
-    return v;
-}
-
-static uint64_t get_u64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++)
-        v |= (uint64_t)p[i] << (8 * i);
-    return v;
 }
 
 uint64_t expert_block_config_hash(const struct expert_block_config *cfg)
@@ -1072,258 +1047,44 @@ const char *expert_block_stage(const expert_block *b, uint64_t *stage_hash_out)
     return b ? b->stage : "";
 }
 
-/* ----------------------------------------------------- serialisation -- */
+/* ------------------------------------- for the checkpoint format -- */
 
-/* Format 1: the 64-byte header, the table, the data, the CRC. Format 2 adds
- * the stage (hash, model name, stage name) after the first 64 bytes. */
-#define HDR_LEN_V1 64
-#define HDR_LEN 200
-#define ENTRY_LEN 48
-static const char magic[8] = { 'S', 'T', 'R', 'L', 'C', 'K', 'P', 'T' };
-
-enum { ROLE_PARAM = 0, ROLE_M = 1, ROLE_V = 2 };
-
-static size_t n_entries(const expert_block *b, int with_optim)
+void expert__block_state_lock(expert_block *b, struct expert__block_state *out)
 {
-    return (size_t)b->nt * (with_optim ? 3 : 1);
-}
-
-static size_t hdr_len(uint32_t format)
-{
-    return format == 1 ? HDR_LEN_V1 : HDR_LEN;
-}
-
-static size_t state_len(uint32_t format, int nt, size_t nfloats, int with_optim)
-{
-    int k = with_optim ? 3 : 1;
-    return hdr_len(format) + ENTRY_LEN * (size_t)nt * (size_t)k + sizeof(float) * nfloats * (size_t)k + 4;
-}
-
-size_t expert_block_serialized_size(const expert_block *b, int with_optim)
-{
-    return state_len(EXPERT_CKPT_FORMAT, b->nt, b->n, with_optim);
-}
-
-/* A name field: printable ASCII, NUL-terminated, zero after the NUL. */
-static int get_name(const uint8_t *p, char *out)
-{
-    size_t n = 0;
-    while (n < EXPERT_CKPT_NAME_LEN && p[n])
-        n++;
-    if (n == EXPERT_CKPT_NAME_LEN)
-        return -EBADMSG;
-    for (size_t i = 0; i < n; i++)
-        if (p[i] < 0x21 || p[i] > 0x7e)
-            return -EBADMSG;
-    for (size_t i = n; i < EXPERT_CKPT_NAME_LEN; i++)
-        if (p[i])
-            return -EBADMSG;
-    memcpy(out, p, n + 1);
-    return 0;
-}
-
-/* "<model>.<index>": the index as expert_stage_parse wants it. */
-static int stage_index(const char *model, const char *stage)
-{
-    size_t ml = strlen(model);
-    if (strncmp(stage, model, ml) != 0 || stage[ml] != '.')
-        return -1;
-    const char *d = stage + ml + 1;
-    if (!*d || (d[0] == '0' && d[1]) || strlen(d) > 9)
-        return -1;
-    int v = 0;
-    for (; *d; d++) {
-        if (*d < '0' || *d > '9')
-            return -1;
-        v = v * 10 + (*d - '0');
-    }
-    return v;
-}
-
-int expert_ckpt_peek(const void *buf, size_t len, struct expert_ckpt_info *out)
-{
-    if (!buf || !out)
-        return -EINVAL;
-    const uint8_t *p = buf;
-    memset(out, 0, sizeof *out);
-    if (len < 12 || memcmp(p, magic, 8) != 0)
-        return -EBADMSG;
-    out->format = get_u32(p + 8);
-    if (out->format != 1 && out->format != 2)
-        return -EPROTONOSUPPORT;
-    if (len < hdr_len(out->format))
-        return -EBADMSG;
-    uint32_t flags = get_u32(p + 12);
-    if (flags & ~1u)
-        return -EBADMSG;
-    out->with_optim = (int)(flags & 1u);
-    out->config_hash = get_u64(p + 16);
-    out->version = get_u64(p + 24);
-    out->steps = get_u64(p + 32);
-    uint32_t dims[4];
-    for (int i = 0; i < 4; i++) {
-        dims[i] = get_u32(p + 40 + 4 * i);
-        if (dims[i] > EXPERT_BLOCK_MAX_DIM)
-            return -EBADMSG;
-    }
-    out->cfg = (struct expert_block_config){ (int)dims[0], (int)dims[1], (int)dims[2], (int)dims[3] };
-    struct expert_tensor_info t[EXPERT_BLOCK_MAX_TENSORS];
-    size_t nfloats;
-    int nt = expert_block_config_tensors(&out->cfg, t, &nfloats);
-    /* The config hash is not checked against the dims: it also covers the
-     * fixed numerics, and a file of another build's numerics is another
-     * config (-ESTALE from expert_block_ckpt_fits), not corruption. */
-    if (nt < 0)
-        return -EBADMSG;
-    if (get_u32(p + 60) != (uint32_t)nt * (out->with_optim ? 3u : 1u))
-        return -EBADMSG;
-    out->total_len = state_len(out->format, nt, nfloats, out->with_optim);
-    if (out->format == 1)
-        return 0;
-    out->stage_hash = get_u64(p + 64);
-    if (get_name(p + 72, out->model) != 0 || get_name(p + 72 + EXPERT_CKPT_NAME_LEN, out->stage) != 0)
-        return -EBADMSG;
-    if (!out->stage_hash && !out->model[0] && !out->stage[0])
-        return 0; /* a block that was never told its stage */
-    int index = stage_index(out->model, out->stage);
-    if (!out->model[0] || index < 0 ||
-        out->stage_hash != expert_stage_hash_of(out->model, index, out->config_hash))
-        return -EBADMSG;
-    return 0;
-}
-
-int expert_block_ckpt_fits(const expert_block *b, const struct expert_ckpt_info *info)
-{
-    if (!b || !info)
-        return -EINVAL;
-    if (info->config_hash != expert_block_config_hash(&b->cfg) || info->cfg.kind != b->cfg.kind ||
-        info->cfg.in != b->cfg.in || info->cfg.out != b->cfg.out || info->cfg.hidden != b->cfg.hidden)
-        return -ESTALE;
-    if (b->stage[0] && info->stage[0] &&
-        (strcmp(info->stage, b->stage) != 0 || strcmp(info->model, b->model) != 0 ||
-         info->stage_hash != b->stage_hash))
-        return -ESTALE;
-    return 0;
-}
-
-long expert_block_serialize(expert_block *b, int with_optim, void *buf, size_t cap)
-{
-    if (!b || !buf)
-        return -EINVAL;
-    with_optim = with_optim != 0;
-    size_t len = expert_block_serialized_size(b, with_optim);
-    if (cap < len)
-        return -ENOSPC;
-    uint8_t *p = buf;
-    size_t ne = n_entries(b, with_optim);
-    size_t data_off = HDR_LEN + ENTRY_LEN * ne;
-
-    /* grad_mu keeps a step from changing m/v/cur while we copy. */
     pthread_mutex_lock(&b->grad_mu);
-    const float *params = current_params(b);
-    memset(p, 0, data_off);
-    memcpy(p, magic, 8);
-    put_u32(p + 8, EXPERT_CKPT_FORMAT);
-    put_u32(p + 12, (uint32_t)with_optim);
-    put_u64(p + 16, expert_block_config_hash(&b->cfg));
-    put_u64(p + 24, b->version);
-    put_u64(p + 32, with_optim ? b->steps : 0);
-    put_u32(p + 40, (uint32_t)b->cfg.kind);
-    put_u32(p + 44, (uint32_t)b->cfg.in);
-    put_u32(p + 48, (uint32_t)b->cfg.out);
-    put_u32(p + 52, (uint32_t)b->cfg.hidden);
-    put_u32(p + 56, with_optim ? (uint32_t)b->optim_kind : 0);
-    put_u32(p + 60, (uint32_t)ne);
-    put_u64(p + 64, b->stage_hash);
-    memcpy(p + 72, b->model, strlen(b->model));
-    memcpy(p + 72 + EXPERT_CKPT_NAME_LEN, b->stage, strlen(b->stage));
-    const float *src[3] = { params, b->m, b->v };
-    size_t off = data_off;
-    for (size_t e = 0; e < ne; e++) {
-        const struct expert_tensor_info *t = &b->t[e % (size_t)b->nt];
-        int role = (int)(e / (size_t)b->nt);
-        uint8_t *q = p + HDR_LEN + ENTRY_LEN * e;
-        memcpy(q, t->name, strlen(t->name));
-        put_u32(q + 24, (uint32_t)role);
-        put_u32(q + 28, 0); /* dtype 0 = f32 little-endian */
-        put_u64(q + 32, off);
-        put_u64(q + 40, t->count);
-        memcpy(p + off, src[role] + t->offset, t->count * sizeof(float));
-        off += t->count * sizeof(float);
-    }
-    pthread_mutex_unlock(&b->grad_mu);
-    put_u32(p + off, (uint32_t)crc32_z(0L, p, off));
-    return (long)len;
+    out->params = current_params(b);
+    out->m = b->m;
+    out->v = b->v;
+    out->version = b->version;
+    out->steps = b->steps;
+    out->optim_kind = b->optim_kind;
+    out->model = b->model;
+    out->stage = b->stage;
+    out->stage_hash = b->stage_hash;
 }
 
-int expert_block_deserialize(expert_block *b, const void *buf, size_t len)
+void expert__block_state_unlock(expert_block *b)
 {
-    if (!b || (!buf && len))
-        return -EINVAL;
-    const uint8_t *p = buf;
-    if (len < 12 || memcmp(p, magic, 8) != 0)
-        return -EBADMSG;
-    uint32_t format = get_u32(p + 8);
-    if (format != 1 && format != 2)
-        return -EPROTONOSUPPORT;
-    size_t hl = hdr_len(format);
-    if (len < hl + 4 || get_u32(p + len - 4) != (uint32_t)crc32_z(0L, p, len - 4))
-        return -EBADMSG;
-    struct expert_ckpt_info h;
-    int rc = expert_ckpt_peek(p, len - 4, &h);
-    if (rc != 0)
-        return rc;
-    /* Another block or stage is a mismatch, not corruption: say so. */
-    rc = expert_block_ckpt_fits(b, &h);
-    if (rc != 0)
-        return rc;
-    int with_optim = h.with_optim;
-    uint64_t version = h.version, steps = h.steps;
-    uint32_t okind = get_u32(p + 56);
-    if (with_optim ? (okind != 0 && okind != EXPERT_OPTIM_ADAMW && okind != EXPERT_OPTIM_SGD)
-                   : (okind != 0 || steps != 0))
-        return -EBADMSG;
-    if (with_optim && (okind == 0) != (steps == 0))
-        return -EBADMSG;
-    size_t ne = n_entries(b, with_optim);
-    if (len != h.total_len)
-        return -EBADMSG;
-    /* The table must be exactly the canonical one: every name, role, dtype,
-     * offset and count checked, so no field can point outside the buffer. */
-    size_t off = hl + ENTRY_LEN * ne;
-    for (size_t e = 0; e < ne; e++) {
-        const struct expert_tensor_info *t = &b->t[e % (size_t)b->nt];
-        const uint8_t *q = p + hl + ENTRY_LEN * e;
-        char name[EXPERT_TENSOR_NAME_LEN] = { 0 };
-        memcpy(name, t->name, strlen(t->name));
-        if (memcmp(q, name, EXPERT_TENSOR_NAME_LEN) != 0 ||
-            get_u32(q + 24) != (uint32_t)(e / (size_t)b->nt) || get_u32(q + 28) != 0 ||
-            get_u64(q + 32) != off || get_u64(q + 40) != t->count)
-            return -EBADMSG;
-        off += t->count * sizeof(float);
-    }
-    if (off != len - 4)
-        return -EBADMSG;
-    /* Non-finite weights would poison every forward: refuse them. */
-    const uint8_t *src = p + hl + ENTRY_LEN * ne;
-    size_t nf = b->n * (with_optim ? 3 : 1);
-    for (size_t i = 0; i < nf; i++) {
-        float x;
-        memcpy(&x, src + i * sizeof x, sizeof x);
-        if (!isfinite(x))
-            return -EBADMSG;
-    }
+    pthread_mutex_unlock(&b->grad_mu);
+}
 
+const char *expert__block_model(const expert_block *b)
+{
+    return b->model;
+}
+
+void expert__block_restore(expert_block *b, const void *params, const void *m, const void *v,
+                           uint64_t version, uint64_t steps, int optim_kind)
+{
     pthread_mutex_lock(&b->grad_mu);
     float *dst = spare_begin(b);
-    memcpy(dst, src, b->n * sizeof(float));
-    if (with_optim) {
-        memcpy(b->m, src + b->n * sizeof(float), b->n * sizeof(float));
-        memcpy(b->v, src + 2 * b->n * sizeof(float), b->n * sizeof(float));
+    memcpy(dst, params, b->n * sizeof(float));
+    if (m && v) {
+        memcpy(b->m, m, b->n * sizeof(float));
+        memcpy(b->v, v, b->n * sizeof(float));
         b->steps = steps;
-        b->optim_kind = (int)okind;
+        b->optim_kind = optim_kind;
     } else {
-        /* Weights alone: the optimizer starts afresh on them. */
         memset(b->m, 0, b->n * sizeof(float));
         memset(b->v, 0, b->n * sizeof(float));
         b->steps = 0;
@@ -1333,5 +1094,4 @@ int expert_block_deserialize(expert_block *b, const void *buf, size_t len)
     memset(b->grads, 0, b->n * sizeof(float));
     b->accum = 0;
     pthread_mutex_unlock(&b->grad_mu);
-    return 0;
 }

@@ -302,7 +302,7 @@ int expert_block_set_stage(expert_block *b, const struct expert_model_spec *m, i
  * the block's life) and, when stage_hash_out is not NULL, its hash (0). */
 const char *expert_block_stage(const expert_block *b, uint64_t *stage_hash_out);
 
-/* ---- Serialisation (the checkpoint file format; docs/expert.md) ---- */
+/* ---- Serialisation (the checkpoint file format; docs/expert.md; expert/serialize.c) ---- */
 
 #define EXPERT_CKPT_FORMAT 2          /* written; format 1 is still read */
 #define EXPERT_CKPT_NAME_LEN 64       /* model and stage name fields, with the NUL */

@@ -1,7 +1,7 @@
-/* expert/checkpoint.c: checkpoint files (the bytes of expert_block_serialize)
- * written atomically: temp file in the same directory, fsync, rename, fsync
- * of the directory; loading with a sentence that says what is wrong; and
- * removing the temp files of writers that were killed. */
+/* expert/checkpoint.c: checkpoint files (the bytes of expert_block_serialize,
+ * expert/serialize.c) written atomically: temp file in the same directory,
+ * fsync, rename, fsync of the directory; loading with a sentence that says
+ * what is wrong; and removing the temp files of writers that were killed. */
 #include "expert/block.h"
 
 #include <dirent.h>
