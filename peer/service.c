@@ -84,6 +84,13 @@ struct svc_block {
     } avg_prev;
 };
 
+/* A method's registered handler (peer_service_set_handler). */
+struct svc_handler {
+    peer_service_handler fn;
+    void *ctx;
+    void (*release)(void *ctx);
+};
+
 struct peer_service {
     uv_loop_t *loop;
     uint64_t next_state_id;
@@ -94,6 +101,7 @@ struct peer_service {
     int n_blocks;
     svc_block blocks[PEER_SERVICE_MAX_BLOCKS];
     peer_rpc_server *rpc;
+    struct svc_handler handlers[PEER_SERVICE_MAX_METHODS];
     peer_service_avg_hook avg_hook;
     void *avg_hook_arg;
     peer_service_cold_fn cold_fn;
@@ -522,48 +530,69 @@ static int is_f32_2d(const peer_tensor *t, int cols, int max_rows, uint64_t *row
     return 1;
 }
 
-static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
+/* The span an infer request names in its meta: this stage and the ones
+ * after it, all hosted here, computed one after the other without a round
+ * trip each. Returns the span (1 without meta), or 0 when it answered req
+ * with an error. */
+static int infer_span(peer_service *s, svc_block *b, peer_rpc_request *req, const peer_msg *msg)
 {
-    peer_service *s = arg;
     char why[256];
+    if (msg->method != PEER_METHOD_INFER || msg->meta_len == 0)
+        return 1;
+    uint64_t v = msg->meta_len == 8 ? peer_get_le64(msg->meta) : 0;
+    if (v < 1 || v > (uint64_t)s->n_blocks) {
+        snprintf(why, sizeof why, "infer meta is the number of consecutive stages to run (u64le, 1..%d)",
+                 s->n_blocks);
+        peer_rpc_respond_error(req, EINVAL, why);
+        return 0;
+    }
+    int span = (int)v;
+    for (int i = 1; i < span; i++)
+        if (!block_of_stage(s, b->index + i)) {
+            snprintf(why, sizeof why, "stage %d (in a span of %d from %s) is not hosted by this peer",
+                     b->index + i, span, b->name);
+            peer_rpc_respond_error(req, ENOENT, why);
+            return 0;
+        }
+    return span;
+}
 
-    if (s->closing) {
-        peer_rpc_respond_error(req, ESHUTDOWN, "peer is shutting down");
-        return;
+/* Computes the small inference request t (and the rest of its span) here
+ * on the loop thread and answers it. A small inference request costs less
+ * to compute here (under a millisecond per stage) than to hand to the lane
+ * and back: two thread wake-ups per stage, each of which waits for a time
+ * slice when training keeps the cores busy. */
+static void infer_inline(peer_service *s, svc_task *t)
+{
+    for (;;) {
+        svc_block *tb = t->blk;
+        if (!tb->inline_ws)
+            tb->inline_ws = expert_workspace_create(&tb->cfg, s->cfg.infer_inline_rows);
+        int rc = tb->inline_ws ? peer_batcher_infer_now(tb->batcher, tb->inline_ws, &t->t) : -ENOMEM;
+        if (rc != 0) {
+            task_fail(t, rc == -ESHUTDOWN ? ESHUTDOWN : rc == -ENOMEM ? ENOMEM : EIO,
+                      rc == -ESHUTDOWN ? "peer is shutting down" : "compute failed");
+            return;
+        }
+        if (t->pos + 1 >= t->span) {
+            task_reply(t, 0);
+            return;
+        }
+        svc_task *nt = span_next(t);
+        if (!nt) {
+            task_fail(t, EBUSY, "peer overloaded; try another replica");
+            return;
+        }
+        t = nt;
     }
-    if (msg->method == PEER_METHOD_INFO) {
-        peer_msg reply;
-        peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_INFO, 0);
-        reply.meta = s->info_json;
-        reply.meta_len = strlen(s->info_json);
-        peer_rpc_respond(req, &reply);
-        return;
-    }
-    if (msg->method != PEER_METHOD_FORWARD && msg->method != PEER_METHOD_BACKWARD &&
-        msg->method != PEER_METHOD_INFER && msg->method != PEER_METHOD_STATE &&
-        msg->method != PEER_METHOD_AVG) {
-        peer_rpc_respond_error(req, ENOSYS, "unknown method");
-        return;
-    }
-    svc_block *b = NULL;
-    for (int i = 0; i < s->n_blocks; i++)
-        if (strcmp(s->blocks[i].name, msg->block) == 0)
-            b = &s->blocks[i];
-    if (!b && msg->method == PEER_METHOD_STATE && handle_cold_state(s, req, msg) == 0)
-        return;
-    if (!b) {
-        snprintf(why, sizeof why, "block '%.80s' is not hosted by this peer", msg->block);
-        peer_rpc_respond_error(req, ENOENT, why);
-        return;
-    }
-    if (msg->method == PEER_METHOD_STATE) {
-        handle_state(s, b, req, msg);
-        return;
-    }
-    if (msg->method == PEER_METHOD_AVG) {
-        handle_avg(s, b, req, msg);
-        return;
-    }
+}
+
+/* forward, backward and infer of hosted block b: checks the request, then
+ * computes it inline or queues it on the block's batcher, whose worker
+ * answers it. */
+static void handle_compute(peer_service *s, svc_block *b, peer_rpc_request *req, const peer_msg *msg)
+{
+    char why[256];
     const int fwd = msg->method != PEER_METHOD_BACKWARD;
     uint64_t rows = 0, rows2 = 0;
     if (msg->n_tensors != (fwd ? 1 : 2) || !is_f32_2d(&msg->t[0], b->cfg.in, s->cfg.max_batch, &rows) ||
@@ -578,26 +607,9 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
         peer_rpc_respond_error(req, ERANGE, why);
         return;
     }
-    /* infer may name a span: this stage and the ones after it, all hosted
-     * here, computed one after the other without a round trip each. */
-    int span = 1;
-    if (msg->method == PEER_METHOD_INFER && msg->meta_len != 0) {
-        uint64_t v = msg->meta_len == 8 ? peer_get_le64(msg->meta) : 0;
-        if (v < 1 || v > (uint64_t)s->n_blocks) {
-            snprintf(why, sizeof why, "infer meta is the number of consecutive stages to run (u64le, 1..%d)",
-                     s->n_blocks);
-            peer_rpc_respond_error(req, EINVAL, why);
-            return;
-        }
-        span = (int)v;
-        for (int i = 1; i < span; i++)
-            if (!block_of_stage(s, b->index + i)) {
-                snprintf(why, sizeof why, "stage %d (in a span of %d from %s) is not hosted by this peer",
-                         b->index + i, span, b->name);
-                peer_rpc_respond_error(req, ENOENT, why);
-                return;
-            }
-    }
+    int span = infer_span(s, b, req, msg);
+    if (span == 0)
+        return;
     svc_task *t = pool_get(b);
     if (!t) {
         peer_rpc_respond_error(req, EBUSY, "peer overloaded; try another replica");
@@ -623,32 +635,9 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
         t->t.has_at_version = 1;
         t->t.at_version = peer_get_le64(msg->meta);
     }
-    /* A small inference request costs less to compute here (under a
-     * millisecond per stage) than to hand to the lane and back: two thread
-     * wake-ups per stage, each of which waits for a time slice when
-     * training keeps the cores busy. */
     if (t->t.kind == PEER_TASK_INFER && t->t.rows <= s->cfg.infer_inline_rows) {
-        for (;;) {
-            svc_block *tb = t->blk;
-            if (!tb->inline_ws)
-                tb->inline_ws = expert_workspace_create(&tb->cfg, s->cfg.infer_inline_rows);
-            int rc = tb->inline_ws ? peer_batcher_infer_now(tb->batcher, tb->inline_ws, &t->t) : -ENOMEM;
-            if (rc != 0) {
-                task_fail(t, rc == -ESHUTDOWN ? ESHUTDOWN : rc == -ENOMEM ? ENOMEM : EIO,
-                          rc == -ESHUTDOWN ? "peer is shutting down" : "compute failed");
-                return;
-            }
-            if (t->pos + 1 >= t->span) {
-                task_reply(t, 0);
-                return;
-            }
-            svc_task *nt = span_next(t);
-            if (!nt) {
-                task_fail(t, EBUSY, "peer overloaded; try another replica");
-                return;
-            }
-            t = nt;
-        }
+        infer_inline(s, t);
+        return;
     }
     int rc = peer_batcher_submit(b->batcher, &t->t);
     if (rc != 0) {
@@ -658,6 +647,72 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
         else
             peer_rpc_respond_error(req, rc == -ESHUTDOWN ? ESHUTDOWN : EIO, "cannot queue request");
     }
+}
+
+/* The state method's handler (peer_service_set_handler). */
+static int serve_state(void *ctx, peer_rpc_request *req, const peer_msg *msg, int i)
+{
+    peer_service *s = ctx;
+    if (i < 0)
+        return handle_cold_state(s, req, msg);
+    handle_state(s, &s->blocks[i], req, msg);
+    return 0;
+}
+
+/* The avg method's handler (peer_service_set_handler). */
+static int serve_avg(void *ctx, peer_rpc_request *req, const peer_msg *msg, int i)
+{
+    peer_service *s = ctx;
+    if (i < 0)
+        return -ENOENT;
+    handle_avg(s, &s->blocks[i], req, msg);
+    return 0;
+}
+
+static int find_block(const peer_service *s, const char *name)
+{
+    for (int i = 0; i < s->n_blocks; i++)
+        if (strcmp(s->blocks[i].name, name) == 0)
+            return i;
+    return -1;
+}
+
+static void respond_not_hosted(peer_rpc_request *req, const peer_msg *msg)
+{
+    char why[256];
+    snprintf(why, sizeof why, "block '%.80s' is not hosted by this peer", msg->block);
+    peer_rpc_respond_error(req, ENOENT, why);
+}
+
+/* The RPC server's handler (loop thread): info and the compute methods
+ * here, every other method to the handler registered for it. */
+static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
+{
+    peer_service *s = arg;
+    if (s->closing) {
+        peer_rpc_respond_error(req, ESHUTDOWN, "peer is shutting down");
+        return;
+    }
+    if (msg->method == PEER_METHOD_INFO) {
+        peer_msg reply;
+        peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_INFO, 0);
+        reply.meta = s->info_json;
+        reply.meta_len = strlen(s->info_json);
+        peer_rpc_respond(req, &reply);
+        return;
+    }
+    int compute = msg->method == PEER_METHOD_FORWARD || msg->method == PEER_METHOD_BACKWARD ||
+                  msg->method == PEER_METHOD_INFER;
+    const struct svc_handler *h = (unsigned)msg->method < PEER_SERVICE_MAX_METHODS ? &s->handlers[msg->method] : NULL;
+    if (!compute && (!h || !h->fn)) {
+        peer_rpc_respond_error(req, ENOSYS, "unknown method");
+        return;
+    }
+    int i = find_block(s, msg->block);
+    if (compute && i >= 0)
+        handle_compute(s, &s->blocks[i], req, msg);
+    else if (compute || h->fn(h->ctx, req, msg, i) == -ENOENT)
+        respond_not_hosted(req, msg);
 }
 
 static void build_info(peer_service *s)
@@ -749,15 +804,11 @@ static void clean_stale_tmp(peer_service *s, svc_block *b)
         svc_log(s, "%s: cannot look for stale temporary checkpoint files: %s", b->name, strerror(-n));
 }
 
-peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cfg, char *err,
-                                  size_t errlen)
+/* Checks cfg, finds its model and makes the checkpoint directory. Returns
+ * the model, or NULL with a sentence in err. */
+static const struct expert_model_spec *check_config(const peer_service_config *cfg, char *err, size_t errlen)
 {
-    char dummy[1];
-    if (!err) {
-        err = dummy;
-        errlen = sizeof dummy;
-    }
-    if (!loop || !cfg || !cfg->self || !cfg->model || !cfg->blocks || cfg->n_blocks < 1 ||
+    if (!cfg->self || !cfg->model || !cfg->blocks || cfg->n_blocks < 1 ||
         cfg->n_blocks > PEER_SERVICE_MAX_BLOCKS || cfg->threads < 1 || cfg->max_batch < 1 ||
         cfg->infer_inline_rows < 0 || cfg->infer_inline_rows > cfg->max_batch ||
         cfg->keep_activations < 0 || cfg->keep_activations > PEER_BATCHER_MAX_KEEP ||
@@ -782,91 +833,92 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
             return NULL;
         }
     }
-    peer_service *s = calloc(1, sizeof *s);
-    if (!s) {
-        snprintf(err, errlen, "out of memory");
-        return NULL;
-    }
-    s->loop = loop;
-    s->cfg = *cfg;
-    s->cfg.blocks = NULL; /* borrowed pointers are not kept */
-    s->cfg.self = NULL;
-    s->cfg.model = NULL;
-    s->cfg.checkpoint_dir = NULL;
-    s->cfg.swarm_key = NULL;
-    s->spec = spec;
-    snprintf(s->model, sizeof s->model, "%s", spec->name);
+    return spec;
+}
 
-    for (int i = 0; i < cfg->n_blocks; i++) {
-        int idx = cfg->blocks[i];
-        svc_block *b = &s->blocks[s->n_blocks];
-        for (int j = 0; j < s->n_blocks; j++)
-            if (s->blocks[j].index == idx) {
-                snprintf(err, errlen, "stage %d listed twice", idx);
-                goto fail;
-            }
-        if (expert_model_stage(spec, idx, &b->cfg) != 0) {
-            snprintf(err, errlen, "model %s has no stage %d (stages 0..%d)", spec->name, idx,
-                     spec->n_stages - 1);
-            goto fail;
-        }
-        b->svc = s;
-        b->index = idx;
-        expert_stage_name(b->name, sizeof b->name, spec, idx);
-        b->stage_hash = expert_stage_hash(spec, idx);
-        pthread_mutex_init(&b->pool_mu, NULL);
-        b->pool_cap = cfg->max_queue_rows + (cfg->threads + 2) * cfg->max_batch + 16;
-        s->n_blocks++;
-        b->block = expert_block_create(&b->cfg, expert_stage_seed(cfg->seed, idx));
-        if (!b->block) {
-            snprintf(err, errlen, "out of memory for block %s", b->name);
-            goto fail;
-        }
-        /* Checkpoints and downloaded state then record and check the stage. */
-        if (expert_block_set_stage(b->block, spec, idx) != 0) {
-            snprintf(err, errlen, "cannot name block %s", b->name);
-            goto fail;
-        }
-        expert_block_set_guard(b->block, &cfg->guard);
-        if (cfg->checkpoint_dir) {
-            char name[sizeof b->name];
-            memcpy(name, b->name, sizeof name); /* a copy: gcc's -Wrestrict sees b->name in *b */
-            snprintf(b->ckpt_path, sizeof b->ckpt_path, "%s/%s.ckpt", cfg->checkpoint_dir, name);
-            clean_stale_tmp(s, b);
-            struct stat st;
-            if (stat(b->ckpt_path, &st) == 0) {
-                char why[PATH_MAX + 512];
-                int rc = expert_block_load(b->block, b->ckpt_path, why, sizeof why);
-                if (rc != 0) {
-                    /* Not started, so the file is not overwritten by our
-                     * next checkpoint: it may be the only copy of a stage. */
-                    snprintf(err, errlen,
-                             "cannot restore %s: %s. The file is left as it is: give it the name of the "
-                             "stage it holds, or move it away to start %s fresh",
-                             b->name, why, b->name);
-                    goto fail;
-                }
-                if (why[0])
-                    svc_log(s, "warning: %s", why);
-                b->restored = 1;
-                b->has_state = 1;
-            }
-        }
-        peer_batcher_config bc = {cfg->threads, cfg->max_batch, cfg->max_queue_rows, cfg->optim, 1,
-                                  cfg->train_idle, b->index, cfg->keep_activations};
-        b->batcher = peer_batcher_create(b->block, &bc);
-        if (!b->batcher) {
-            snprintf(err, errlen, "cannot start compute threads for %s", b->name);
-            goto fail;
-        }
-        calibrate(b, cfg->max_batch);
+/* Restores block b from its checkpoint in dir when there is one (after
+ * removing stale temporary files). Returns 0, or -1 with a sentence in err. */
+static int restore_block(peer_service *s, svc_block *b, const char *dir, char *err, size_t errlen)
+{
+    char name[sizeof b->name];
+    memcpy(name, b->name, sizeof name); /* a copy: gcc's -Wrestrict sees b->name in *b */
+    snprintf(b->ckpt_path, sizeof b->ckpt_path, "%s/%s.ckpt", dir, name);
+    clean_stale_tmp(s, b);
+    struct stat st;
+    if (stat(b->ckpt_path, &st) != 0)
+        return 0;
+    char why[PATH_MAX + 512];
+    int rc = expert_block_load(b->block, b->ckpt_path, why, sizeof why);
+    if (rc != 0) {
+        /* Not started, so the file is not overwritten by our next
+         * checkpoint: it may be the only copy of a stage. */
+        snprintf(err, errlen,
+                 "cannot restore %s: %s. The file is left as it is: give it the name of the "
+                 "stage it holds, or move it away to start %s fresh",
+                 b->name, why, b->name);
+        return -1;
     }
-    build_info(s);
+    if (why[0])
+        svc_log(s, "warning: %s", why);
+    b->restored = 1;
+    b->has_state = 1;
+    return 0;
+}
 
+/* Hosts stage idx of cfg's model as the next block: its block (restored
+ * from its checkpoint when present), its batcher, its speed. Returns 0, or
+ * -1 with a sentence in err (the block, if counted, is freed with the
+ * others). */
+static int open_block(peer_service *s, const peer_service_config *cfg, int idx, char *err, size_t errlen)
+{
+    svc_block *b = &s->blocks[s->n_blocks];
+    if (block_of_stage(s, idx)) {
+        snprintf(err, errlen, "stage %d listed twice", idx);
+        return -1;
+    }
+    if (expert_model_stage(s->spec, idx, &b->cfg) != 0) {
+        snprintf(err, errlen, "model %s has no stage %d (stages 0..%d)", s->spec->name, idx,
+                 s->spec->n_stages - 1);
+        return -1;
+    }
+    b->svc = s;
+    b->index = idx;
+    expert_stage_name(b->name, sizeof b->name, s->spec, idx);
+    b->stage_hash = expert_stage_hash(s->spec, idx);
+    pthread_mutex_init(&b->pool_mu, NULL);
+    b->pool_cap = cfg->max_queue_rows + (cfg->threads + 2) * cfg->max_batch + 16;
+    s->n_blocks++;
+    b->block = expert_block_create(&b->cfg, expert_stage_seed(cfg->seed, idx));
+    if (!b->block) {
+        snprintf(err, errlen, "out of memory for block %s", b->name);
+        return -1;
+    }
+    /* Checkpoints and downloaded state then record and check the stage. */
+    if (expert_block_set_stage(b->block, s->spec, idx) != 0) {
+        snprintf(err, errlen, "cannot name block %s", b->name);
+        return -1;
+    }
+    expert_block_set_guard(b->block, &cfg->guard);
+    if (cfg->checkpoint_dir && restore_block(s, b, cfg->checkpoint_dir, err, errlen) != 0)
+        return -1;
+    peer_batcher_config bc = {cfg->threads, cfg->max_batch, cfg->max_queue_rows, cfg->optim, 1,
+                              cfg->train_idle, b->index, cfg->keep_activations};
+    b->batcher = peer_batcher_create(b->block, &bc);
+    if (!b->batcher) {
+        snprintf(err, errlen, "cannot start compute threads for %s", b->name);
+        return -1;
+    }
+    calibrate(b, cfg->max_batch);
+    return 0;
+}
+
+/* The RPC server, its frames sized for the widest block's requests (at
+ * most two (max_batch, width) tensors) and for state chunks. */
+static peer_rpc_server *create_rpc(peer_service *s, const peer_service_config *cfg)
+{
     peer_rpc_server_config rc = {0};
     rc.self = cfg->self;
     rc.swarm_key = cfg->swarm_key;
-    /* Requests carry at most two (max_batch, width) tensors. */
     size_t widest = 0;
     for (int i = 0; i < s->n_blocks; i++) {
         size_t w = (size_t)(s->blocks[i].cfg.in + s->blocks[i].cfg.out);
@@ -882,16 +934,76 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
     rc.idle_timeout_ms = cfg->rpc_idle_timeout_ms;
     rc.handler = handle;
     rc.arg = s;
-    s->rpc = peer_rpc_server_create(loop, &rc);
+    return peer_rpc_server_create(s->loop, &rc);
+}
+
+peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cfg, char *err,
+                                  size_t errlen)
+{
+    char dummy[1];
+    if (!err) {
+        err = dummy;
+        errlen = sizeof dummy;
+    }
+    const struct expert_model_spec *spec = loop && cfg ? check_config(cfg, err, errlen) : NULL;
+    if (!spec) {
+        if (!loop || !cfg)
+            snprintf(err, errlen, "invalid service configuration");
+        return NULL;
+    }
+    peer_service *s = calloc(1, sizeof *s);
+    if (!s) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    s->loop = loop;
+    s->cfg = *cfg;
+    s->cfg.blocks = NULL; /* borrowed pointers are not kept */
+    s->cfg.self = NULL;
+    s->cfg.model = NULL;
+    s->cfg.checkpoint_dir = NULL;
+    s->cfg.swarm_key = NULL;
+    s->spec = spec;
+    snprintf(s->model, sizeof s->model, "%s", spec->name);
+    for (int i = 0; i < cfg->n_blocks; i++)
+        if (open_block(s, cfg, cfg->blocks[i], err, errlen) != 0)
+            goto fail;
+    build_info(s);
+    s->rpc = create_rpc(s, cfg);
     if (!s->rpc) {
         snprintf(err, errlen, "cannot create the RPC server");
         goto fail;
     }
+    peer_service_set_handler(s, PEER_METHOD_STATE, serve_state, s, NULL);
+    peer_service_set_handler(s, PEER_METHOD_AVG, serve_avg, s, NULL);
     return s;
 fail:
     free_blocks(s);
     free(s);
     return NULL;
+}
+
+int peer_service_set_handler(peer_service *s, peer_method method, peer_service_handler fn, void *ctx,
+                             void (*release)(void *ctx))
+{
+    if (!s || (unsigned)method >= PEER_SERVICE_MAX_METHODS || method == PEER_METHOD_INFO ||
+        method == PEER_METHOD_FORWARD || method == PEER_METHOD_BACKWARD || method == PEER_METHOD_INFER)
+        return -EINVAL;
+    struct svc_handler *h = &s->handlers[method], old = *h;
+    h->fn = fn;
+    h->ctx = fn ? ctx : NULL;
+    h->release = fn ? release : NULL;
+    if (old.release)
+        old.release(old.ctx);
+    return 0;
+}
+
+/* Releases every handler's context: no request reaches them any more. */
+static void release_handlers(peer_service *s)
+{
+    for (int m = 0; m < PEER_SERVICE_MAX_METHODS; m++)
+        if (s->handlers[m].fn)
+            peer_service_set_handler(s, (peer_method)m, NULL, NULL, NULL);
 }
 
 int peer_service_listen(peer_service *s, const struct sockaddr *addr)
@@ -1128,6 +1240,7 @@ void peer_service_destroy(peer_service **pp)
         return;
     peer_service *s = *pp;
     peer_rpc_server_destroy(&s->rpc);
+    release_handlers(s);
     free_blocks(s);
     free(s->chunk);
     free(s);

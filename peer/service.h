@@ -209,6 +209,35 @@ void peer_service_avg_release(peer_service *s, int i);
 typedef void (*peer_service_avg_hook)(void *arg, int block, uint64_t round);
 void peer_service_set_avg_hook(peer_service *s, peer_service_avg_hook fn, void *arg);
 
+/* ---- Methods served by other modules ----
+ *
+ * The service computes info, forward, backward and infer itself. Every
+ * other method goes to the handler registered for it (state downloads:
+ * peer/statesync.h; averaging rounds: peer/allreduce.h); a method with no
+ * handler is answered ENOSYS ("unknown method"), and every method is
+ * answered ESHUTDOWN once the service is closing.
+ *
+ * The handler runs on the loop thread. block is the index of the hosted
+ * block msg->block names, or -1 when this service hosts no such block. msg
+ * (and its tensors) is borrowed: valid until req is answered. The handler
+ * returns 0 when it takes the request: it then answers req exactly once
+ * (peer_rpc_respond / peer_rpc_respond_error), before returning or later
+ * on the loop thread. It returns -ENOENT, without answering, when it has
+ * nothing for that block: the service answers ENOENT ("block '...' is not
+ * hosted by this peer"). It may use the service's loop-thread calls below
+ * (block info, peer_service_block), but not close or destroy it. */
+#define PEER_SERVICE_MAX_METHODS 16
+typedef int (*peer_service_handler)(void *ctx, peer_rpc_request *req, const peer_msg *msg, int block);
+
+/* Hands requests of `method` to fn with ctx (fn NULL: none). The service
+ * owns the registration: release (may be NULL) is called with ctx once fn
+ * is no longer called, that is when another handler replaces it or in
+ * peer_service_destroy. Returns 0, or -EINVAL for a method the service
+ * computes itself or out of range (release is then not called). Loop
+ * thread. */
+int peer_service_set_handler(peer_service *s, peer_method method, peer_service_handler fn, void *ctx,
+                             void (*release)(void *ctx));
+
 /* Cold copies (peer/keeper.h): a state request naming a block this
  * service does not host asks fn, which returns 0 with the serialized state
  * (borrowed: valid until control returns to the loop), its id (non-zero,
