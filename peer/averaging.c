@@ -183,7 +183,7 @@ static void begin_group(avg_block *c, const peer_avg_group *g)
     ac.loop = av->cfg.loop;
     ac.self = av->cfg.self;
     ac.swarm_key = av->cfg.swarm_key;
-    ac.svc = av->cfg.svc;
+    ac.srv = av->cfg.rounds;
     ac.block = c->block;
     ac.block_name = info.name;
     ac.round = c->round;
@@ -418,7 +418,7 @@ static void on_gather(uv_timer_t *t)
     }
 }
 
-/* The service's hook: a member asked about `round` and sees another group. */
+/* The rounds' hint: a member asked about `round` and sees another group. */
 static void on_hint(void *arg, int block, uint64_t round)
 {
     peer_averaging *av = arg;
@@ -457,7 +457,7 @@ static void on_tick(uv_timer_t *t)
         if (c->ar || c->getting)
             continue; /* the last round of this block is still running */
         /* The last round's buffers were kept a period for slower members. */
-        peer_service_avg_release(av->cfg.svc, i);
+        peer_allreduce_server_release(av->cfg.rounds, i);
         c->in_round = 0;
         peer_block_info info;
         block_name(av, i, &info);
@@ -488,7 +488,8 @@ static void on_tick(uv_timer_t *t)
 
 peer_averaging *peer_averaging_start(const peer_averaging_config *cfg)
 {
-    if (!cfg || !cfg->loop || !cfg->dht || !cfg->self || !cfg->svc || !cfg->addr || !(cfg->every_s > 0))
+    if (!cfg || !cfg->loop || !cfg->dht || !cfg->self || !cfg->svc || !cfg->rounds || !cfg->addr ||
+        !(cfg->every_s > 0))
         return NULL;
     peer_averaging *av = calloc(1, sizeof *av);
     if (!av)
@@ -509,7 +510,7 @@ peer_averaging *peer_averaging_start(const peer_averaging_config *cfg)
     uv_timer_init(cfg->loop, &av->gather);
     av->timer.data = av->gather.data = av;
     av->handles = 2;
-    peer_service_set_avg_hook(cfg->svc, on_hint, av);
+    peer_allreduce_server_set_hint(cfg->rounds, on_hint, av);
     schedule(av);
     return av;
 }
@@ -548,7 +549,7 @@ void peer_averaging_stop(peer_averaging *av, void (*cb)(void *arg), void *arg)
     av->stopping = 1;
     av->stop_cb = cb;
     av->stop_arg = arg;
-    peer_service_set_avg_hook(av->cfg.svc, NULL, NULL);
+    peer_allreduce_server_set_hint(av->cfg.rounds, NULL, NULL);
     for (int i = 0; i < PEER_SERVICE_MAX_BLOCKS; i++) {
         av->b[i].has_next = 0;
         if (av->b[i].ar)

@@ -12,7 +12,7 @@
  * The members' views of the group can differ (an entry still on its way
  * through the DHT, a loaded machine). A member asked about a round it has
  * not begun, or named in another group for the same round, answers EAGAIN
- * and reads the group again at once (peer_service_set_avg_hook); when the
+ * and reads the group again at once (peer_allreduce_server_set_hint); when the
  * new view differs it cancels its round and starts the new group's, while
  * the others keep asking. So the views converge on every entry stored in
  * time, instead of every member abandoning the round (which a short
@@ -64,6 +64,8 @@ typedef struct peer_averaging_config {
     const dht_identity *self;      /* borrowed: outlives the averaging */
     const uint8_t *swarm_key;      /* 32 bytes or NULL; borrowed likewise */
     peer_service *svc;             /* borrowed likewise */
+    peer_allreduce_server *rounds; /* svc's averaging rounds (peer_allreduce_server_create);
+                                      borrowed likewise */
     const char *addr;              /* our tensor RPC "HOST:PORT" (copied) */
     int optim_kind;
     double every_s;                /* > 0 */
@@ -88,7 +90,7 @@ typedef struct peer_averaging_stats {
 
 typedef struct peer_averaging peer_averaging;
 
-/* Starts the period timer and installs the service's avg hook. Returns
+/* Starts the period timer and installs the rounds' hint. Returns
  * NULL on bad arguments or out of memory. */
 peer_averaging *peer_averaging_start(const peer_averaging_config *cfg);
 

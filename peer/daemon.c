@@ -61,6 +61,7 @@ struct peer_daemon {
 
     dht *dht;
     peer_service *svc;
+    peer_allreduce_server *rounds; /* svc's averaging rounds (the service frees it) */
     peer_metrics *metrics;
     uv_timer_t announce_timer, join_timer, ckpt_timer, stop_timer;
     double average_every_s;
@@ -974,6 +975,10 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
     d->svc = peer_service_create(loop, &sc, err, errlen);
     if (!d->svc)
         goto fail_dht;
+    if (!(d->rounds = peer_allreduce_server_create(d->svc))) {
+        snprintf(err, errlen, "out of memory");
+        goto fail_svc;
+    }
     for (int i = 0; i < peer_service_n_blocks(d->svc); i++) {
         peer_block_info bi;
         if (peer_service_block_info(d->svc, i, &bi) == 0 && bi.restored)
@@ -1078,6 +1083,7 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
         ac.self = &d->ident;
         ac.swarm_key = d->has_swarm_key ? d->swarm_key : NULL;
         ac.svc = d->svc;
+        ac.rounds = d->rounds;
         ac.addr = d->announce_addr;
         ac.optim_kind = d->optim_kind;
         ac.every_s = d->average_every_s;

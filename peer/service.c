@@ -48,7 +48,6 @@ struct svc_block {
     svc_task *free_list;
     int pool_size, pool_cap;
     expert_workspace *inline_ws; /* loop thread: small inference requests, made on first use */
-    uint64_t avg_mark;         /* backward rows at the last averaging round */
     /* Training integrity (loop thread only): the history of backward
      * requests' per-sample norms, what was refused, what was logged. */
     struct expert_guard in_guard, go_guard;
@@ -60,28 +59,6 @@ struct svc_block {
     uint8_t *state;            /* the latest serialized snapshot for downloads */
     size_t state_len;
     uint64_t state_id, state_version;
-    /* The group-averaging round (service.h), loop thread only. */
-    struct {
-        int active;            /* base frozen */
-        uint64_t round;
-        uint8_t digest[PEER_AVG_DIGEST_LEN];
-        double weight;
-        uint64_t mark;         /* backward rows when the base was frozen */
-        float *base;           /* flat state at the round's start */
-        size_t nflat;
-        size_t part_off, part_len;
-        float *reduced;        /* our part, averaged */
-        int reduced_state;     /* 0 pending, 1 ready, < 0 failed (negative errno) */
-    } avg;
-    /* The previous round's reduced part, still served to members that
-     * finish later than we do (we may begin the next round meanwhile). */
-    struct {
-        uint64_t round;
-        uint8_t digest[PEER_AVG_DIGEST_LEN];
-        double weight;
-        size_t nflat, part_off, part_len;
-        float *reduced;        /* NULL: none */
-    } avg_prev;
 };
 
 /* A method's registered handler (peer_service_set_handler). */
@@ -102,8 +79,6 @@ struct peer_service {
     svc_block blocks[PEER_SERVICE_MAX_BLOCKS];
     peer_rpc_server *rpc;
     struct svc_handler handlers[PEER_SERVICE_MAX_METHODS];
-    peer_service_avg_hook avg_hook;
-    void *avg_hook_arg;
     peer_service_cold_fn cold_fn;
     void *cold_arg;
     int closing;
@@ -263,15 +238,6 @@ static void task_done(peer_task *pt, int status)
                   rc == -EAGAIN ? "queue full; try another replica" : "cannot queue request");
 }
 
-/* Training samples this block has processed since its last averaging. */
-static uint64_t samples_since_avg(svc_block *b)
-{
-    peer_batcher_stats st;
-    peer_batcher_get_stats(b->batcher, &st);
-    uint64_t rows = st.rows[PEER_TASK_BACKWARD];
-    return rows >= b->avg_mark ? rows - b->avg_mark : 0;
-}
-
 /* A chunk of block b's serialized state (see service.h). Runs on the loop
  * thread; serialising a snapshot copies the parameters and optimizer state
  * once per download, not per chunk. */
@@ -363,96 +329,6 @@ static void serve_state_chunk(peer_service *s, peer_rpc_request *req, const uint
     if (nf)
         peer_tensor_f32(&reply.t[0], chunk, 2, shape);
     peer_rpc_respond(req, &reply);
-}
-
-static void avg_reply(peer_rpc_request *req, uint64_t round, double weight, size_t nflat, const float *src,
-                      uint64_t count)
-{
-    uint8_t meta[24];
-    uint64_t wbits;
-    memcpy(&wbits, &weight, sizeof wbits);
-    peer_put_le64(meta, round);
-    peer_put_le64(meta + 8, wbits);
-    peer_put_le64(meta + 16, nflat);
-    peer_msg reply;
-    peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_AVG, 0);
-    reply.meta = meta;
-    reply.meta_len = sizeof meta;
-    uint64_t shape[2] = {1, count};
-    reply.n_tensors = 1;
-    peer_tensor_f32(&reply.t[0], (float *)(uintptr_t)src, 2, shape);
-    peer_rpc_respond(req, &reply);
-}
-
-static void handle_avg(peer_service *s, svc_block *b, peer_rpc_request *req, const peer_msg *msg)
-{
-    (void)s;
-    if (!msg->meta || msg->meta_len != 48) {
-        peer_rpc_respond_error(req, EINVAL, "avg takes meta = round, digest, kind, offset, count (48 bytes)");
-        return;
-    }
-    const uint8_t *m = msg->meta;
-    uint64_t round = peer_get_le64(m), kind = peer_get_le64(m + 24), off = peer_get_le64(m + 32),
-             count = peer_get_le64(m + 40);
-    if (kind == 1 && b->avg_prev.reduced && b->avg_prev.round == round &&
-        !memcmp(b->avg_prev.digest, m + 8, PEER_AVG_DIGEST_LEN)) {
-        /* A slower member of our last round fetching our reduced part
-         * (whether or not we have begun another round since). */
-        if (off < b->avg_prev.part_off || count < 1 || count > PEER_AVG_MAX_COUNT ||
-            off > b->avg_prev.part_off + b->avg_prev.part_len ||
-            count > b->avg_prev.part_off + b->avg_prev.part_len - off) {
-            peer_rpc_respond_error(req, EINVAL, "avg range outside this member's part");
-            return;
-        }
-        avg_reply(req, round, b->avg_prev.weight, b->avg_prev.nflat,
-                  b->avg_prev.reduced + (off - b->avg_prev.part_off), count);
-        return;
-    }
-    if (!b->avg.active && b->avg_prev.reduced && round <= b->avg_prev.round) {
-        peer_rpc_respond_error(req, ESTALE, "another averaging round");
-        return;
-    }
-    if (!b->avg.active || b->avg.round < round) {
-        /* A member counts us in a round we have not begun: our view of the
-         * group may lack it. */
-        if (s->avg_hook)
-            s->avg_hook(s->avg_hook_arg, (int)(b - s->blocks), round);
-        peer_rpc_respond_error(req, EAGAIN, "that averaging round has not begun here yet");
-        return;
-    }
-    if (b->avg.round != round) {
-        peer_rpc_respond_error(req, ESTALE, "another averaging round");
-        return;
-    }
-    if (memcmp(b->avg.digest, m + 8, PEER_AVG_DIGEST_LEN) != 0) {
-        /* The same round, another group: the members' views of who is in
-         * it differ. Both sides look again; the asker waits meanwhile. */
-        if (s->avg_hook)
-            s->avg_hook(s->avg_hook_arg, (int)(b - s->blocks), round);
-        peer_rpc_respond_error(req, EAGAIN, "another group for this averaging round; looking again");
-        return;
-    }
-    if (kind > 1 || count < 1 || count > PEER_AVG_MAX_COUNT || off > b->avg.nflat || count > b->avg.nflat - off) {
-        peer_rpc_respond_error(req, EINVAL, "avg range outside the state");
-        return;
-    }
-    const float *src = b->avg.base + off;
-    if (kind == 1) {
-        if (b->avg.reduced_state < 0) {
-            peer_rpc_respond_error(req, ECANCELED, "the averaging round failed here");
-            return;
-        }
-        if (off < b->avg.part_off || off + count > b->avg.part_off + b->avg.part_len) {
-            peer_rpc_respond_error(req, EINVAL, "avg range outside this member's part");
-            return;
-        }
-        if (b->avg.reduced_state == 0) {
-            peer_rpc_respond_error(req, EAGAIN, "this member's part is not reduced yet");
-            return;
-        }
-        src = b->avg.reduced + (off - b->avg.part_off);
-    }
-    avg_reply(req, round, b->avg.weight, b->avg.nflat, src, count);
 }
 
 /* Refusals and frozen weights go to the peer's log; refusals at most one
@@ -659,16 +535,6 @@ static int serve_state(void *ctx, peer_rpc_request *req, const peer_msg *msg, in
     return 0;
 }
 
-/* The avg method's handler (peer_service_set_handler). */
-static int serve_avg(void *ctx, peer_rpc_request *req, const peer_msg *msg, int i)
-{
-    peer_service *s = ctx;
-    if (i < 0)
-        return -ENOENT;
-    handle_avg(s, &s->blocks[i], req, msg);
-    return 0;
-}
-
 static int find_block(const peer_service *s, const char *name)
 {
     for (int i = 0; i < s->n_blocks; i++)
@@ -777,11 +643,6 @@ static void free_blocks(peer_service *s)
         pthread_mutex_destroy(&b->pool_mu);
         free(b->state);
         b->state = NULL;
-        free(b->avg.base);
-        free(b->avg.reduced);
-        memset(&b->avg, 0, sizeof b->avg);
-        free(b->avg_prev.reduced);
-        b->avg_prev.reduced = NULL;
         expert_block_destroy(&b->block);
     }
     s->n_blocks = 0;
@@ -975,7 +836,6 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
         goto fail;
     }
     peer_service_set_handler(s, PEER_METHOD_STATE, serve_state, s, NULL);
-    peer_service_set_handler(s, PEER_METHOD_AVG, serve_avg, s, NULL);
     return s;
 fail:
     free_blocks(s);
@@ -1043,6 +903,7 @@ int peer_service_block_info(peer_service *s, int i, peer_block_info *info)
     info->out = b->cfg.out;
     info->restored = b->restored;
     info->version = expert_block_version(b->block);
+    info->has_state = b->has_state || info->version > 0;
     if (b->batcher)
         peer_batcher_get_stats(b->batcher, &info->stats);
     struct expert_block_health h;
@@ -1064,14 +925,6 @@ int peer_service_install_state(peer_service *s, int i, const void *buf, size_t l
     return rc;
 }
 
-void peer_service_set_avg_hook(peer_service *s, peer_service_avg_hook fn, void *arg)
-{
-    if (!s)
-        return;
-    s->avg_hook = fn;
-    s->avg_hook_arg = arg;
-}
-
 void peer_service_set_cold_source(peer_service *s, peer_service_cold_fn fn, void *arg)
 {
     if (!s)
@@ -1080,118 +933,15 @@ void peer_service_set_cold_source(peer_service *s, peer_service_cold_fn fn, void
     s->cold_arg = arg;
 }
 
-static void avg_retire(svc_block *b);
-
-int peer_service_avg_begin(peer_service *s, int i, uint64_t round, const uint8_t digest[PEER_AVG_DIGEST_LEN],
-                           int n, int me, double *weight_out, size_t *nflat_out)
+struct expert_block *peer_service_block(peer_service *s, int i)
 {
-    if (!s || i < 0 || i >= s->n_blocks || !digest || n < 1 || me < 0 || me >= n)
-        return -EINVAL;
-    svc_block *b = &s->blocks[i];
-    size_t nflat = expert_block_flat_len(b->block);
-    if (b->avg.active && b->avg.reduced_state == 1)
-        avg_retire(b); /* a finished round: keep its part for slower members */
-    if (!b->avg.base || b->avg.nflat != nflat) {
-        free(b->avg.base);
-        b->avg.nflat = 0;
-        b->avg.active = 0;
-        if (!(b->avg.base = malloc(nflat * sizeof(float))))
-            return -ENOMEM;
-    }
-    size_t off, len;
-    peer_avg_part(nflat, n, me, &off, &len);
-    free(b->avg.reduced);
-    if (!(b->avg.reduced = malloc((len ? len : 1) * sizeof(float)))) {
-        b->avg.active = 0;
-        return -ENOMEM;
-    }
-    /* The row count first: samples trained after it count for the next
-     * round, and their updates survive this one (flat_apply). */
-    peer_batcher_stats st;
-    peer_batcher_get_stats(b->batcher, &st);
-    b->avg.mark = st.rows[PEER_TASK_BACKWARD];
-    /* Initial weights carry no information: such a member takes the
-     * group's average and gives nothing to it. */
-    int has_state = b->has_state || expert_block_version(b->block) > 0;
-    b->avg.weight = has_state ? (double)samples_since_avg(b) + 1.0 : 0.0;
-    expert_block_flat_export(b->block, b->avg.base);
-    b->avg.nflat = nflat;
-    b->avg.round = round;
-    memcpy(b->avg.digest, digest, PEER_AVG_DIGEST_LEN);
-    b->avg.part_off = off;
-    b->avg.part_len = len;
-    b->avg.reduced_state = 0;
-    b->avg.active = 1;
-    if (weight_out)
-        *weight_out = b->avg.weight;
-    if (nflat_out)
-        *nflat_out = nflat;
-    return 0;
+    return s && i >= 0 && i < s->n_blocks ? s->blocks[i].block : NULL;
 }
 
-const float *peer_service_avg_base(peer_service *s, int i)
+void peer_service_note_state(peer_service *s, int i)
 {
-    if (!s || i < 0 || i >= s->n_blocks || !s->blocks[i].avg.active)
-        return NULL;
-    return s->blocks[i].avg.base;
-}
-
-int peer_service_avg_reduced(peer_service *s, int i, const float *part)
-{
-    if (!s || i < 0 || i >= s->n_blocks || !part || !s->blocks[i].avg.active)
-        return -EINVAL;
-    svc_block *b = &s->blocks[i];
-    memcpy(b->avg.reduced, part, b->avg.part_len * sizeof(float));
-    b->avg.reduced_state = 1;
-    return 0;
-}
-
-void peer_service_avg_fail(peer_service *s, int i, int err)
-{
-    if (!s || i < 0 || i >= s->n_blocks || !s->blocks[i].avg.active)
-        return;
-    s->blocks[i].avg.reduced_state = err < 0 ? err : -ECANCELED;
-}
-
-int peer_service_avg_apply(peer_service *s, int i, const float *avg, int with_optim, double *dist_before,
-                           double *dist_after)
-{
-    if (!s || i < 0 || i >= s->n_blocks || !avg || !s->blocks[i].avg.active)
-        return -EINVAL;
-    svc_block *b = &s->blocks[i];
-    int rc = expert_block_flat_apply(b->block, avg, b->avg.base, with_optim, dist_before, dist_after);
-    if (rc == 0) {
-        b->avg_mark = b->avg.mark;
-        b->has_state = 1;
-    }
-    return rc;
-}
-
-/* Moves a finished round's reduced part to avg_prev (slower members may
- * still fetch it) and frees the rest. */
-static void avg_retire(svc_block *b)
-{
-    if (b->avg.active && b->avg.reduced_state == 1 && b->avg.reduced) {
-        free(b->avg_prev.reduced);
-        b->avg_prev.round = b->avg.round;
-        memcpy(b->avg_prev.digest, b->avg.digest, PEER_AVG_DIGEST_LEN);
-        b->avg_prev.weight = b->avg.weight;
-        b->avg_prev.nflat = b->avg.nflat;
-        b->avg_prev.part_off = b->avg.part_off;
-        b->avg_prev.part_len = b->avg.part_len;
-        b->avg_prev.reduced = b->avg.reduced;
-        b->avg.reduced = NULL;
-    }
-    free(b->avg.base);
-    free(b->avg.reduced);
-    memset(&b->avg, 0, sizeof b->avg);
-}
-
-void peer_service_avg_release(peer_service *s, int i)
-{
-    if (!s || i < 0 || i >= s->n_blocks)
-        return;
-    avg_retire(&s->blocks[i]);
+    if (s && i >= 0 && i < s->n_blocks)
+        s->blocks[i].has_state = 1;
 }
 
 int peer_service_checkpoint(peer_service *s)

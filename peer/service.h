@@ -107,6 +107,8 @@ typedef struct peer_block_info {
     int in, out;
     uint64_t version;             /* current weight version */
     int restored;                 /* loaded from a checkpoint at start */
+    int has_state;                /* not its initial weights: restored, installed, averaged
+                                     (peer_service_note_state) or stepped (version > 0) */
     peer_batcher_stats stats;
     /* Training integrity (see "Gradient checks" above). */
     uint64_t refused_requests;    /* backward requests refused (ERANGE) */
@@ -151,63 +153,16 @@ void peer_service_rpc_stats(const peer_service *s, peer_rpc_server_stats *out);
  * error. Loop thread. */
 int peer_service_install_state(peer_service *s, int i, const void *buf, size_t len);
 
-/* ---- Group averaging, the serving side (peer/allreduce.h drives it) ----
- *
- * A round freezes the block's flat state (expert_block_flat_export:
- * parameters, m, v) as the round's base and splits it into n contiguous
- * parts, one per member (peer_avg_part); member j reduces part j. Other
- * members pull slices of our base and, once we have reduced our part, of
- * the result, with PEER_METHOD_AVG (docs/rpc.md):
- *   request meta (48 bytes LE): round u64 | group digest 16 bytes |
- *                               kind u64 (0 base, 1 reduced) | offset u64 | count u64
- *   reply meta (24 bytes LE):   round u64 | weight f64 | flat length u64,
- *                               one (1, count) f32 tensor.
- * Errors: EAGAIN (that round has not begun here yet, our part is not
- * reduced yet, or we are in another group for this round and look again:
- * ask again), ESTALE (another round), ECANCELED
- * (the round failed here), EINVAL (a range outside the state or our part). */
-#define PEER_AVG_MAX_COUNT (PEER_STATE_CHUNK / 4)
-#define PEER_AVG_DIGEST_LEN 16
+/* Block i's expert block, borrowed until the service is destroyed (NULL
+ * for a bad index). Its compute threads use it meanwhile: callers use only
+ * the calls that are safe beside them (serialize, flat export and apply,
+ * version). Loop thread. */
+struct expert_block;
+struct expert_block *peer_service_block(peer_service *s, int i);
 
-/* Part j of n of a flat vector of nflat floats. */
-static inline void peer_avg_part(size_t nflat, int n, int j, size_t *off, size_t *len)
-{
-    size_t a = nflat * (size_t)j / (size_t)n, b = nflat * (size_t)(j + 1) / (size_t)n;
-    *off = a;
-    *len = b - a;
-}
-
-/* Begins round `round` of block i in the group named by digest (n members,
- * we are member me): freezes the base and our weight (training samples
- * since the last applied round, plus one, so a group where nobody trained
- * averages with equal weights; 0 while the block still has its initial
- * weights: never restored, downloaded, averaged or stepped, so it takes
- * the group's average without pulling it toward noise). Replaces any earlier round. Returns 0,
- * -EINVAL or -ENOMEM. Loop thread. */
-int peer_service_avg_begin(peer_service *s, int i, uint64_t round, const uint8_t digest[PEER_AVG_DIGEST_LEN],
-                           int n, int me, double *weight_out, size_t *nflat_out);
-/* The frozen base of the current round (flat length floats), or NULL. */
-const float *peer_service_avg_base(peer_service *s, int i);
-/* Publishes our reduced part (copied) for the others to pull. */
-int peer_service_avg_reduced(peer_service *s, int i, const float *part);
-/* Marks the round failed here: others asking get ECANCELED. */
-void peer_service_avg_fail(peer_service *s, int i, int err);
-/* Applies the round's result (the whole averaged flat vector) as one new
- * weight version, keeping the updates made since the base was frozen
- * (expert_block_flat_apply); with_optim == 0 moves the parameters only.
- * The samples counted for the next round's weight start at the base.
- * Returns 0 or expert_block_flat_apply's error (block unchanged). */
-int peer_service_avg_apply(peer_service *s, int i, const float *avg, int with_optim, double *dist_before,
-                           double *dist_after);
-/* Frees the round's buffers (others still asking then get ESTALE). */
-void peer_service_avg_release(peer_service *s, int i);
-
-/* Called on the loop thread when another member asks block i about
- * averaging round `round` that has not begun here, or names another group
- * for the round we are in (the answer is EAGAIN): the members' views of
- * the group differ, so the owner should look at the group again. */
-typedef void (*peer_service_avg_hook)(void *arg, int block, uint64_t round);
-void peer_service_set_avg_hook(peer_service *s, peer_service_avg_hook fn, void *arg);
+/* Records that block i's state was replaced from elsewhere (an averaging
+ * round applied): peer_block_info.has_state is then set. Loop thread. */
+void peer_service_note_state(peer_service *s, int i);
 
 /* ---- Methods served by other modules ----
  *
