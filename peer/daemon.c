@@ -62,6 +62,7 @@ struct peer_daemon {
     dht *dht;
     peer_service *svc;
     peer_allreduce_server *rounds; /* svc's averaging rounds (the service frees it) */
+    peer_statesync_server *states; /* svc's state serving (likewise) */
     peer_metrics *metrics;
     uv_timer_t announce_timer, join_timer, ckpt_timer, stop_timer;
     double average_every_s;
@@ -975,7 +976,9 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
     d->svc = peer_service_create(loop, &sc, err, errlen);
     if (!d->svc)
         goto fail_dht;
-    if (!(d->rounds = peer_allreduce_server_create(d->svc))) {
+    d->rounds = peer_allreduce_server_create(d->svc);
+    d->states = peer_statesync_server_create(d->svc);
+    if (!d->rounds || !d->states) {
         snprintf(err, errlen, "out of memory");
         goto fail_svc;
     }
@@ -1101,6 +1104,7 @@ peer_daemon *peer_daemon_start(uv_loop_t *loop, const peer_daemon_config *cfg, c
         kc.self = &d->ident;
         kc.swarm_key = d->has_swarm_key ? d->swarm_key : NULL;
         kc.svc = d->svc;
+        kc.states = d->states;
         kc.model = d->model;
         kc.addr = d->announce_addr;
         kc.every_s = cfg->keep_every_s;

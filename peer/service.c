@@ -56,9 +56,6 @@ struct svc_block {
     double refused_log_t;      /* when the last refusal line was written */
     uint64_t steps_logged;     /* refused steps already in the log */
     int frozen_logged;         /* "weights have not moved" written, not yet taken back */
-    uint8_t *state;            /* the latest serialized snapshot for downloads */
-    size_t state_len;
-    uint64_t state_id, state_version;
 };
 
 /* A method's registered handler (peer_service_set_handler). */
@@ -70,8 +67,6 @@ struct svc_handler {
 
 struct peer_service {
     uv_loop_t *loop;
-    uint64_t next_state_id;
-    float *chunk;                 /* state download buffer (loop thread) */
     peer_service_config cfg;
     char model[64];
     const struct expert_model_spec *spec;
@@ -79,8 +74,6 @@ struct peer_service {
     svc_block blocks[PEER_SERVICE_MAX_BLOCKS];
     peer_rpc_server *rpc;
     struct svc_handler handlers[PEER_SERVICE_MAX_METHODS];
-    peer_service_cold_fn cold_fn;
-    void *cold_arg;
     int closing;
     void (*close_cb)(peer_service *, int, void *);
     void *close_arg;
@@ -236,99 +229,6 @@ static void task_done(peer_task *pt, int status)
     if (rc != 0)
         task_fail(nt, rc == -EAGAIN ? EBUSY : rc == -ESHUTDOWN ? ESHUTDOWN : EIO,
                   rc == -EAGAIN ? "queue full; try another replica" : "cannot queue request");
-}
-
-/* A chunk of block b's serialized state (see service.h). Runs on the loop
- * thread; serialising a snapshot copies the parameters and optimizer state
- * once per download, not per chunk. */
-static void serve_state_chunk(peer_service *s, peer_rpc_request *req, const uint8_t *state, size_t state_len,
-                              uint64_t state_id, uint64_t version, uint64_t off);
-
-static void handle_state(peer_service *s, svc_block *b, peer_rpc_request *req, const peer_msg *msg)
-{
-    if (!msg->meta || msg->meta_len != 16) {
-        peer_rpc_respond_error(req, EINVAL, "state takes meta = snapshot id and offset (16 bytes)");
-        return;
-    }
-    uint64_t id = peer_get_le64(msg->meta), off = peer_get_le64((const uint8_t *)msg->meta + 8);
-    if (id == 0) {
-        size_t need = expert_block_serialized_size(b->block, 1);
-        uint8_t *buf = realloc(b->state, need ? need : 1);
-        if (!buf) {
-            peer_rpc_respond_error(req, ENOMEM, "out of memory for the state snapshot");
-            return;
-        }
-        b->state = buf;
-        long n = expert_block_serialize(b->block, 1, buf, need);
-        if (n < 0) {
-            b->state_len = 0;
-            peer_rpc_respond_error(req, EIO, "cannot serialize the block");
-            return;
-        }
-        b->state_len = (size_t)n;
-        b->state_id = ++s->next_state_id;
-        b->state_version = expert_block_version(b->block);
-        off = 0;
-    } else if (id != b->state_id || !b->state_len) {
-        peer_rpc_respond_error(req, ESTALE, "the state snapshot was replaced; start again");
-        return;
-    }
-    serve_state_chunk(s, req, b->state, b->state_len, b->state_id, b->state_version, off);
-}
-
-/* A state request for a block we do not host: served from a cold copy
- * (peer_service_set_cold_source) when there is one. Returns 0 when it
- * answered. */
-static int handle_cold_state(peer_service *s, peer_rpc_request *req, const peer_msg *msg)
-{
-    const uint8_t *buf;
-    size_t len;
-    uint64_t cid, version;
-    if (!s->cold_fn || s->cold_fn(s->cold_arg, msg->block, &buf, &len, &cid, &version) != 0)
-        return -ENOENT;
-    if (!msg->meta || msg->meta_len != 16) {
-        peer_rpc_respond_error(req, EINVAL, "state takes meta = snapshot id and offset (16 bytes)");
-        return 0;
-    }
-    uint64_t id = peer_get_le64(msg->meta), off = peer_get_le64((const uint8_t *)msg->meta + 8);
-    if (id != 0 && id != cid) {
-        peer_rpc_respond_error(req, ESTALE, "the state snapshot was replaced; start again");
-        return 0;
-    }
-    serve_state_chunk(s, req, buf, len, cid, version, id == 0 ? 0 : off);
-    return 0;
-}
-
-/* Answers one chunk of a serialized state (buf, len) at off. */
-static void serve_state_chunk(peer_service *s, peer_rpc_request *req, const uint8_t *state, size_t state_len,
-                              uint64_t state_id, uint64_t version, uint64_t off)
-{
-    if (off > state_len) {
-        peer_rpc_respond_error(req, EINVAL, "offset past the end of the state");
-        return;
-    }
-    size_t len = state_len - off < PEER_STATE_CHUNK ? state_len - (size_t)off : PEER_STATE_CHUNK;
-    if (!s->chunk && !(s->chunk = malloc(PEER_STATE_CHUNK + 4))) {
-        peer_rpc_respond_error(req, ENOMEM, "out of memory");
-        return;
-    }
-    float *chunk = s->chunk;
-    size_t nf = (len + 3) / 4;
-    chunk[nf ? nf - 1 : 0] = 0.0f; /* zero the padding */
-    memcpy(chunk, state + off, len);
-    uint8_t meta[24];
-    peer_put_le64(meta, state_id);
-    peer_put_le64(meta + 8, state_len);
-    peer_put_le64(meta + 16, version);
-    peer_msg reply;
-    peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_STATE, 0);
-    reply.meta = meta;
-    reply.meta_len = sizeof meta;
-    uint64_t shape[2] = {1, nf};
-    reply.n_tensors = nf ? 1 : 0;
-    if (nf)
-        peer_tensor_f32(&reply.t[0], chunk, 2, shape);
-    peer_rpc_respond(req, &reply);
 }
 
 /* Refusals and frozen weights go to the peer's log; refusals at most one
@@ -525,16 +425,6 @@ static void handle_compute(peer_service *s, svc_block *b, peer_rpc_request *req,
     }
 }
 
-/* The state method's handler (peer_service_set_handler). */
-static int serve_state(void *ctx, peer_rpc_request *req, const peer_msg *msg, int i)
-{
-    peer_service *s = ctx;
-    if (i < 0)
-        return handle_cold_state(s, req, msg);
-    handle_state(s, &s->blocks[i], req, msg);
-    return 0;
-}
-
 static int find_block(const peer_service *s, const char *name)
 {
     for (int i = 0; i < s->n_blocks; i++)
@@ -641,8 +531,6 @@ static void free_blocks(peer_service *s)
         expert_workspace_destroy(&b->inline_ws);
         pool_free(b);
         pthread_mutex_destroy(&b->pool_mu);
-        free(b->state);
-        b->state = NULL;
         expert_block_destroy(&b->block);
     }
     s->n_blocks = 0;
@@ -835,7 +723,6 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
         snprintf(err, errlen, "cannot create the RPC server");
         goto fail;
     }
-    peer_service_set_handler(s, PEER_METHOD_STATE, serve_state, s, NULL);
     return s;
 fail:
     free_blocks(s);
@@ -925,14 +812,6 @@ int peer_service_install_state(peer_service *s, int i, const void *buf, size_t l
     return rc;
 }
 
-void peer_service_set_cold_source(peer_service *s, peer_service_cold_fn fn, void *arg)
-{
-    if (!s)
-        return;
-    s->cold_fn = fn;
-    s->cold_arg = arg;
-}
-
 struct expert_block *peer_service_block(peer_service *s, int i)
 {
     return s && i >= 0 && i < s->n_blocks ? s->blocks[i].block : NULL;
@@ -992,7 +871,6 @@ void peer_service_destroy(peer_service **pp)
     peer_rpc_server_destroy(&s->rpc);
     release_handlers(s);
     free_blocks(s);
-    free(s->chunk);
     free(s);
     *pp = NULL;
 }

@@ -15,18 +15,9 @@
  * as codes with a sentence: ENOENT block not hosted, EINVAL wrong shapes or
  * dtype, ENOSYS unknown method, EBUSY queue full (try another replica),
  * ESHUTDOWN stopping, EIO compute failed. info returns a JSON document
- * (meta) describing the hosted blocks.
- *
- * state(block, meta = u64 snapshot id (0: take a new snapshot) + u64 offset,
- * both little-endian) -> one f32 tensor (1, n) carrying up to
- * PEER_STATE_CHUNK bytes of the block's serialized state (parameters and
- * optimizer state, the checkpoint format; zero padded to whole floats), and
- * meta = u64 snapshot id, u64 total bytes, u64 weight version, u64 training
- * samples processed since the block's last averaging round. A newcomer
- * asks for offset 0 with id 0, then for the following offsets with the id it
- * got; if the snapshot was replaced meanwhile the answer is ESTALE and it
- * starts again. The serialized bytes carry their own checksum and config
- * hash, which the receiver verifies when it installs them.
+ * (meta) describing the hosted blocks. Other methods (state downloads,
+ * averaging rounds) go to handlers that other modules register (see
+ * "Methods served by other modules" below).
  *
  * Gradient checks (training integrity, expert/guard.h). A backward whose
  * inputs or grad_outputs hold NaN/Inf, or whose per-sample norms are above
@@ -62,6 +53,8 @@
 #include "peer/rpc_server.h"
 
 #define PEER_SERVICE_MAX_BLOCKS 64
+/* The largest tensor a handler answers with (a state chunk, peer/statesync.h;
+ * an averaging slice, peer/allreduce.h): the RPC frames are sized for it. */
 #define PEER_STATE_CHUNK (256 * 1024)
 
 typedef struct peer_service_config {
@@ -192,15 +185,6 @@ typedef int (*peer_service_handler)(void *ctx, peer_rpc_request *req, const peer
  * thread. */
 int peer_service_set_handler(peer_service *s, peer_method method, peer_service_handler fn, void *ctx,
                              void (*release)(void *ctx));
-
-/* Cold copies (peer/keeper.h): a state request naming a block this
- * service does not host asks fn, which returns 0 with the serialized state
- * (borrowed: valid until control returns to the loop), its id (non-zero,
- * new whenever the copy is replaced) and weight version, or a negative
- * errno when it keeps no copy (the request then gets ENOENT). Loop thread. */
-typedef int (*peer_service_cold_fn)(void *arg, const char *block, const uint8_t **buf, size_t *len,
-                                    uint64_t *id, uint64_t *version);
-void peer_service_set_cold_source(peer_service *s, peer_service_cold_fn fn, void *arg);
 
 /* Writes every block's checkpoint now (atomically; blocks the caller for the
  * time of the writes), then removes any temporary file of the blocks' that a
