@@ -990,7 +990,8 @@ int peer_allreduce_start(const peer_allreduce_config *c, peer_allreduce **out)
     ar->arg = c->arg;
     ar->res.n = c->n;
     ar->t0 = uv_now(c->loop);
-    int rc = peer_allreduce_server_begin(c->srv, c->block, c->round, c->digest, c->n, c->me, &ar->wself, &ar->nflat);
+    int rc = peer_allreduce_server_begin(c->srv, c->block, c->round, c->digest, c->n, c->me, &ar->wself,
+                                         &ar->nflat);
     if (rc != 0) {
         free(ar);
         return rc;

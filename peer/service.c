@@ -459,16 +459,21 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
     }
     int compute = msg->method == PEER_METHOD_FORWARD || msg->method == PEER_METHOD_BACKWARD ||
                   msg->method == PEER_METHOD_INFER;
-    const struct svc_handler *h = (unsigned)msg->method < PEER_SERVICE_MAX_METHODS ? &s->handlers[msg->method] : NULL;
+    const struct svc_handler *h =
+        (unsigned)msg->method < PEER_SERVICE_MAX_METHODS ? &s->handlers[msg->method] : NULL;
     if (!compute && (!h || !h->fn)) {
         peer_rpc_respond_error(req, ENOSYS, "unknown method");
         return;
     }
     int i = find_block(s, msg->block);
-    if (compute && i >= 0)
-        handle_compute(s, &s->blocks[i], req, msg);
-    else if (compute || h->fn(h->ctx, req, msg, i) == -ENOENT)
+    if (!compute) {
+        if (h->fn(h->ctx, req, msg, i) == -ENOENT)
+            respond_not_hosted(req, msg);
+    } else if (i < 0) {
         respond_not_hosted(req, msg);
+    } else {
+        handle_compute(s, &s->blocks[i], req, msg);
+    }
 }
 
 static void build_info(peer_service *s)
