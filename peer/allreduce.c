@@ -10,10 +10,358 @@
 #include <sodium.h>
 
 #include "dht/addr.h"
+#include "expert/block.h"
 #include "peer/rpc_client.h"
 #include "peer/wire.h"
 
 #define RETRY_MS 10
+
+/* ---- the meta of PEER_METHOD_AVG (both sides) ---- */
+
+#define AVG_REQUEST_META 48
+#define AVG_REPLY_META 24
+
+typedef struct avg_request {
+    uint64_t round;
+    uint8_t digest[PEER_AVG_DIGEST_LEN];
+    uint64_t kind;                 /* 0 base, 1 reduced */
+    uint64_t off, count;
+} avg_request;
+
+typedef struct avg_reply {
+    uint64_t round;
+    double weight;
+    uint64_t nflat;
+} avg_reply;
+
+static void avg_request_encode(uint8_t meta[AVG_REQUEST_META], const avg_request *r)
+{
+    peer_put_le64(meta, r->round);
+    memcpy(meta + 8, r->digest, PEER_AVG_DIGEST_LEN);
+    peer_put_le64(meta + 24, r->kind);
+    peer_put_le64(meta + 32, r->off);
+    peer_put_le64(meta + 40, r->count);
+}
+
+/* Returns 0, or -EBADMSG when meta is not a request's. */
+static int avg_request_decode(avg_request *r, const void *meta, size_t len)
+{
+    const uint8_t *m = meta;
+    if (!m || len != AVG_REQUEST_META)
+        return -EBADMSG;
+    r->round = peer_get_le64(m);
+    memcpy(r->digest, m + 8, PEER_AVG_DIGEST_LEN);
+    r->kind = peer_get_le64(m + 24);
+    r->off = peer_get_le64(m + 32);
+    r->count = peer_get_le64(m + 40);
+    return 0;
+}
+
+static void avg_reply_encode(uint8_t meta[AVG_REPLY_META], const avg_reply *r)
+{
+    uint64_t wbits;
+    memcpy(&wbits, &r->weight, sizeof wbits);
+    peer_put_le64(meta, r->round);
+    peer_put_le64(meta + 8, wbits);
+    peer_put_le64(meta + 16, r->nflat);
+}
+
+/* Returns 0, or -EBADMSG when meta is not a reply's. */
+static int avg_reply_decode(avg_reply *r, const void *meta, size_t len)
+{
+    const uint8_t *m = meta;
+    if (!m || len != AVG_REPLY_META)
+        return -EBADMSG;
+    uint64_t wbits = peer_get_le64(m + 8);
+    r->round = peer_get_le64(m);
+    memcpy(&r->weight, &wbits, sizeof r->weight);
+    r->nflat = peer_get_le64(m + 16);
+    return 0;
+}
+
+/* ---- the serving side ---- */
+
+/* One hosted block's rounds (loop thread only). */
+typedef struct srv_block {
+    uint64_t mark;             /* backward rows at the last applied round */
+    struct {
+        int active;            /* base frozen */
+        uint64_t round;
+        uint8_t digest[PEER_AVG_DIGEST_LEN];
+        double weight;
+        uint64_t mark;         /* backward rows when the base was frozen */
+        float *base;           /* flat state at the round's start */
+        size_t nflat;
+        size_t part_off, part_len;
+        float *reduced;        /* our part, averaged */
+        int reduced_state;     /* 0 pending, 1 ready, < 0 failed (negative errno) */
+    } cur;
+    /* The previous round's reduced part, still served to members that
+     * finish later than we do (we may begin the next round meanwhile). */
+    struct {
+        uint64_t round;
+        uint8_t digest[PEER_AVG_DIGEST_LEN];
+        double weight;
+        size_t nflat, part_off, part_len;
+        float *reduced;        /* NULL: none */
+    } prev;
+} srv_block;
+
+struct peer_allreduce_server {
+    peer_service *svc;
+    peer_allreduce_hint_fn hint;
+    void *hint_arg;
+    srv_block b[PEER_SERVICE_MAX_BLOCKS];
+};
+
+static void avg_respond(peer_rpc_request *req, uint64_t round, double weight, size_t nflat, const float *src,
+                        uint64_t count)
+{
+    uint8_t meta[AVG_REPLY_META];
+    avg_reply_encode(meta, &(avg_reply){round, weight, nflat});
+    peer_msg reply;
+    peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_AVG, 0);
+    reply.meta = meta;
+    reply.meta_len = sizeof meta;
+    uint64_t shape[2] = {1, count};
+    reply.n_tensors = 1;
+    peer_tensor_f32(&reply.t[0], (float *)(uintptr_t)src, 2, shape);
+    peer_rpc_respond(req, &reply);
+}
+
+/* A slower member of our last round fetching our reduced part (whether or
+ * not we have begun another round since). Returns 0 when it answered. */
+static int serve_prev(srv_block *b, peer_rpc_request *req, const avg_request *q)
+{
+    if (q->kind != 1 || !b->prev.reduced || b->prev.round != q->round ||
+        memcmp(b->prev.digest, q->digest, PEER_AVG_DIGEST_LEN))
+        return -ENOENT;
+    if (q->off < b->prev.part_off || q->count < 1 || q->count > PEER_AVG_MAX_COUNT ||
+        q->off > b->prev.part_off + b->prev.part_len || q->count > b->prev.part_off + b->prev.part_len - q->off) {
+        peer_rpc_respond_error(req, EINVAL, "avg range outside this member's part");
+        return 0;
+    }
+    avg_respond(req, q->round, b->prev.weight, b->prev.nflat, b->prev.reduced + (q->off - b->prev.part_off),
+                q->count);
+    return 0;
+}
+
+/* The avg method's handler (peer_service_set_handler): slices of block
+ * i's current round, or of its previous round's reduced part. */
+static int serve_avg(void *ctx, peer_rpc_request *req, const peer_msg *msg, int i)
+{
+    peer_allreduce_server *srv = ctx;
+    if (i < 0)
+        return -ENOENT;
+    srv_block *b = &srv->b[i];
+    avg_request q;
+    if (avg_request_decode(&q, msg->meta, msg->meta_len) != 0) {
+        peer_rpc_respond_error(req, EINVAL, "avg takes meta = round, digest, kind, offset, count (48 bytes)");
+        return 0;
+    }
+    if (serve_prev(b, req, &q) == 0)
+        return 0;
+    if (!b->cur.active && b->prev.reduced && q.round <= b->prev.round) {
+        peer_rpc_respond_error(req, ESTALE, "another averaging round");
+        return 0;
+    }
+    if (!b->cur.active || b->cur.round < q.round) {
+        /* A member counts us in a round we have not begun: our view of the
+         * group may lack it. */
+        if (srv->hint)
+            srv->hint(srv->hint_arg, i, q.round);
+        peer_rpc_respond_error(req, EAGAIN, "that averaging round has not begun here yet");
+        return 0;
+    }
+    if (b->cur.round != q.round) {
+        peer_rpc_respond_error(req, ESTALE, "another averaging round");
+        return 0;
+    }
+    if (memcmp(b->cur.digest, q.digest, PEER_AVG_DIGEST_LEN) != 0) {
+        /* The same round, another group: the members' views of who is in
+         * it differ. Both sides look again; the asker waits meanwhile. */
+        if (srv->hint)
+            srv->hint(srv->hint_arg, i, q.round);
+        peer_rpc_respond_error(req, EAGAIN, "another group for this averaging round; looking again");
+        return 0;
+    }
+    if (q.kind > 1 || q.count < 1 || q.count > PEER_AVG_MAX_COUNT || q.off > b->cur.nflat ||
+        q.count > b->cur.nflat - q.off) {
+        peer_rpc_respond_error(req, EINVAL, "avg range outside the state");
+        return 0;
+    }
+    const float *src = b->cur.base + q.off;
+    if (q.kind == 1) {
+        if (b->cur.reduced_state < 0) {
+            peer_rpc_respond_error(req, ECANCELED, "the averaging round failed here");
+            return 0;
+        }
+        if (q.off < b->cur.part_off || q.off + q.count > b->cur.part_off + b->cur.part_len) {
+            peer_rpc_respond_error(req, EINVAL, "avg range outside this member's part");
+            return 0;
+        }
+        if (b->cur.reduced_state == 0) {
+            peer_rpc_respond_error(req, EAGAIN, "this member's part is not reduced yet");
+            return 0;
+        }
+        src = b->cur.reduced + (q.off - b->cur.part_off);
+    }
+    avg_respond(req, q.round, b->cur.weight, b->cur.nflat, src, q.count);
+    return 0;
+}
+
+static void server_free(void *ctx)
+{
+    peer_allreduce_server *srv = ctx;
+    for (int i = 0; i < PEER_SERVICE_MAX_BLOCKS; i++) {
+        free(srv->b[i].cur.base);
+        free(srv->b[i].cur.reduced);
+        free(srv->b[i].prev.reduced);
+    }
+    free(srv);
+}
+
+peer_allreduce_server *peer_allreduce_server_create(peer_service *svc)
+{
+    peer_allreduce_server *srv = svc ? calloc(1, sizeof *srv) : NULL;
+    if (!srv)
+        return NULL;
+    srv->svc = svc;
+    if (peer_service_set_handler(svc, PEER_METHOD_AVG, serve_avg, srv, server_free) != 0) {
+        free(srv);
+        return NULL;
+    }
+    return srv;
+}
+
+void peer_allreduce_server_set_hint(peer_allreduce_server *srv, peer_allreduce_hint_fn fn, void *arg)
+{
+    if (!srv)
+        return;
+    srv->hint = fn;
+    srv->hint_arg = arg;
+}
+
+static srv_block *srv_block_of(peer_allreduce_server *srv, int i)
+{
+    return srv && i >= 0 && i < peer_service_n_blocks(srv->svc) ? &srv->b[i] : NULL;
+}
+
+/* Moves a finished round's reduced part to prev (slower members may still
+ * fetch it) and frees the rest. */
+static void retire(srv_block *b)
+{
+    if (b->cur.active && b->cur.reduced_state == 1 && b->cur.reduced) {
+        free(b->prev.reduced);
+        b->prev.round = b->cur.round;
+        memcpy(b->prev.digest, b->cur.digest, PEER_AVG_DIGEST_LEN);
+        b->prev.weight = b->cur.weight;
+        b->prev.nflat = b->cur.nflat;
+        b->prev.part_off = b->cur.part_off;
+        b->prev.part_len = b->cur.part_len;
+        b->prev.reduced = b->cur.reduced;
+        b->cur.reduced = NULL;
+    }
+    free(b->cur.base);
+    free(b->cur.reduced);
+    memset(&b->cur, 0, sizeof b->cur);
+}
+
+int peer_allreduce_server_begin(peer_allreduce_server *srv, int i, uint64_t round,
+                                const uint8_t digest[PEER_AVG_DIGEST_LEN], int n, int me, double *weight_out,
+                                size_t *nflat_out)
+{
+    srv_block *b = srv_block_of(srv, i);
+    if (!b || !digest || n < 1 || me < 0 || me >= n)
+        return -EINVAL;
+    expert_block *blk = peer_service_block(srv->svc, i);
+    size_t nflat = expert_block_flat_len(blk);
+    if (b->cur.active && b->cur.reduced_state == 1)
+        retire(b); /* a finished round: keep its part for slower members */
+    if (!b->cur.base || b->cur.nflat != nflat) {
+        free(b->cur.base);
+        b->cur.nflat = 0;
+        b->cur.active = 0;
+        if (!(b->cur.base = malloc(nflat * sizeof(float))))
+            return -ENOMEM;
+    }
+    size_t off, len;
+    peer_avg_part(nflat, n, me, &off, &len);
+    free(b->cur.reduced);
+    if (!(b->cur.reduced = malloc((len ? len : 1) * sizeof(float)))) {
+        b->cur.active = 0;
+        return -ENOMEM;
+    }
+    /* The row count first: samples trained after it count for the next
+     * round, and their updates survive this one (flat_apply). */
+    peer_block_info info;
+    peer_service_block_info(srv->svc, i, &info);
+    uint64_t rows = info.stats.rows[PEER_TASK_BACKWARD];
+    b->cur.mark = rows;
+    /* Initial weights carry no information: such a member takes the
+     * group's average and gives nothing to it. */
+    b->cur.weight = info.has_state ? (double)(rows >= b->mark ? rows - b->mark : 0) + 1.0 : 0.0;
+    expert_block_flat_export(blk, b->cur.base);
+    b->cur.nflat = nflat;
+    b->cur.round = round;
+    memcpy(b->cur.digest, digest, PEER_AVG_DIGEST_LEN);
+    b->cur.part_off = off;
+    b->cur.part_len = len;
+    b->cur.reduced_state = 0;
+    b->cur.active = 1;
+    if (weight_out)
+        *weight_out = b->cur.weight;
+    if (nflat_out)
+        *nflat_out = nflat;
+    return 0;
+}
+
+const float *peer_allreduce_server_base(peer_allreduce_server *srv, int i)
+{
+    srv_block *b = srv_block_of(srv, i);
+    return b && b->cur.active ? b->cur.base : NULL;
+}
+
+int peer_allreduce_server_reduced(peer_allreduce_server *srv, int i, const float *part)
+{
+    srv_block *b = srv_block_of(srv, i);
+    if (!b || !part || !b->cur.active)
+        return -EINVAL;
+    memcpy(b->cur.reduced, part, b->cur.part_len * sizeof(float));
+    b->cur.reduced_state = 1;
+    return 0;
+}
+
+void peer_allreduce_server_fail(peer_allreduce_server *srv, int i, int err)
+{
+    srv_block *b = srv_block_of(srv, i);
+    if (b && b->cur.active)
+        b->cur.reduced_state = err < 0 ? err : -ECANCELED;
+}
+
+int peer_allreduce_server_apply(peer_allreduce_server *srv, int i, const float *avg, int with_optim,
+                                double *dist_before, double *dist_after)
+{
+    srv_block *b = srv_block_of(srv, i);
+    if (!b || !avg || !b->cur.active)
+        return -EINVAL;
+    int rc = expert_block_flat_apply(peer_service_block(srv->svc, i), avg, b->cur.base, with_optim, dist_before,
+                                     dist_after);
+    if (rc == 0) {
+        b->mark = b->cur.mark;
+        peer_service_note_state(srv->svc, i);
+    }
+    return rc;
+}
+
+void peer_allreduce_server_release(peer_allreduce_server *srv, int i)
+{
+    srv_block *b = srv_block_of(srv, i);
+    if (b)
+        retire(b);
+}
+
+/* ---- the round as a client ---- */
 
 typedef struct ar_link {
     struct peer_allreduce *ar;
@@ -29,7 +377,7 @@ typedef struct ar_link {
 
 struct peer_allreduce {
     uv_loop_t *loop;
-    peer_service *svc;
+    peer_allreduce_server *srv;
     int bi;
     char block[PEER_WIRE_MAX_BLOCK + 1];
     uint64_t round;
@@ -313,11 +661,11 @@ static void finish(peer_allreduce *ar, int status)
     ar->finished = 1;
     ar->status = status;
     if (status == 0) {
-        ar->status = peer_service_avg_apply(ar->svc, ar->bi, ar->avg, ar->with_optim, &ar->res.dist_before,
+        ar->status = peer_allreduce_server_apply(ar->srv, ar->bi, ar->avg, ar->with_optim, &ar->res.dist_before,
                                             &ar->res.dist_after);
     } else if (ar->phase == 1) {
         /* Our part will never be reduced: the others must not wait for it. */
-        peer_service_avg_fail(ar->svc, ar->bi, status);
+        peer_allreduce_server_fail(ar->srv, ar->bi, status);
     }
     /* A failure after our part was published leaves it served, so members
      * still pulling can finish; the daemon releases it later. */
@@ -342,7 +690,7 @@ static void start_phase2(peer_allreduce *ar)
 {
     const float *x[PEER_ALLREDUCE_MAX_MEMBERS];
     double w[PEER_ALLREDUCE_MAX_MEMBERS];
-    const float *base = peer_service_avg_base(ar->svc, ar->bi);
+    const float *base = peer_allreduce_server_base(ar->srv, ar->bi);
     for (int j = 0; j < ar->n; j++) {
         x[j] = j == ar->me ? (base ? base + ar->part_off : NULL) : ar->links[j].part;
         w[j] = j == ar->me ? ar->wself : ar->links[j].weight;
@@ -365,7 +713,7 @@ static void start_phase2(peer_allreduce *ar)
             finish(ar, -ERANGE);
             return;
         }
-    peer_service_avg_reduced(ar->svc, ar->bi, ar->acc);
+    peer_allreduce_server_reduced(ar->srv, ar->bi, ar->acc);
     memcpy(ar->avg + ar->part_off, ar->acc, ar->part_len * sizeof(float));
     double wsum = 0;
     for (int j = 0; j < ar->n; j++)
@@ -487,7 +835,7 @@ int peer_allreduce_check_parts(const float *avg, const float *base, size_t nflat
  * averaged, so a hostile reducer moves nothing it publishes far off. */
 static void finish_phase2(peer_allreduce *ar)
 {
-    const float *base = peer_service_avg_base(ar->svc, ar->bi);
+    const float *base = peer_allreduce_server_base(ar->srv, ar->bi);
     uint32_t rejected = 0;
     /* A member with weight 0 (initial weights) has nothing to defend and
      * nothing to compare with: it takes the group's average. */
@@ -541,18 +889,16 @@ static void on_reply(void *arg, int status, const peer_msg *m)
         return;
     }
     size_t count = l->len - l->pos < PEER_AVG_MAX_COUNT ? l->len - l->pos : PEER_AVG_MAX_COUNT;
-    if (!m->meta || m->meta_len != 24 || peer_get_le64(m->meta) != ar->round ||
-        peer_get_le64((const uint8_t *)m->meta + 16) != ar->nflat || m->n_tensors != 1 ||
-        m->t[0].dtype != PEER_DTYPE_F32 || m->t[0].nbytes != count * sizeof(float)) {
+    avg_reply rm;
+    if (avg_reply_decode(&rm, m->meta, m->meta_len) != 0 || rm.round != ar->round || rm.nflat != ar->nflat ||
+        m->n_tensors != 1 || m->t[0].dtype != PEER_DTYPE_F32 || m->t[0].nbytes != count * sizeof(float)) {
         finish(ar, -EBADMSG);
         return;
     }
     const float *x = m->t[0].data;
     ar->res.bytes_in += m->t[0].nbytes;
     if (ar->phase == 1) {
-        uint64_t bits = peer_get_le64((const uint8_t *)m->meta + 8);
-        double w;
-        memcpy(&w, &bits, sizeof w);
+        double w = rm.weight;
         if (!(w >= 0.0) || !isfinite(w) || (l->pos > 0 && w != l->weight)) {
             finish(ar, -EBADMSG);
             return;
@@ -583,12 +929,10 @@ static void pull(ar_link *l)
 {
     peer_allreduce *ar = l->ar;
     size_t count = l->len - l->pos < PEER_AVG_MAX_COUNT ? l->len - l->pos : PEER_AVG_MAX_COUNT;
-    uint8_t meta[48];
-    peer_put_le64(meta, ar->round);
-    memcpy(meta + 8, ar->digest, PEER_AVG_DIGEST_LEN);
-    peer_put_le64(meta + 24, ar->phase == 1 ? 0 : 1);
-    peer_put_le64(meta + 32, l->off + l->pos);
-    peer_put_le64(meta + 40, count);
+    avg_request q = {.round = ar->round, .kind = ar->phase == 1 ? 0 : 1, .off = l->off + l->pos, .count = count};
+    memcpy(q.digest, ar->digest, PEER_AVG_DIGEST_LEN);
+    uint8_t meta[AVG_REQUEST_META];
+    avg_request_encode(meta, &q);
     peer_msg req;
     peer_msg_init(&req, PEER_KIND_REQUEST, PEER_METHOD_AVG, 0);
     snprintf(req.block, sizeof req.block, "%s", ar->block);
@@ -620,7 +964,7 @@ static void on_deadline(uv_timer_t *t)
 
 int peer_allreduce_start(const peer_allreduce_config *c, peer_allreduce **out)
 {
-    if (!c || !out || !c->loop || !c->self || !c->svc || !c->block_name || !c->digest || !c->members ||
+    if (!c || !out || !c->loop || !c->self || !c->srv || !c->block_name || !c->digest || !c->members ||
         !c->cb || c->n < 2 || c->n > PEER_ALLREDUCE_MAX_MEMBERS || c->me < 0 || c->me >= c->n ||
         strlen(c->block_name) > PEER_WIRE_MAX_BLOCK || !(c->timeout_s > 0))
         return -EINVAL;
@@ -634,7 +978,7 @@ int peer_allreduce_start(const peer_allreduce_config *c, peer_allreduce **out)
     if (!ar)
         return -ENOMEM;
     ar->loop = c->loop;
-    ar->svc = c->svc;
+    ar->srv = c->srv;
     ar->bi = c->block;
     snprintf(ar->block, sizeof ar->block, "%s", c->block_name);
     ar->round = c->round;
@@ -646,7 +990,8 @@ int peer_allreduce_start(const peer_allreduce_config *c, peer_allreduce **out)
     ar->arg = c->arg;
     ar->res.n = c->n;
     ar->t0 = uv_now(c->loop);
-    int rc = peer_service_avg_begin(c->svc, c->block, c->round, c->digest, c->n, c->me, &ar->wself, &ar->nflat);
+    int rc = peer_allreduce_server_begin(c->srv, c->block, c->round, c->digest, c->n, c->me, &ar->wself,
+                                         &ar->nflat);
     if (rc != 0) {
         free(ar);
         return rc;
@@ -655,7 +1000,7 @@ int peer_allreduce_start(const peer_allreduce_config *c, peer_allreduce **out)
     ar->acc = malloc((ar->part_len ? ar->part_len : 1) * sizeof(float));
     ar->avg = malloc(ar->nflat * sizeof(float));
     if (!ar->acc || !ar->avg) {
-        peer_service_avg_release(c->svc, c->block);
+        peer_allreduce_server_release(c->srv, c->block);
         free(ar->acc);
         free(ar->avg);
         free(ar);
@@ -667,7 +1012,7 @@ int peer_allreduce_start(const peer_allreduce_config *c, peer_allreduce **out)
         if (!(ar->links[j].part = malloc(ar->part_len * sizeof(float)))) {
             for (int i = 0; i < j; i++)
                 free(ar->links[i].part);
-            peer_service_avg_release(c->svc, c->block);
+            peer_allreduce_server_release(c->srv, c->block);
             free(ar->acc);
             free(ar->avg);
             free(ar);

@@ -3,7 +3,7 @@
  *
  * The members (found through the DHT by the daemon, sorted by node ID, the
  * same list on every member) each freeze their block's flat state (params,
- * m, v; peer_service_avg_begin) and split it into n parts. Member j pulls
+ * m, v; peer_allreduce_server_begin) and split it into n parts. Member j pulls
  * part j of every other member's base (PEER_METHOD_AVG kind 0), forms the
  * average weighted by each member's weight (training samples since its last
  * round, plus one; 0 for initial weights), publishes it, then pulls every other member's reduced
@@ -30,6 +30,10 @@
  * member ends with its own weights either unchanged or replaced by the
  * group's average, never a mix.
  *
+ * Both sides live here: the round as a client (peer_allreduce_start) and
+ * the serving side (peer_allreduce_server), which keeps each hosted
+ * block's round and answers the others' PEER_METHOD_AVG requests.
+ *
  * Loop thread only.
  */
 #ifndef PEER_ALLREDUCE_H
@@ -44,6 +48,76 @@
 #include "peer/service.h"
 
 #define PEER_ALLREDUCE_MAX_MEMBERS 16
+
+/* ---- The serving side: each hosted block's round ----
+ *
+ * A round freezes the block's flat state (expert_block_flat_export:
+ * parameters, m, v) as the round's base and splits it into n contiguous
+ * parts, one per member (peer_avg_part); member j reduces part j. Other
+ * members pull slices of our base and, once we have reduced our part, of
+ * the result, with PEER_METHOD_AVG (docs/rpc.md):
+ *   request meta (48 bytes LE): round u64 | group digest 16 bytes |
+ *                               kind u64 (0 base, 1 reduced) | offset u64 | count u64
+ *   reply meta (24 bytes LE):   round u64 | weight f64 | flat length u64,
+ *                               one (1, count) f32 tensor.
+ * Errors: EAGAIN (that round has not begun here yet, our part is not
+ * reduced yet, or we are in another group for this round and look again:
+ * ask again), ESTALE (another round), ECANCELED
+ * (the round failed here), EINVAL (a range outside the state or our part). */
+#define PEER_AVG_MAX_COUNT (PEER_STATE_CHUNK / 4)
+#define PEER_AVG_DIGEST_LEN 16
+
+/* Part j of n of a flat vector of nflat floats. */
+static inline void peer_avg_part(size_t nflat, int n, int j, size_t *off, size_t *len)
+{
+    size_t a = nflat * (size_t)j / (size_t)n, b = nflat * (size_t)(j + 1) / (size_t)n;
+    *off = a;
+    *len = b - a;
+}
+
+typedef struct peer_allreduce_server peer_allreduce_server;
+
+/* Creates the rounds of svc's blocks and registers their PEER_METHOD_AVG
+ * handler with svc (peer_service_set_handler): the service owns the
+ * server from then on and frees it in peer_service_destroy, so the caller
+ * never frees it. Returns NULL when out of memory (nothing registered). */
+peer_allreduce_server *peer_allreduce_server_create(peer_service *svc);
+
+/* Begins round `round` of block i in the group named by digest (n members,
+ * we are member me): freezes the base and our weight (training samples
+ * since the last applied round, plus one, so a group where nobody trained
+ * averages with equal weights; 0 while the block still has its initial
+ * weights: never restored, downloaded, averaged or stepped, so it takes
+ * the group's average without pulling it toward noise). Replaces any earlier round. Returns 0,
+ * -EINVAL or -ENOMEM. */
+int peer_allreduce_server_begin(peer_allreduce_server *srv, int i, uint64_t round,
+                                const uint8_t digest[PEER_AVG_DIGEST_LEN], int n, int me, double *weight_out,
+                                size_t *nflat_out);
+/* The frozen base of the current round (flat length floats), or NULL. */
+const float *peer_allreduce_server_base(peer_allreduce_server *srv, int i);
+/* Publishes our reduced part (copied) for the others to pull. */
+int peer_allreduce_server_reduced(peer_allreduce_server *srv, int i, const float *part);
+/* Marks the round failed here: others asking get ECANCELED. */
+void peer_allreduce_server_fail(peer_allreduce_server *srv, int i, int err);
+/* Applies the round's result (the whole averaged flat vector) as one new
+ * weight version, keeping the updates made since the base was frozen
+ * (expert_block_flat_apply); with_optim == 0 moves the parameters only.
+ * The samples counted for the next round's weight start at the base.
+ * Returns 0 or expert_block_flat_apply's error (block unchanged). */
+int peer_allreduce_server_apply(peer_allreduce_server *srv, int i, const float *avg, int with_optim,
+                                double *dist_before, double *dist_after);
+/* Frees the round's buffers (others still asking then get ESTALE); a
+ * finished round's reduced part stays served to slower members. */
+void peer_allreduce_server_release(peer_allreduce_server *srv, int i);
+
+/* Called when another member asks block i about averaging round `round`
+ * that has not begun here, or names another group for the round we are in
+ * (the answer is EAGAIN): the members' views of the group differ, so the
+ * owner should look at the group again. fn NULL: nobody is told. */
+typedef void (*peer_allreduce_hint_fn)(void *arg, int block, uint64_t round);
+void peer_allreduce_server_set_hint(peer_allreduce_server *srv, peer_allreduce_hint_fn fn, void *arg);
+
+/* ---- The round as a client ---- */
 
 typedef struct peer_allreduce_member {
     uint8_t id[DHT_ID_LEN];
@@ -76,7 +150,7 @@ typedef struct peer_allreduce_config {
     uv_loop_t *loop;
     const dht_identity *self;
     const uint8_t *swarm_key;      /* 32 bytes or NULL */
-    peer_service *svc;
+    peer_allreduce_server *srv;    /* our side of the round (borrowed) */
     int block;                     /* the service's block index */
     const char *block_name;
     uint64_t round;

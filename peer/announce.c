@@ -19,7 +19,7 @@ const char *peer_state_name(int state)
     }
 }
 
-static int printable(const char *s, size_t max)
+int peer__printable(const char *s, size_t max)
 {
     size_t n = strnlen(s, max + 1);
     if (n > max)
@@ -32,8 +32,8 @@ static int printable(const char *s, size_t max)
 
 long peer_announce_encode(const peer_announce *a, uint8_t *buf, size_t cap)
 {
-    if (!a || !buf || !printable(a->block, 64) || !a->block[0] || !printable(a->addr, 64) ||
-        !a->addr[0] || !printable(a->device, 32) || a->state < PEER_STATE_JOINING ||
+    if (!a || !buf || !peer__printable(a->block, 64) || !a->block[0] || !peer__printable(a->addr, 64) ||
+        !a->addr[0] || !peer__printable(a->device, 32) || a->state < PEER_STATE_JOINING ||
         a->state > PEER_STATE_OFFLINE || !isfinite(a->throughput) || !isfinite(a->load))
         return -EINVAL;
     dht_mp_writer w;
@@ -84,16 +84,11 @@ long peer_announce_encode(const peer_announce *a, uint8_t *buf, size_t cap)
     return dht_mp_writer_finish(&w);
 }
 
-/* One field of a record: reads the value of `key` into out and sets its
- * bit in *have when the field is required. Returns 0, 1 for a key it does
- * not know (the caller skips its value), or -1 for a bad value. */
-typedef int (*record_field_fn)(dht_mp_reader *r, const char *key, void *out, int *have);
-
 /* The records' shared frame: a msgpack map of at most 64 keys within
  * PEER_ANNOUNCE_MAX_BYTES whose "v" is PEER_ANNOUNCE_VERSION (bit 1 of
  * have); every other key goes to field, unknown ones are skipped. Good when
  * the bits set equal want. Returns 0 or -EBADMSG, leaving *out as it is. */
-static int record_decode(const uint8_t *buf, size_t len, record_field_fn field, void *out, int want)
+static int record_decode(const uint8_t *buf, size_t len, peer__record_field_fn field, void *out, int want)
 {
     dht_mp_reader r;
     uint64_t n, u;
@@ -121,9 +116,8 @@ static int record_decode(const uint8_t *buf, size_t len, record_field_fn field, 
     return dht_mp_at_end(&r) && have == want ? 0 : -EBADMSG;
 }
 
-/* Clears *out, decodes into it, and clears it again on failure. */
-static int record_decode_into(void *out, size_t size, const uint8_t *buf, size_t len, record_field_fn field,
-                              int want)
+int peer__record_decode_into(void *out, size_t size, const uint8_t *buf, size_t len, peer__record_field_fn field,
+                             int want)
 {
     if (!out)
         return -EINVAL;
@@ -204,12 +198,12 @@ static int announce_field(dht_mp_reader *r, const char *key, void *outp, int *ha
 int peer_announce_decode(peer_announce *out, const uint8_t *buf, size_t len)
 {
     /* required: v b a st h */
-    return record_decode_into(out, sizeof *out, buf, len, announce_field, 31);
+    return peer__record_decode_into(out, sizeof *out, buf, len, announce_field, 31);
 }
 
 long peer_model_record_encode(const peer_model_record *m, uint8_t *buf, size_t cap)
 {
-    if (!m || !buf || !m->model[0] || !printable(m->model, 48) || m->n_stages < 1 ||
+    if (!m || !buf || !m->model[0] || !peer__printable(m->model, 48) || m->n_stages < 1 ||
         m->n_stages > 4096)
         return -EINVAL;
     dht_mp_writer w;
@@ -245,67 +239,7 @@ static int model_field(dht_mp_reader *r, const char *key, void *outp, int *have)
 
 int peer_model_record_decode(peer_model_record *out, const uint8_t *buf, size_t len)
 {
-    return record_decode_into(out, sizeof *out, buf, len, model_field, 7);
-}
-
-void peer_avg_key(uint8_t key[DHT_ID_LEN], const char *block, uint64_t stage_hash)
-{
-    char name[128];
-    int n = snprintf(name, sizeof name, "starling.avg:%.64s:%016" PRIx64, block, stage_hash);
-    dht_id_of_bytes(key, name, (size_t)n);
-}
-
-long peer_avg_record_encode(const peer_avg_record *m, uint8_t *buf, size_t cap)
-{
-    if (!m || !buf || !m->addr[0] || !printable(m->addr, 64) || m->optim < 0 || m->optim > 255)
-        return -EINVAL;
-    dht_mp_writer w;
-    dht_mp_writer_init(&w, buf, cap);
-    msgpack_pack_map(&w.pk, 4 + (m->period_ms > 0));
-    dht_mp_pack_cstr(&w.pk, "v");
-    msgpack_pack_uint64(&w.pk, PEER_ANNOUNCE_VERSION);
-    dht_mp_pack_cstr(&w.pk, "r");
-    msgpack_pack_uint64(&w.pk, m->round);
-    dht_mp_pack_cstr(&w.pk, "a");
-    dht_mp_pack_cstr(&w.pk, m->addr);
-    dht_mp_pack_cstr(&w.pk, "o");
-    msgpack_pack_uint64(&w.pk, (uint64_t)m->optim);
-    if (m->period_ms > 0) {
-        dht_mp_pack_cstr(&w.pk, "p");
-        msgpack_pack_uint64(&w.pk, m->period_ms);
-    }
-    return dht_mp_writer_finish(&w);
-}
-
-static int avg_field(dht_mp_reader *r, const char *key, void *outp, int *have)
-{
-    peer_avg_record *out = outp;
-    uint64_t u;
-    if (!strcmp(key, "r")) {
-        if (dht_mp_uint(r, &out->round))
-            return -1;
-        *have |= 2;
-    } else if (!strcmp(key, "a")) {
-        if (dht_mp_cstr(r, out->addr, sizeof out->addr, 64) || !out->addr[0])
-            return -1;
-        *have |= 4;
-    } else if (!strcmp(key, "o")) {
-        if (dht_mp_uint(r, &u) || u > 255)
-            return -1;
-        out->optim = (int)u;
-        *have |= 8;
-    } else if (!strcmp(key, "p")) {
-        if (dht_mp_uint(r, &out->period_ms))
-            return -1;
-    } else {
-        return 1;
-    }
-    return 0;
-}
-
-int peer_avg_record_decode(peer_avg_record *out, const uint8_t *buf, size_t len)
-{
-    return record_decode_into(out, sizeof *out, buf, len, avg_field, 15);
+    return peer__record_decode_into(out, sizeof *out, buf, len, model_field, 7);
 }
 
 void peer_keep_key(uint8_t key[DHT_ID_LEN], const char *block, uint64_t stage_hash)
@@ -317,7 +251,7 @@ void peer_keep_key(uint8_t key[DHT_ID_LEN], const char *block, uint64_t stage_ha
 
 long peer_keep_record_encode(const peer_keep_record *m, uint8_t *buf, size_t cap)
 {
-    if (!m || !buf || !m->addr[0] || !printable(m->addr, 64))
+    if (!m || !buf || !m->addr[0] || !peer__printable(m->addr, 64))
         return -EINVAL;
     dht_mp_writer w;
     dht_mp_writer_init(&w, buf, cap < PEER_ANNOUNCE_MAX_BYTES ? cap : PEER_ANNOUNCE_MAX_BYTES);
@@ -355,5 +289,5 @@ static int keep_field(dht_mp_reader *r, const char *key, void *outp, int *have)
 
 int peer_keep_record_decode(peer_keep_record *out, const uint8_t *buf, size_t len)
 {
-    return record_decode_into(out, sizeof *out, buf, len, keep_field, 7);
+    return peer__record_decode_into(out, sizeof *out, buf, len, keep_field, 7);
 }

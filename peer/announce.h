@@ -36,14 +36,8 @@
  * swarm without knowing their names:
  *     "v" u 1, "m" str model name (<= 48 bytes), "n" u number of stages.
  *
- * Group averaging finds its members under the matchmaking key
- * BLAKE2b-160("starling.avg:<block>:<stage hash, 16 hex digits>"): at the
- * start of each round every holder stores a signed entry (subkey = its node
- * ID) that expires a few seconds after the round's gathering window:
- *     "v" u 1, "r" u round: its start, ms since the epoch (a multiple of the
- *     period, so peers with periods that are multiples of each other meet),
- *     "a" str tensor RPC address, "o" u optimizer kind (expert_optim_kind),
- *     "p" u the holder's averaging period in ms (optional).
+ * Group averaging stores its matchmaking entries in the same frame
+ * (peer/averaging.h).
  *
  * Cold copies (peer/keeper.h): a peer that keeps a copy of a stage it does
  * not serve stores, under BLAKE2b-160("starling.keep:<block>:<stage hash,
@@ -103,19 +97,6 @@ int peer_announce_decode(peer_announce *out, const uint8_t *buf, size_t len);
 long peer_model_record_encode(const peer_model_record *m, uint8_t *buf, size_t cap);
 int peer_model_record_decode(peer_model_record *out, const uint8_t *buf, size_t len);
 
-typedef struct peer_avg_record {
-    uint64_t round;
-    char addr[65];
-    int optim;                    /* 0..255 */
-    uint64_t period_ms;           /* 0: not given */
-} peer_avg_record;
-
-/* The matchmaking key of a block (see above). */
-void peer_avg_key(uint8_t key[20], const char *block, uint64_t stage_hash);
-long peer_avg_record_encode(const peer_avg_record *m, uint8_t *buf, size_t cap);
-/* Decodes an untrusted value: 0 or -EBADMSG (out zeroed). */
-int peer_avg_record_decode(peer_avg_record *out, const uint8_t *buf, size_t len);
-
 typedef struct peer_keep_record {
     char addr[65];
     uint64_t weight_version;
@@ -130,5 +111,25 @@ int peer_keep_record_decode(peer_keep_record *out, const uint8_t *buf, size_t le
 
 /* "joining" / "online" / "offline" / "unknown". */
 const char *peer_state_name(int state);
+
+/* ---- The records' frame, shared inside peer/ (peer/averaging.c) ---- */
+
+struct dht_mp_reader;
+
+/* 1 when s is at most max bytes and holds no control character. */
+int peer__printable(const char *s, size_t max);
+
+/* One field of a record: reads the value of `key` into out and sets its
+ * bit in *have when the field is required. Returns 0, 1 for a key it does
+ * not know (the caller skips its value), or -1 for a bad value. */
+typedef int (*peer__record_field_fn)(struct dht_mp_reader *r, const char *key, void *out, int *have);
+
+/* Decodes an untrusted record value into out (size bytes, cleared first
+ * and again on failure): a msgpack map within PEER_ANNOUNCE_MAX_BYTES whose
+ * "v" is PEER_ANNOUNCE_VERSION (bit 1 of have) and whose other keys go to
+ * field; good when the bits set equal want. Returns 0, -EBADMSG or
+ * -EINVAL (out NULL). */
+int peer__record_decode_into(void *out, size_t size, const uint8_t *buf, size_t len, peer__record_field_fn field,
+                             int want);
 
 #endif

@@ -2,12 +2,15 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <stdio.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <sodium.h>
 
+#include "dht/id.h"
+#include "dht/mp.h"
 #include "peer/announce.h"
 #include "peer/log.h"
 #include "peer/wire.h"
@@ -62,6 +65,95 @@ struct peer_averaging {
 };
 
 #define say(o, ...) peer_log((o)->cfg.log, __VA_ARGS__)
+
+/* ---- the matchmaking entry ---- */
+
+void peer_avg_key(uint8_t key[DHT_ID_LEN], const char *block, uint64_t stage_hash)
+{
+    char name[128];
+    int n = snprintf(name, sizeof name, "starling.avg:%.64s:%016" PRIx64, block, stage_hash);
+    dht_id_of_bytes(key, name, (size_t)n);
+}
+
+long peer_avg_record_encode(const peer_avg_record *m, uint8_t *buf, size_t cap)
+{
+    if (!m || !buf || !m->addr[0] || !peer__printable(m->addr, 64) || m->optim < 0 || m->optim > 255)
+        return -EINVAL;
+    dht_mp_writer w;
+    dht_mp_writer_init(&w, buf, cap);
+    msgpack_pack_map(&w.pk, 4 + (m->period_ms > 0));
+    dht_mp_pack_cstr(&w.pk, "v");
+    msgpack_pack_uint64(&w.pk, PEER_ANNOUNCE_VERSION);
+    dht_mp_pack_cstr(&w.pk, "r");
+    msgpack_pack_uint64(&w.pk, m->round);
+    dht_mp_pack_cstr(&w.pk, "a");
+    dht_mp_pack_cstr(&w.pk, m->addr);
+    dht_mp_pack_cstr(&w.pk, "o");
+    msgpack_pack_uint64(&w.pk, (uint64_t)m->optim);
+    if (m->period_ms > 0) {
+        dht_mp_pack_cstr(&w.pk, "p");
+        msgpack_pack_uint64(&w.pk, m->period_ms);
+    }
+    return dht_mp_writer_finish(&w);
+}
+
+static int avg_field(dht_mp_reader *r, const char *key, void *outp, int *have)
+{
+    peer_avg_record *out = outp;
+    uint64_t u;
+    if (!strcmp(key, "r")) {
+        if (dht_mp_uint(r, &out->round))
+            return -1;
+        *have |= 2;
+    } else if (!strcmp(key, "a")) {
+        if (dht_mp_cstr(r, out->addr, sizeof out->addr, 64) || !out->addr[0])
+            return -1;
+        *have |= 4;
+    } else if (!strcmp(key, "o")) {
+        if (dht_mp_uint(r, &u) || u > 255)
+            return -1;
+        out->optim = (int)u;
+        *have |= 8;
+    } else if (!strcmp(key, "p")) {
+        if (dht_mp_uint(r, &out->period_ms))
+            return -1;
+    } else {
+        return 1;
+    }
+    return 0;
+}
+
+int peer_avg_record_decode(peer_avg_record *out, const uint8_t *buf, size_t len)
+{
+    /* required: v r a o */
+    return peer__record_decode_into(out, sizeof *out, buf, len, avg_field, 15);
+}
+
+int peer_avg_candidates(const dht_entry *e, size_t n, uint64_t round, const peer_avg_candidate *self,
+                        uint64_t our_period_ms, peer_avg_candidate *out, int cap, uint64_t *other_period_ms)
+{
+    if (other_period_ms)
+        *other_period_ms = 0;
+    if ((!e && n) || !self || !out || cap < 1)
+        return -EINVAL;
+    int nc = 0;
+    for (size_t i = 0; i < n && nc < cap - 1; i++) {
+        peer_avg_record r;
+        if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN ||
+            peer_avg_record_decode(&r, e[i].value, e[i].value_len) != 0)
+            continue;
+        if (other_period_ms && !*other_period_ms && r.period_ms && r.period_ms != our_period_ms)
+            *other_period_ms = r.period_ms;
+        if (r.round != round || !memcmp(e[i].subkey, self->m.id, DHT_ID_LEN))
+            continue; /* we are a member whether or not our own entry came back */
+        memcpy(out[nc].m.id, e[i].subkey, DHT_ID_LEN);
+        snprintf(out[nc].m.addr, sizeof out[nc].m.addr, "%s", r.addr);
+        out[nc].optim = (uint8_t)r.optim;
+        nc++;
+    }
+    out[nc++] = *self;
+    return nc;
+}
 
 /* ---- the group (pure) ---- */
 
@@ -183,7 +275,7 @@ static void begin_group(avg_block *c, const peer_avg_group *g)
     ac.loop = av->cfg.loop;
     ac.self = av->cfg.self;
     ac.swarm_key = av->cfg.swarm_key;
-    ac.svc = av->cfg.svc;
+    ac.srv = av->cfg.rounds;
     ac.block = c->block;
     ac.block_name = info.name;
     ac.round = c->round;
@@ -354,24 +446,14 @@ static void on_group(dht *dh, int status, const dht_entry *e, size_t n, void *ud
     block_name(av, c->block, &info);
     const uint8_t *self = av->cfg.self->id;
     static peer_avg_candidate cand[MAX_CANDIDATES]; /* loop thread only */
-    int nc = 0;
-    for (size_t i = 0; status == 0 && i < n && nc < MAX_CANDIDATES - 1; i++) {
-        peer_avg_record r;
-        if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN ||
-            peer_avg_record_decode(&r, e[i].value, e[i].value_len) != 0)
-            continue;
-        check_period(c, info.name, r.period_ms);
-        if (r.round != c->round || !memcmp(e[i].subkey, self, DHT_ID_LEN))
-            continue; /* we are a member whether or not our own entry came back */
-        memcpy(cand[nc].m.id, e[i].subkey, DHT_ID_LEN);
-        snprintf(cand[nc].m.addr, sizeof cand[nc].m.addr, "%s", r.addr);
-        cand[nc].optim = (uint8_t)r.optim;
-        nc++;
-    }
-    memcpy(cand[nc].m.id, self, DHT_ID_LEN);
-    snprintf(cand[nc].m.addr, sizeof cand[nc].m.addr, "%s", av->addr);
-    cand[nc].optim = (uint8_t)av->cfg.optim_kind;
-    nc++;
+    peer_avg_candidate me = {0};
+    memcpy(me.m.id, self, DHT_ID_LEN);
+    snprintf(me.m.addr, sizeof me.m.addr, "%s", av->addr);
+    me.optim = (uint8_t)av->cfg.optim_kind;
+    uint64_t theirs = 0;
+    int nc = peer_avg_candidates(e, status == 0 ? n : 0, c->round, &me, av->period_ms, cand, MAX_CANDIDATES,
+                                 &theirs);
+    check_period(c, info.name, theirs);
     peer_avg_group g;
     if (peer_avg_choose_group(cand, nc, self, c->round, &g) == 0) {
         begin_group(c, &g);
@@ -418,7 +500,7 @@ static void on_gather(uv_timer_t *t)
     }
 }
 
-/* The service's hook: a member asked about `round` and sees another group. */
+/* The rounds' hint: a member asked about `round` and sees another group. */
 static void on_hint(void *arg, int block, uint64_t round)
 {
     peer_averaging *av = arg;
@@ -457,7 +539,7 @@ static void on_tick(uv_timer_t *t)
         if (c->ar || c->getting)
             continue; /* the last round of this block is still running */
         /* The last round's buffers were kept a period for slower members. */
-        peer_service_avg_release(av->cfg.svc, i);
+        peer_allreduce_server_release(av->cfg.rounds, i);
         c->in_round = 0;
         peer_block_info info;
         block_name(av, i, &info);
@@ -488,7 +570,8 @@ static void on_tick(uv_timer_t *t)
 
 peer_averaging *peer_averaging_start(const peer_averaging_config *cfg)
 {
-    if (!cfg || !cfg->loop || !cfg->dht || !cfg->self || !cfg->svc || !cfg->addr || !(cfg->every_s > 0))
+    if (!cfg || !cfg->loop || !cfg->dht || !cfg->self || !cfg->svc || !cfg->rounds || !cfg->addr ||
+        !(cfg->every_s > 0))
         return NULL;
     peer_averaging *av = calloc(1, sizeof *av);
     if (!av)
@@ -509,7 +592,7 @@ peer_averaging *peer_averaging_start(const peer_averaging_config *cfg)
     uv_timer_init(cfg->loop, &av->gather);
     av->timer.data = av->gather.data = av;
     av->handles = 2;
-    peer_service_set_avg_hook(cfg->svc, on_hint, av);
+    peer_allreduce_server_set_hint(cfg->rounds, on_hint, av);
     schedule(av);
     return av;
 }
@@ -548,7 +631,7 @@ void peer_averaging_stop(peer_averaging *av, void (*cb)(void *arg), void *arg)
     av->stopping = 1;
     av->stop_cb = cb;
     av->stop_arg = arg;
-    peer_service_set_avg_hook(av->cfg.svc, NULL, NULL);
+    peer_allreduce_server_set_hint(av->cfg.rounds, NULL, NULL);
     for (int i = 0; i < PEER_SERVICE_MAX_BLOCKS; i++) {
         av->b[i].has_next = 0;
         if (av->b[i].ar)

@@ -12,7 +12,7 @@
  * The members' views of the group can differ (an entry still on its way
  * through the DHT, a loaded machine). A member asked about a round it has
  * not begun, or named in another group for the same round, answers EAGAIN
- * and reads the group again at once (peer_service_set_avg_hook); when the
+ * and reads the group again at once (peer_allreduce_server_set_hint); when the
  * new view differs it cancels its round and starts the new group's, while
  * the others keep asking. So the views converge on every entry stored in
  * time, instead of every member abandoning the round (which a short
@@ -23,6 +23,16 @@
  * contribution the robust reduce dropped or clipped; the log names the
  * member, once per round. A peer that sees a
  * replica with another period says once how often they meet.
+ *
+ * The matchmaking entry: under the key
+ * BLAKE2b-160("starling.avg:<block>:<stage hash, 16 hex digits>") every
+ * holder stores, at the start of each round, a signed entry (subkey = its
+ * node ID) that expires a few seconds after the round may end; its value
+ * is a msgpack map in the announcements' frame (peer/announce.h):
+ *     "v" u 1, "r" u round: its start, ms since the epoch (a multiple of the
+ *     period, so peers with periods that are multiples of each other meet),
+ *     "a" str tensor RPC address, "o" u optimizer kind (expert_optim_kind),
+ *     "p" u the holder's averaging period in ms (optional).
  *
  * Loop thread only.
  */
@@ -37,6 +47,25 @@
 #include "dht/dht.h"
 #include "peer/allreduce.h"
 #include "peer/service.h"
+
+/* ---- The matchmaking entry (see above) ---- */
+
+typedef struct peer_avg_record {
+    uint64_t round;
+    char addr[65];
+    int optim;                    /* 0..255 */
+    uint64_t period_ms;           /* 0: not given */
+} peer_avg_record;
+
+/* The matchmaking key of a block (see above). */
+void peer_avg_key(uint8_t key[DHT_ID_LEN], const char *block, uint64_t stage_hash);
+/* Encodes m into buf. Returns the length, -EINVAL (no address, one too
+ * long or with control characters, optim out of range) or -EMSGSIZE. */
+long peer_avg_record_encode(const peer_avg_record *m, uint8_t *buf, size_t cap);
+/* Decodes an untrusted value: 0 or -EBADMSG (out zeroed). */
+int peer_avg_record_decode(peer_avg_record *out, const uint8_t *buf, size_t len);
+
+/* ---- With whom (pure) ---- */
 
 typedef struct peer_avg_candidate {
     peer_allreduce_member m;
@@ -58,12 +87,26 @@ typedef struct peer_avg_group {
 int peer_avg_choose_group(const peer_avg_candidate *cand, int nc, const uint8_t self[DHT_ID_LEN],
                           uint64_t round, peer_avg_group *out);
 
+/* The candidates of round `round` from the matchmaking entries e[0..n)
+ * read under a block's key: the signed entries (subkey a node ID) whose
+ * value decodes and names that round, other than self's own, then self,
+ * last (a member whether or not its own entry came back). At most cap
+ * (>= 1) candidates in out, self included. *other_period_ms (may be
+ * NULL): the first period a decoded entry names (of any round) other than
+ * our_period_ms, 0 when none. Returns the number of candidates, or -EINVAL. */
+int peer_avg_candidates(const dht_entry *e, size_t n, uint64_t round, const peer_avg_candidate *self,
+                        uint64_t our_period_ms, peer_avg_candidate *out, int cap, uint64_t *other_period_ms);
+
+/* ---- When: the period timer and the rounds ---- */
+
 typedef struct peer_averaging_config {
     uv_loop_t *loop;
     dht *dht;
     const dht_identity *self;      /* borrowed: outlives the averaging */
     const uint8_t *swarm_key;      /* 32 bytes or NULL; borrowed likewise */
     peer_service *svc;             /* borrowed likewise */
+    peer_allreduce_server *rounds; /* svc's averaging rounds (peer_allreduce_server_create);
+                                      borrowed likewise */
     const char *addr;              /* our tensor RPC "HOST:PORT" (copied) */
     int optim_kind;
     double every_s;                /* > 0 */
@@ -88,7 +131,7 @@ typedef struct peer_averaging_stats {
 
 typedef struct peer_averaging peer_averaging;
 
-/* Starts the period timer and installs the service's avg hook. Returns
+/* Starts the period timer and installs the rounds' hint. Returns
  * NULL on bad arguments or out of memory. */
 peer_averaging *peer_averaging_start(const peer_averaging_config *cfg);
 

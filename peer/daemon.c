@@ -16,6 +16,7 @@
 
 #include "expert/model.h"
 
+#include "peer/allreduce.h"
 #include "peer/announcer.h"
 #include "peer/averaging.h"
 #include "peer/catchup.h"
@@ -24,6 +25,7 @@
 #include "peer/log.h"
 #include "peer/metrics.h"
 #include "peer/metrics_text.h"
+#include "peer/statesync.h"
 #include "peer/timeslice.h"
 
 #define STOP_ANNOUNCE_WAIT_MS 3000
@@ -43,6 +45,8 @@ struct peer_daemon {
 
     dht *dht;
     peer_service *svc;
+    peer_allreduce_server *rounds; /* svc's averaging rounds (the service frees it) */
+    peer_statesync_server *states; /* svc's state serving (likewise) */
     peer_metrics *metrics;
     peer_announcer *announcer;
     peer_joiner *joiner;         /* NULL: the first node of a swarm */
@@ -320,6 +324,15 @@ static int create_service(peer_daemon *d, const peer_daemon_config *cfg, char *e
     d->svc = peer_service_create(d->loop, &sc, err, errlen);
     if (!d->svc)
         return -1;
+    /* The averaging rounds and state serving answer their methods for the
+     * service, which frees them. */
+    d->rounds = peer_allreduce_server_create(d->svc);
+    d->states = peer_statesync_server_create(d->svc);
+    if (!d->rounds || !d->states) {
+        snprintf(err, errlen, "out of memory");
+        peer_service_destroy(&d->svc);
+        return -1;
+    }
     for (int i = 0; i < peer_service_n_blocks(d->svc); i++) {
         peer_block_info bi;
         if (peer_service_block_info(d->svc, i, &bi) == 0 && bi.restored)
@@ -484,6 +497,7 @@ static void start_averaging(peer_daemon *d)
     ac.self = &d->ident;
     ac.swarm_key = d->has_swarm_key ? d->swarm_key : NULL;
     ac.svc = d->svc;
+    ac.rounds = d->rounds;
     ac.addr = d->announce_addr;
     ac.optim_kind = d->optim_kind;
     ac.every_s = d->average_every_s;
@@ -503,6 +517,7 @@ static void start_keeper(peer_daemon *d, const peer_daemon_config *cfg)
     kc.self = &d->ident;
     kc.swarm_key = d->has_swarm_key ? d->swarm_key : NULL;
     kc.svc = d->svc;
+    kc.states = d->states;
     kc.model = d->model;
     kc.addr = d->announce_addr;
     kc.every_s = cfg->keep_every_s;

@@ -351,8 +351,8 @@ static int cold_source(void *arg, const char *block, const uint8_t **buf, size_t
 
 peer_keeper *peer_keeper_start(const peer_keeper_config *cfg, char *err, size_t errlen)
 {
-    if (!cfg || !cfg->loop || !cfg->dht || !cfg->self || !cfg->svc || !cfg->model || !cfg->addr ||
-        !(cfg->every_s > 0) || cfg->replicas < 1) {
+    if (!cfg || !cfg->loop || !cfg->dht || !cfg->self || !cfg->svc || !cfg->states || !cfg->model ||
+        !cfg->addr || !(cfg->every_s > 0) || cfg->replicas < 1) {
         snprintf(err, errlen, "cold copies: bad arguments");
         return NULL;
     }
@@ -393,7 +393,7 @@ peer_keeper *peer_keeper_start(const peer_keeper_config *cfg, char *err, size_t 
     /* The first look soon after joining: a holder that crashes early must
      * already have a keeper. */
     uv_timer_start(&k->timer, on_tick, ms < FIRST_LOOK_MS ? ms : FIRST_LOOK_MS, ms);
-    peer_service_set_cold_source(cfg->svc, cold_source, k);
+    peer_statesync_server_set_cold_source(cfg->states, cold_source, k);
     return k;
 }
 
@@ -422,7 +422,7 @@ void peer_keeper_stop(peer_keeper *k, void (*cb)(void *arg), void *arg)
     k->stopping = 1;
     k->stop_cb = cb;
     k->stop_arg = arg;
-    peer_service_set_cold_source(k->cfg.svc, NULL, NULL);
+    peer_statesync_server_set_cold_source(k->cfg.states, NULL, NULL);
     uv_timer_stop(&k->timer);
     uv_close((uv_handle_t *)&k->timer, on_timer_closed);
 }

@@ -10,7 +10,7 @@
  * its keepers. A keeper downloads the stage's newest state from a holder
  * (peer/statesync.h, the newcomers' download) whenever the holders have a
  * newer weight version than its copy, keeps it in memory, serves it to
- * state downloads like a holder would (peer_service_set_cold_source), and
+ * state downloads like a holder would (peer_statesync_server_set_cold_source), and
  * stores a signed record of it in the DHT (peer/announce.h, the keep key).
  *
  * A stage with no online holder keeps its copies whatever the view says
@@ -38,6 +38,7 @@
 
 #include "dht/dht.h"
 #include "peer/service.h"
+#include "peer/statesync.h"
 
 #define PEER_KEEPER_MAX_STAGES 256
 
@@ -55,6 +56,8 @@ typedef struct peer_keeper_config {
     const dht_identity *self;      /* borrowed: outlives the keeper */
     const uint8_t *swarm_key;      /* 32 bytes or NULL; borrowed likewise */
     peer_service *svc;             /* borrowed likewise */
+    peer_statesync_server *states; /* svc's state serving (peer_statesync_server_create), where
+                                      the copies are served from; borrowed likewise */
     const char *model;             /* copied */
     const char *addr;              /* our tensor RPC "HOST:PORT" (copied) */
     double every_s;                /* > 0 */

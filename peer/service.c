@@ -48,7 +48,6 @@ struct svc_block {
     svc_task *free_list;
     int pool_size, pool_cap;
     expert_workspace *inline_ws; /* loop thread: small inference requests, made on first use */
-    uint64_t avg_mark;         /* backward rows at the last averaging round */
     /* Training integrity (loop thread only): the history of backward
      * requests' per-sample norms, what was refused, what was logged. */
     struct expert_guard in_guard, go_guard;
@@ -57,47 +56,24 @@ struct svc_block {
     double refused_log_t;      /* when the last refusal line was written */
     uint64_t steps_logged;     /* refused steps already in the log */
     int frozen_logged;         /* "weights have not moved" written, not yet taken back */
-    uint8_t *state;            /* the latest serialized snapshot for downloads */
-    size_t state_len;
-    uint64_t state_id, state_version;
-    /* The group-averaging round (service.h), loop thread only. */
-    struct {
-        int active;            /* base frozen */
-        uint64_t round;
-        uint8_t digest[PEER_AVG_DIGEST_LEN];
-        double weight;
-        uint64_t mark;         /* backward rows when the base was frozen */
-        float *base;           /* flat state at the round's start */
-        size_t nflat;
-        size_t part_off, part_len;
-        float *reduced;        /* our part, averaged */
-        int reduced_state;     /* 0 pending, 1 ready, < 0 failed (negative errno) */
-    } avg;
-    /* The previous round's reduced part, still served to members that
-     * finish later than we do (we may begin the next round meanwhile). */
-    struct {
-        uint64_t round;
-        uint8_t digest[PEER_AVG_DIGEST_LEN];
-        double weight;
-        size_t nflat, part_off, part_len;
-        float *reduced;        /* NULL: none */
-    } avg_prev;
+};
+
+/* A method's registered handler (peer_service_set_handler). */
+struct svc_handler {
+    peer_service_handler fn;
+    void *ctx;
+    void (*release)(void *ctx);
 };
 
 struct peer_service {
     uv_loop_t *loop;
-    uint64_t next_state_id;
-    float *chunk;                 /* state download buffer (loop thread) */
     peer_service_config cfg;
     char model[64];
     const struct expert_model_spec *spec;
     int n_blocks;
     svc_block blocks[PEER_SERVICE_MAX_BLOCKS];
     peer_rpc_server *rpc;
-    peer_service_avg_hook avg_hook;
-    void *avg_hook_arg;
-    peer_service_cold_fn cold_fn;
-    void *cold_arg;
+    struct svc_handler handlers[PEER_SERVICE_MAX_METHODS];
     int closing;
     void (*close_cb)(peer_service *, int, void *);
     void *close_arg;
@@ -255,198 +231,6 @@ static void task_done(peer_task *pt, int status)
                   rc == -EAGAIN ? "queue full; try another replica" : "cannot queue request");
 }
 
-/* Training samples this block has processed since its last averaging. */
-static uint64_t samples_since_avg(svc_block *b)
-{
-    peer_batcher_stats st;
-    peer_batcher_get_stats(b->batcher, &st);
-    uint64_t rows = st.rows[PEER_TASK_BACKWARD];
-    return rows >= b->avg_mark ? rows - b->avg_mark : 0;
-}
-
-/* A chunk of block b's serialized state (see service.h). Runs on the loop
- * thread; serialising a snapshot copies the parameters and optimizer state
- * once per download, not per chunk. */
-static void serve_state_chunk(peer_service *s, peer_rpc_request *req, const uint8_t *state, size_t state_len,
-                              uint64_t state_id, uint64_t version, uint64_t off);
-
-static void handle_state(peer_service *s, svc_block *b, peer_rpc_request *req, const peer_msg *msg)
-{
-    if (!msg->meta || msg->meta_len != 16) {
-        peer_rpc_respond_error(req, EINVAL, "state takes meta = snapshot id and offset (16 bytes)");
-        return;
-    }
-    uint64_t id = peer_get_le64(msg->meta), off = peer_get_le64((const uint8_t *)msg->meta + 8);
-    if (id == 0) {
-        size_t need = expert_block_serialized_size(b->block, 1);
-        uint8_t *buf = realloc(b->state, need ? need : 1);
-        if (!buf) {
-            peer_rpc_respond_error(req, ENOMEM, "out of memory for the state snapshot");
-            return;
-        }
-        b->state = buf;
-        long n = expert_block_serialize(b->block, 1, buf, need);
-        if (n < 0) {
-            b->state_len = 0;
-            peer_rpc_respond_error(req, EIO, "cannot serialize the block");
-            return;
-        }
-        b->state_len = (size_t)n;
-        b->state_id = ++s->next_state_id;
-        b->state_version = expert_block_version(b->block);
-        off = 0;
-    } else if (id != b->state_id || !b->state_len) {
-        peer_rpc_respond_error(req, ESTALE, "the state snapshot was replaced; start again");
-        return;
-    }
-    serve_state_chunk(s, req, b->state, b->state_len, b->state_id, b->state_version, off);
-}
-
-/* A state request for a block we do not host: served from a cold copy
- * (peer_service_set_cold_source) when there is one. Returns 0 when it
- * answered. */
-static int handle_cold_state(peer_service *s, peer_rpc_request *req, const peer_msg *msg)
-{
-    const uint8_t *buf;
-    size_t len;
-    uint64_t cid, version;
-    if (!s->cold_fn || s->cold_fn(s->cold_arg, msg->block, &buf, &len, &cid, &version) != 0)
-        return -ENOENT;
-    if (!msg->meta || msg->meta_len != 16) {
-        peer_rpc_respond_error(req, EINVAL, "state takes meta = snapshot id and offset (16 bytes)");
-        return 0;
-    }
-    uint64_t id = peer_get_le64(msg->meta), off = peer_get_le64((const uint8_t *)msg->meta + 8);
-    if (id != 0 && id != cid) {
-        peer_rpc_respond_error(req, ESTALE, "the state snapshot was replaced; start again");
-        return 0;
-    }
-    serve_state_chunk(s, req, buf, len, cid, version, id == 0 ? 0 : off);
-    return 0;
-}
-
-/* Answers one chunk of a serialized state (buf, len) at off. */
-static void serve_state_chunk(peer_service *s, peer_rpc_request *req, const uint8_t *state, size_t state_len,
-                              uint64_t state_id, uint64_t version, uint64_t off)
-{
-    if (off > state_len) {
-        peer_rpc_respond_error(req, EINVAL, "offset past the end of the state");
-        return;
-    }
-    size_t len = state_len - off < PEER_STATE_CHUNK ? state_len - (size_t)off : PEER_STATE_CHUNK;
-    if (!s->chunk && !(s->chunk = malloc(PEER_STATE_CHUNK + 4))) {
-        peer_rpc_respond_error(req, ENOMEM, "out of memory");
-        return;
-    }
-    float *chunk = s->chunk;
-    size_t nf = (len + 3) / 4;
-    chunk[nf ? nf - 1 : 0] = 0.0f; /* zero the padding */
-    memcpy(chunk, state + off, len);
-    uint8_t meta[24];
-    peer_put_le64(meta, state_id);
-    peer_put_le64(meta + 8, state_len);
-    peer_put_le64(meta + 16, version);
-    peer_msg reply;
-    peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_STATE, 0);
-    reply.meta = meta;
-    reply.meta_len = sizeof meta;
-    uint64_t shape[2] = {1, nf};
-    reply.n_tensors = nf ? 1 : 0;
-    if (nf)
-        peer_tensor_f32(&reply.t[0], chunk, 2, shape);
-    peer_rpc_respond(req, &reply);
-}
-
-static void avg_reply(peer_rpc_request *req, uint64_t round, double weight, size_t nflat, const float *src,
-                      uint64_t count)
-{
-    uint8_t meta[24];
-    uint64_t wbits;
-    memcpy(&wbits, &weight, sizeof wbits);
-    peer_put_le64(meta, round);
-    peer_put_le64(meta + 8, wbits);
-    peer_put_le64(meta + 16, nflat);
-    peer_msg reply;
-    peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_AVG, 0);
-    reply.meta = meta;
-    reply.meta_len = sizeof meta;
-    uint64_t shape[2] = {1, count};
-    reply.n_tensors = 1;
-    peer_tensor_f32(&reply.t[0], (float *)(uintptr_t)src, 2, shape);
-    peer_rpc_respond(req, &reply);
-}
-
-static void handle_avg(peer_service *s, svc_block *b, peer_rpc_request *req, const peer_msg *msg)
-{
-    (void)s;
-    if (!msg->meta || msg->meta_len != 48) {
-        peer_rpc_respond_error(req, EINVAL, "avg takes meta = round, digest, kind, offset, count (48 bytes)");
-        return;
-    }
-    const uint8_t *m = msg->meta;
-    uint64_t round = peer_get_le64(m), kind = peer_get_le64(m + 24), off = peer_get_le64(m + 32),
-             count = peer_get_le64(m + 40);
-    if (kind == 1 && b->avg_prev.reduced && b->avg_prev.round == round &&
-        !memcmp(b->avg_prev.digest, m + 8, PEER_AVG_DIGEST_LEN)) {
-        /* A slower member of our last round fetching our reduced part
-         * (whether or not we have begun another round since). */
-        if (off < b->avg_prev.part_off || count < 1 || count > PEER_AVG_MAX_COUNT ||
-            off > b->avg_prev.part_off + b->avg_prev.part_len ||
-            count > b->avg_prev.part_off + b->avg_prev.part_len - off) {
-            peer_rpc_respond_error(req, EINVAL, "avg range outside this member's part");
-            return;
-        }
-        avg_reply(req, round, b->avg_prev.weight, b->avg_prev.nflat,
-                  b->avg_prev.reduced + (off - b->avg_prev.part_off), count);
-        return;
-    }
-    if (!b->avg.active && b->avg_prev.reduced && round <= b->avg_prev.round) {
-        peer_rpc_respond_error(req, ESTALE, "another averaging round");
-        return;
-    }
-    if (!b->avg.active || b->avg.round < round) {
-        /* A member counts us in a round we have not begun: our view of the
-         * group may lack it. */
-        if (s->avg_hook)
-            s->avg_hook(s->avg_hook_arg, (int)(b - s->blocks), round);
-        peer_rpc_respond_error(req, EAGAIN, "that averaging round has not begun here yet");
-        return;
-    }
-    if (b->avg.round != round) {
-        peer_rpc_respond_error(req, ESTALE, "another averaging round");
-        return;
-    }
-    if (memcmp(b->avg.digest, m + 8, PEER_AVG_DIGEST_LEN) != 0) {
-        /* The same round, another group: the members' views of who is in
-         * it differ. Both sides look again; the asker waits meanwhile. */
-        if (s->avg_hook)
-            s->avg_hook(s->avg_hook_arg, (int)(b - s->blocks), round);
-        peer_rpc_respond_error(req, EAGAIN, "another group for this averaging round; looking again");
-        return;
-    }
-    if (kind > 1 || count < 1 || count > PEER_AVG_MAX_COUNT || off > b->avg.nflat || count > b->avg.nflat - off) {
-        peer_rpc_respond_error(req, EINVAL, "avg range outside the state");
-        return;
-    }
-    const float *src = b->avg.base + off;
-    if (kind == 1) {
-        if (b->avg.reduced_state < 0) {
-            peer_rpc_respond_error(req, ECANCELED, "the averaging round failed here");
-            return;
-        }
-        if (off < b->avg.part_off || off + count > b->avg.part_off + b->avg.part_len) {
-            peer_rpc_respond_error(req, EINVAL, "avg range outside this member's part");
-            return;
-        }
-        if (b->avg.reduced_state == 0) {
-            peer_rpc_respond_error(req, EAGAIN, "this member's part is not reduced yet");
-            return;
-        }
-        src = b->avg.reduced + (off - b->avg.part_off);
-    }
-    avg_reply(req, round, b->avg.weight, b->avg.nflat, src, count);
-}
-
 /* Refusals and frozen weights go to the peer's log; refusals at most one
  * line per PEER_GUARD_LOG_S per block (an attacker could send thousands),
  * with the count since the last line. */
@@ -522,48 +306,69 @@ static int is_f32_2d(const peer_tensor *t, int cols, int max_rows, uint64_t *row
     return 1;
 }
 
-static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
+/* The span an infer request names in its meta: this stage and the ones
+ * after it, all hosted here, computed one after the other without a round
+ * trip each. Returns the span (1 without meta), or 0 when it answered req
+ * with an error. */
+static int infer_span(peer_service *s, svc_block *b, peer_rpc_request *req, const peer_msg *msg)
 {
-    peer_service *s = arg;
     char why[256];
+    if (msg->method != PEER_METHOD_INFER || msg->meta_len == 0)
+        return 1;
+    uint64_t v = msg->meta_len == 8 ? peer_get_le64(msg->meta) : 0;
+    if (v < 1 || v > (uint64_t)s->n_blocks) {
+        snprintf(why, sizeof why, "infer meta is the number of consecutive stages to run (u64le, 1..%d)",
+                 s->n_blocks);
+        peer_rpc_respond_error(req, EINVAL, why);
+        return 0;
+    }
+    int span = (int)v;
+    for (int i = 1; i < span; i++)
+        if (!block_of_stage(s, b->index + i)) {
+            snprintf(why, sizeof why, "stage %d (in a span of %d from %s) is not hosted by this peer",
+                     b->index + i, span, b->name);
+            peer_rpc_respond_error(req, ENOENT, why);
+            return 0;
+        }
+    return span;
+}
 
-    if (s->closing) {
-        peer_rpc_respond_error(req, ESHUTDOWN, "peer is shutting down");
-        return;
+/* Computes the small inference request t (and the rest of its span) here
+ * on the loop thread and answers it. A small inference request costs less
+ * to compute here (under a millisecond per stage) than to hand to the lane
+ * and back: two thread wake-ups per stage, each of which waits for a time
+ * slice when training keeps the cores busy. */
+static void infer_inline(peer_service *s, svc_task *t)
+{
+    for (;;) {
+        svc_block *tb = t->blk;
+        if (!tb->inline_ws)
+            tb->inline_ws = expert_workspace_create(&tb->cfg, s->cfg.infer_inline_rows);
+        int rc = tb->inline_ws ? peer_batcher_infer_now(tb->batcher, tb->inline_ws, &t->t) : -ENOMEM;
+        if (rc != 0) {
+            task_fail(t, rc == -ESHUTDOWN ? ESHUTDOWN : rc == -ENOMEM ? ENOMEM : EIO,
+                      rc == -ESHUTDOWN ? "peer is shutting down" : "compute failed");
+            return;
+        }
+        if (t->pos + 1 >= t->span) {
+            task_reply(t, 0);
+            return;
+        }
+        svc_task *nt = span_next(t);
+        if (!nt) {
+            task_fail(t, EBUSY, "peer overloaded; try another replica");
+            return;
+        }
+        t = nt;
     }
-    if (msg->method == PEER_METHOD_INFO) {
-        peer_msg reply;
-        peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_INFO, 0);
-        reply.meta = s->info_json;
-        reply.meta_len = strlen(s->info_json);
-        peer_rpc_respond(req, &reply);
-        return;
-    }
-    if (msg->method != PEER_METHOD_FORWARD && msg->method != PEER_METHOD_BACKWARD &&
-        msg->method != PEER_METHOD_INFER && msg->method != PEER_METHOD_STATE &&
-        msg->method != PEER_METHOD_AVG) {
-        peer_rpc_respond_error(req, ENOSYS, "unknown method");
-        return;
-    }
-    svc_block *b = NULL;
-    for (int i = 0; i < s->n_blocks; i++)
-        if (strcmp(s->blocks[i].name, msg->block) == 0)
-            b = &s->blocks[i];
-    if (!b && msg->method == PEER_METHOD_STATE && handle_cold_state(s, req, msg) == 0)
-        return;
-    if (!b) {
-        snprintf(why, sizeof why, "block '%.80s' is not hosted by this peer", msg->block);
-        peer_rpc_respond_error(req, ENOENT, why);
-        return;
-    }
-    if (msg->method == PEER_METHOD_STATE) {
-        handle_state(s, b, req, msg);
-        return;
-    }
-    if (msg->method == PEER_METHOD_AVG) {
-        handle_avg(s, b, req, msg);
-        return;
-    }
+}
+
+/* forward, backward and infer of hosted block b: checks the request, then
+ * computes it inline or queues it on the block's batcher, whose worker
+ * answers it. */
+static void handle_compute(peer_service *s, svc_block *b, peer_rpc_request *req, const peer_msg *msg)
+{
+    char why[256];
     const int fwd = msg->method != PEER_METHOD_BACKWARD;
     uint64_t rows = 0, rows2 = 0;
     if (msg->n_tensors != (fwd ? 1 : 2) || !is_f32_2d(&msg->t[0], b->cfg.in, s->cfg.max_batch, &rows) ||
@@ -578,26 +383,9 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
         peer_rpc_respond_error(req, ERANGE, why);
         return;
     }
-    /* infer may name a span: this stage and the ones after it, all hosted
-     * here, computed one after the other without a round trip each. */
-    int span = 1;
-    if (msg->method == PEER_METHOD_INFER && msg->meta_len != 0) {
-        uint64_t v = msg->meta_len == 8 ? peer_get_le64(msg->meta) : 0;
-        if (v < 1 || v > (uint64_t)s->n_blocks) {
-            snprintf(why, sizeof why, "infer meta is the number of consecutive stages to run (u64le, 1..%d)",
-                     s->n_blocks);
-            peer_rpc_respond_error(req, EINVAL, why);
-            return;
-        }
-        span = (int)v;
-        for (int i = 1; i < span; i++)
-            if (!block_of_stage(s, b->index + i)) {
-                snprintf(why, sizeof why, "stage %d (in a span of %d from %s) is not hosted by this peer",
-                         b->index + i, span, b->name);
-                peer_rpc_respond_error(req, ENOENT, why);
-                return;
-            }
-    }
+    int span = infer_span(s, b, req, msg);
+    if (span == 0)
+        return;
     svc_task *t = pool_get(b);
     if (!t) {
         peer_rpc_respond_error(req, EBUSY, "peer overloaded; try another replica");
@@ -623,32 +411,9 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
         t->t.has_at_version = 1;
         t->t.at_version = peer_get_le64(msg->meta);
     }
-    /* A small inference request costs less to compute here (under a
-     * millisecond per stage) than to hand to the lane and back: two thread
-     * wake-ups per stage, each of which waits for a time slice when
-     * training keeps the cores busy. */
     if (t->t.kind == PEER_TASK_INFER && t->t.rows <= s->cfg.infer_inline_rows) {
-        for (;;) {
-            svc_block *tb = t->blk;
-            if (!tb->inline_ws)
-                tb->inline_ws = expert_workspace_create(&tb->cfg, s->cfg.infer_inline_rows);
-            int rc = tb->inline_ws ? peer_batcher_infer_now(tb->batcher, tb->inline_ws, &t->t) : -ENOMEM;
-            if (rc != 0) {
-                task_fail(t, rc == -ESHUTDOWN ? ESHUTDOWN : rc == -ENOMEM ? ENOMEM : EIO,
-                          rc == -ESHUTDOWN ? "peer is shutting down" : "compute failed");
-                return;
-            }
-            if (t->pos + 1 >= t->span) {
-                task_reply(t, 0);
-                return;
-            }
-            svc_task *nt = span_next(t);
-            if (!nt) {
-                task_fail(t, EBUSY, "peer overloaded; try another replica");
-                return;
-            }
-            t = nt;
-        }
+        infer_inline(s, t);
+        return;
     }
     int rc = peer_batcher_submit(b->batcher, &t->t);
     if (rc != 0) {
@@ -657,6 +422,57 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
             peer_rpc_respond_error(req, EBUSY, "queue full; try another replica");
         else
             peer_rpc_respond_error(req, rc == -ESHUTDOWN ? ESHUTDOWN : EIO, "cannot queue request");
+    }
+}
+
+static int find_block(const peer_service *s, const char *name)
+{
+    for (int i = 0; i < s->n_blocks; i++)
+        if (strcmp(s->blocks[i].name, name) == 0)
+            return i;
+    return -1;
+}
+
+static void respond_not_hosted(peer_rpc_request *req, const peer_msg *msg)
+{
+    char why[256];
+    snprintf(why, sizeof why, "block '%.80s' is not hosted by this peer", msg->block);
+    peer_rpc_respond_error(req, ENOENT, why);
+}
+
+/* The RPC server's handler (loop thread): info and the compute methods
+ * here, every other method to the handler registered for it. */
+static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
+{
+    peer_service *s = arg;
+    if (s->closing) {
+        peer_rpc_respond_error(req, ESHUTDOWN, "peer is shutting down");
+        return;
+    }
+    if (msg->method == PEER_METHOD_INFO) {
+        peer_msg reply;
+        peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_INFO, 0);
+        reply.meta = s->info_json;
+        reply.meta_len = strlen(s->info_json);
+        peer_rpc_respond(req, &reply);
+        return;
+    }
+    int compute = msg->method == PEER_METHOD_FORWARD || msg->method == PEER_METHOD_BACKWARD ||
+                  msg->method == PEER_METHOD_INFER;
+    const struct svc_handler *h =
+        (unsigned)msg->method < PEER_SERVICE_MAX_METHODS ? &s->handlers[msg->method] : NULL;
+    if (!compute && (!h || !h->fn)) {
+        peer_rpc_respond_error(req, ENOSYS, "unknown method");
+        return;
+    }
+    int i = find_block(s, msg->block);
+    if (!compute) {
+        if (h->fn(h->ctx, req, msg, i) == -ENOENT)
+            respond_not_hosted(req, msg);
+    } else if (i < 0) {
+        respond_not_hosted(req, msg);
+    } else {
+        handle_compute(s, &s->blocks[i], req, msg);
     }
 }
 
@@ -720,13 +536,6 @@ static void free_blocks(peer_service *s)
         expert_workspace_destroy(&b->inline_ws);
         pool_free(b);
         pthread_mutex_destroy(&b->pool_mu);
-        free(b->state);
-        b->state = NULL;
-        free(b->avg.base);
-        free(b->avg.reduced);
-        memset(&b->avg, 0, sizeof b->avg);
-        free(b->avg_prev.reduced);
-        b->avg_prev.reduced = NULL;
         expert_block_destroy(&b->block);
     }
     s->n_blocks = 0;
@@ -749,15 +558,11 @@ static void clean_stale_tmp(peer_service *s, svc_block *b)
         svc_log(s, "%s: cannot look for stale temporary checkpoint files: %s", b->name, strerror(-n));
 }
 
-peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cfg, char *err,
-                                  size_t errlen)
+/* Checks cfg, finds its model and makes the checkpoint directory. Returns
+ * the model, or NULL with a sentence in err. */
+static const struct expert_model_spec *check_config(const peer_service_config *cfg, char *err, size_t errlen)
 {
-    char dummy[1];
-    if (!err) {
-        err = dummy;
-        errlen = sizeof dummy;
-    }
-    if (!loop || !cfg || !cfg->self || !cfg->model || !cfg->blocks || cfg->n_blocks < 1 ||
+    if (!cfg->self || !cfg->model || !cfg->blocks || cfg->n_blocks < 1 ||
         cfg->n_blocks > PEER_SERVICE_MAX_BLOCKS || cfg->threads < 1 || cfg->max_batch < 1 ||
         cfg->infer_inline_rows < 0 || cfg->infer_inline_rows > cfg->max_batch ||
         cfg->keep_activations < 0 || cfg->keep_activations > PEER_BATCHER_MAX_KEEP ||
@@ -782,91 +587,92 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
             return NULL;
         }
     }
-    peer_service *s = calloc(1, sizeof *s);
-    if (!s) {
-        snprintf(err, errlen, "out of memory");
-        return NULL;
-    }
-    s->loop = loop;
-    s->cfg = *cfg;
-    s->cfg.blocks = NULL; /* borrowed pointers are not kept */
-    s->cfg.self = NULL;
-    s->cfg.model = NULL;
-    s->cfg.checkpoint_dir = NULL;
-    s->cfg.swarm_key = NULL;
-    s->spec = spec;
-    snprintf(s->model, sizeof s->model, "%s", spec->name);
+    return spec;
+}
 
-    for (int i = 0; i < cfg->n_blocks; i++) {
-        int idx = cfg->blocks[i];
-        svc_block *b = &s->blocks[s->n_blocks];
-        for (int j = 0; j < s->n_blocks; j++)
-            if (s->blocks[j].index == idx) {
-                snprintf(err, errlen, "stage %d listed twice", idx);
-                goto fail;
-            }
-        if (expert_model_stage(spec, idx, &b->cfg) != 0) {
-            snprintf(err, errlen, "model %s has no stage %d (stages 0..%d)", spec->name, idx,
-                     spec->n_stages - 1);
-            goto fail;
-        }
-        b->svc = s;
-        b->index = idx;
-        expert_stage_name(b->name, sizeof b->name, spec, idx);
-        b->stage_hash = expert_stage_hash(spec, idx);
-        pthread_mutex_init(&b->pool_mu, NULL);
-        b->pool_cap = cfg->max_queue_rows + (cfg->threads + 2) * cfg->max_batch + 16;
-        s->n_blocks++;
-        b->block = expert_block_create(&b->cfg, expert_stage_seed(cfg->seed, idx));
-        if (!b->block) {
-            snprintf(err, errlen, "out of memory for block %s", b->name);
-            goto fail;
-        }
-        /* Checkpoints and downloaded state then record and check the stage. */
-        if (expert_block_set_stage(b->block, spec, idx) != 0) {
-            snprintf(err, errlen, "cannot name block %s", b->name);
-            goto fail;
-        }
-        expert_block_set_guard(b->block, &cfg->guard);
-        if (cfg->checkpoint_dir) {
-            char name[sizeof b->name];
-            memcpy(name, b->name, sizeof name); /* a copy: gcc's -Wrestrict sees b->name in *b */
-            snprintf(b->ckpt_path, sizeof b->ckpt_path, "%s/%s.ckpt", cfg->checkpoint_dir, name);
-            clean_stale_tmp(s, b);
-            struct stat st;
-            if (stat(b->ckpt_path, &st) == 0) {
-                char why[PATH_MAX + 512];
-                int rc = expert_block_load(b->block, b->ckpt_path, why, sizeof why);
-                if (rc != 0) {
-                    /* Not started, so the file is not overwritten by our
-                     * next checkpoint: it may be the only copy of a stage. */
-                    snprintf(err, errlen,
-                             "cannot restore %s: %s. The file is left as it is: give it the name of the "
-                             "stage it holds, or move it away to start %s fresh",
-                             b->name, why, b->name);
-                    goto fail;
-                }
-                if (why[0])
-                    svc_log(s, "warning: %s", why);
-                b->restored = 1;
-                b->has_state = 1;
-            }
-        }
-        peer_batcher_config bc = {cfg->threads, cfg->max_batch, cfg->max_queue_rows, cfg->optim, 1,
-                                  cfg->train_idle, b->index, cfg->keep_activations};
-        b->batcher = peer_batcher_create(b->block, &bc);
-        if (!b->batcher) {
-            snprintf(err, errlen, "cannot start compute threads for %s", b->name);
-            goto fail;
-        }
-        calibrate(b, cfg->max_batch);
+/* Restores block b from its checkpoint in dir when there is one (after
+ * removing stale temporary files). Returns 0, or -1 with a sentence in err. */
+static int restore_block(peer_service *s, svc_block *b, const char *dir, char *err, size_t errlen)
+{
+    char name[sizeof b->name];
+    memcpy(name, b->name, sizeof name); /* a copy: gcc's -Wrestrict sees b->name in *b */
+    snprintf(b->ckpt_path, sizeof b->ckpt_path, "%s/%s.ckpt", dir, name);
+    clean_stale_tmp(s, b);
+    struct stat st;
+    if (stat(b->ckpt_path, &st) != 0)
+        return 0;
+    char why[PATH_MAX + 512];
+    int rc = expert_block_load(b->block, b->ckpt_path, why, sizeof why);
+    if (rc != 0) {
+        /* Not started, so the file is not overwritten by our next
+         * checkpoint: it may be the only copy of a stage. */
+        snprintf(err, errlen,
+                 "cannot restore %s: %s. The file is left as it is: give it the name of the "
+                 "stage it holds, or move it away to start %s fresh",
+                 b->name, why, b->name);
+        return -1;
     }
-    build_info(s);
+    if (why[0])
+        svc_log(s, "warning: %s", why);
+    b->restored = 1;
+    b->has_state = 1;
+    return 0;
+}
 
+/* Hosts stage idx of cfg's model as the next block: its block (restored
+ * from its checkpoint when present), its batcher, its speed. Returns 0, or
+ * -1 with a sentence in err (the block, if counted, is freed with the
+ * others). */
+static int open_block(peer_service *s, const peer_service_config *cfg, int idx, char *err, size_t errlen)
+{
+    svc_block *b = &s->blocks[s->n_blocks];
+    if (block_of_stage(s, idx)) {
+        snprintf(err, errlen, "stage %d listed twice", idx);
+        return -1;
+    }
+    if (expert_model_stage(s->spec, idx, &b->cfg) != 0) {
+        snprintf(err, errlen, "model %s has no stage %d (stages 0..%d)", s->spec->name, idx,
+                 s->spec->n_stages - 1);
+        return -1;
+    }
+    b->svc = s;
+    b->index = idx;
+    expert_stage_name(b->name, sizeof b->name, s->spec, idx);
+    b->stage_hash = expert_stage_hash(s->spec, idx);
+    pthread_mutex_init(&b->pool_mu, NULL);
+    b->pool_cap = cfg->max_queue_rows + (cfg->threads + 2) * cfg->max_batch + 16;
+    s->n_blocks++;
+    b->block = expert_block_create(&b->cfg, expert_stage_seed(cfg->seed, idx));
+    if (!b->block) {
+        snprintf(err, errlen, "out of memory for block %s", b->name);
+        return -1;
+    }
+    /* Checkpoints and downloaded state then record and check the stage. */
+    if (expert_block_set_stage(b->block, s->spec, idx) != 0) {
+        snprintf(err, errlen, "cannot name block %s", b->name);
+        return -1;
+    }
+    expert_block_set_guard(b->block, &cfg->guard);
+    if (cfg->checkpoint_dir && restore_block(s, b, cfg->checkpoint_dir, err, errlen) != 0)
+        return -1;
+    peer_batcher_config bc = {cfg->threads, cfg->max_batch, cfg->max_queue_rows, cfg->optim, 1,
+                              cfg->train_idle, b->index, cfg->keep_activations};
+    b->batcher = peer_batcher_create(b->block, &bc);
+    if (!b->batcher) {
+        snprintf(err, errlen, "cannot start compute threads for %s", b->name);
+        return -1;
+    }
+    calibrate(b, cfg->max_batch);
+    return 0;
+}
+
+/* The RPC server, its frames sized for the widest block's requests (at
+ * most two (max_batch, width) tensors) and for state chunks. */
+static peer_rpc_server *create_rpc(peer_service *s, const peer_service_config *cfg)
+{
     peer_rpc_server_config rc = {0};
     rc.self = cfg->self;
     rc.swarm_key = cfg->swarm_key;
-    /* Requests carry at most two (max_batch, width) tensors. */
     size_t widest = 0;
     for (int i = 0; i < s->n_blocks; i++) {
         size_t w = (size_t)(s->blocks[i].cfg.in + s->blocks[i].cfg.out);
@@ -882,7 +688,42 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
     rc.idle_timeout_ms = cfg->rpc_idle_timeout_ms;
     rc.handler = handle;
     rc.arg = s;
-    s->rpc = peer_rpc_server_create(loop, &rc);
+    return peer_rpc_server_create(s->loop, &rc);
+}
+
+peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cfg, char *err,
+                                  size_t errlen)
+{
+    char dummy[1];
+    if (!err) {
+        err = dummy;
+        errlen = sizeof dummy;
+    }
+    const struct expert_model_spec *spec = loop && cfg ? check_config(cfg, err, errlen) : NULL;
+    if (!spec) {
+        if (!loop || !cfg)
+            snprintf(err, errlen, "invalid service configuration");
+        return NULL;
+    }
+    peer_service *s = calloc(1, sizeof *s);
+    if (!s) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    s->loop = loop;
+    s->cfg = *cfg;
+    s->cfg.blocks = NULL; /* borrowed pointers are not kept */
+    s->cfg.self = NULL;
+    s->cfg.model = NULL;
+    s->cfg.checkpoint_dir = NULL;
+    s->cfg.swarm_key = NULL;
+    s->spec = spec;
+    snprintf(s->model, sizeof s->model, "%s", spec->name);
+    for (int i = 0; i < cfg->n_blocks; i++)
+        if (open_block(s, cfg, cfg->blocks[i], err, errlen) != 0)
+            goto fail;
+    build_info(s);
+    s->rpc = create_rpc(s, cfg);
     if (!s->rpc) {
         snprintf(err, errlen, "cannot create the RPC server");
         goto fail;
@@ -892,6 +733,29 @@ fail:
     free_blocks(s);
     free(s);
     return NULL;
+}
+
+int peer_service_set_handler(peer_service *s, peer_method method, peer_service_handler fn, void *ctx,
+                             void (*release)(void *ctx))
+{
+    if (!s || (unsigned)method >= PEER_SERVICE_MAX_METHODS || method == PEER_METHOD_INFO ||
+        method == PEER_METHOD_FORWARD || method == PEER_METHOD_BACKWARD || method == PEER_METHOD_INFER)
+        return -EINVAL;
+    struct svc_handler *h = &s->handlers[method], old = *h;
+    h->fn = fn;
+    h->ctx = fn ? ctx : NULL;
+    h->release = fn ? release : NULL;
+    if (old.release)
+        old.release(old.ctx);
+    return 0;
+}
+
+/* Releases every handler's context: no request reaches them any more. */
+static void release_handlers(peer_service *s)
+{
+    for (int m = 0; m < PEER_SERVICE_MAX_METHODS; m++)
+        if (s->handlers[m].fn)
+            peer_service_set_handler(s, (peer_method)m, NULL, NULL, NULL);
 }
 
 int peer_service_listen(peer_service *s, const struct sockaddr *addr)
@@ -931,6 +795,7 @@ int peer_service_block_info(peer_service *s, int i, peer_block_info *info)
     info->out = b->cfg.out;
     info->restored = b->restored;
     info->version = expert_block_version(b->block);
+    info->has_state = b->has_state || info->version > 0;
     if (b->batcher)
         peer_batcher_get_stats(b->batcher, &info->stats);
     struct expert_block_health h;
@@ -952,134 +817,15 @@ int peer_service_install_state(peer_service *s, int i, const void *buf, size_t l
     return rc;
 }
 
-void peer_service_set_avg_hook(peer_service *s, peer_service_avg_hook fn, void *arg)
+struct expert_block *peer_service_block(peer_service *s, int i)
 {
-    if (!s)
-        return;
-    s->avg_hook = fn;
-    s->avg_hook_arg = arg;
+    return s && i >= 0 && i < s->n_blocks ? s->blocks[i].block : NULL;
 }
 
-void peer_service_set_cold_source(peer_service *s, peer_service_cold_fn fn, void *arg)
+void peer_service_note_state(peer_service *s, int i)
 {
-    if (!s)
-        return;
-    s->cold_fn = fn;
-    s->cold_arg = arg;
-}
-
-static void avg_retire(svc_block *b);
-
-int peer_service_avg_begin(peer_service *s, int i, uint64_t round, const uint8_t digest[PEER_AVG_DIGEST_LEN],
-                           int n, int me, double *weight_out, size_t *nflat_out)
-{
-    if (!s || i < 0 || i >= s->n_blocks || !digest || n < 1 || me < 0 || me >= n)
-        return -EINVAL;
-    svc_block *b = &s->blocks[i];
-    size_t nflat = expert_block_flat_len(b->block);
-    if (b->avg.active && b->avg.reduced_state == 1)
-        avg_retire(b); /* a finished round: keep its part for slower members */
-    if (!b->avg.base || b->avg.nflat != nflat) {
-        free(b->avg.base);
-        b->avg.nflat = 0;
-        b->avg.active = 0;
-        if (!(b->avg.base = malloc(nflat * sizeof(float))))
-            return -ENOMEM;
-    }
-    size_t off, len;
-    peer_avg_part(nflat, n, me, &off, &len);
-    free(b->avg.reduced);
-    if (!(b->avg.reduced = malloc((len ? len : 1) * sizeof(float)))) {
-        b->avg.active = 0;
-        return -ENOMEM;
-    }
-    /* The row count first: samples trained after it count for the next
-     * round, and their updates survive this one (flat_apply). */
-    peer_batcher_stats st;
-    peer_batcher_get_stats(b->batcher, &st);
-    b->avg.mark = st.rows[PEER_TASK_BACKWARD];
-    /* Initial weights carry no information: such a member takes the
-     * group's average and gives nothing to it. */
-    int has_state = b->has_state || expert_block_version(b->block) > 0;
-    b->avg.weight = has_state ? (double)samples_since_avg(b) + 1.0 : 0.0;
-    expert_block_flat_export(b->block, b->avg.base);
-    b->avg.nflat = nflat;
-    b->avg.round = round;
-    memcpy(b->avg.digest, digest, PEER_AVG_DIGEST_LEN);
-    b->avg.part_off = off;
-    b->avg.part_len = len;
-    b->avg.reduced_state = 0;
-    b->avg.active = 1;
-    if (weight_out)
-        *weight_out = b->avg.weight;
-    if (nflat_out)
-        *nflat_out = nflat;
-    return 0;
-}
-
-const float *peer_service_avg_base(peer_service *s, int i)
-{
-    if (!s || i < 0 || i >= s->n_blocks || !s->blocks[i].avg.active)
-        return NULL;
-    return s->blocks[i].avg.base;
-}
-
-int peer_service_avg_reduced(peer_service *s, int i, const float *part)
-{
-    if (!s || i < 0 || i >= s->n_blocks || !part || !s->blocks[i].avg.active)
-        return -EINVAL;
-    svc_block *b = &s->blocks[i];
-    memcpy(b->avg.reduced, part, b->avg.part_len * sizeof(float));
-    b->avg.reduced_state = 1;
-    return 0;
-}
-
-void peer_service_avg_fail(peer_service *s, int i, int err)
-{
-    if (!s || i < 0 || i >= s->n_blocks || !s->blocks[i].avg.active)
-        return;
-    s->blocks[i].avg.reduced_state = err < 0 ? err : -ECANCELED;
-}
-
-int peer_service_avg_apply(peer_service *s, int i, const float *avg, int with_optim, double *dist_before,
-                           double *dist_after)
-{
-    if (!s || i < 0 || i >= s->n_blocks || !avg || !s->blocks[i].avg.active)
-        return -EINVAL;
-    svc_block *b = &s->blocks[i];
-    int rc = expert_block_flat_apply(b->block, avg, b->avg.base, with_optim, dist_before, dist_after);
-    if (rc == 0) {
-        b->avg_mark = b->avg.mark;
-        b->has_state = 1;
-    }
-    return rc;
-}
-
-/* Moves a finished round's reduced part to avg_prev (slower members may
- * still fetch it) and frees the rest. */
-static void avg_retire(svc_block *b)
-{
-    if (b->avg.active && b->avg.reduced_state == 1 && b->avg.reduced) {
-        free(b->avg_prev.reduced);
-        b->avg_prev.round = b->avg.round;
-        memcpy(b->avg_prev.digest, b->avg.digest, PEER_AVG_DIGEST_LEN);
-        b->avg_prev.weight = b->avg.weight;
-        b->avg_prev.nflat = b->avg.nflat;
-        b->avg_prev.part_off = b->avg.part_off;
-        b->avg_prev.part_len = b->avg.part_len;
-        b->avg_prev.reduced = b->avg.reduced;
-        b->avg.reduced = NULL;
-    }
-    free(b->avg.base);
-    free(b->avg.reduced);
-    memset(&b->avg, 0, sizeof b->avg);
-}
-
-void peer_service_avg_release(peer_service *s, int i)
-{
-    if (!s || i < 0 || i >= s->n_blocks)
-        return;
-    avg_retire(&s->blocks[i]);
+    if (s && i >= 0 && i < s->n_blocks)
+        s->blocks[i].has_state = 1;
 }
 
 int peer_service_checkpoint(peer_service *s)
@@ -1128,8 +874,8 @@ void peer_service_destroy(peer_service **pp)
         return;
     peer_service *s = *pp;
     peer_rpc_server_destroy(&s->rpc);
+    release_handlers(s);
     free_blocks(s);
-    free(s->chunk);
     free(s);
     *pp = NULL;
 }

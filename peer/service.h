@@ -15,18 +15,9 @@
  * as codes with a sentence: ENOENT block not hosted, EINVAL wrong shapes or
  * dtype, ENOSYS unknown method, EBUSY queue full (try another replica),
  * ESHUTDOWN stopping, EIO compute failed. info returns a JSON document
- * (meta) describing the hosted blocks.
- *
- * state(block, meta = u64 snapshot id (0: take a new snapshot) + u64 offset,
- * both little-endian) -> one f32 tensor (1, n) carrying up to
- * PEER_STATE_CHUNK bytes of the block's serialized state (parameters and
- * optimizer state, the checkpoint format; zero padded to whole floats), and
- * meta = u64 snapshot id, u64 total bytes, u64 weight version, u64 training
- * samples processed since the block's last averaging round. A newcomer
- * asks for offset 0 with id 0, then for the following offsets with the id it
- * got; if the snapshot was replaced meanwhile the answer is ESTALE and it
- * starts again. The serialized bytes carry their own checksum and config
- * hash, which the receiver verifies when it installs them.
+ * (meta) describing the hosted blocks. Other methods (state downloads,
+ * averaging rounds) go to handlers that other modules register (see
+ * "Methods served by other modules" below).
  *
  * Gradient checks (training integrity, expert/guard.h). A backward whose
  * inputs or grad_outputs hold NaN/Inf, or whose per-sample norms are above
@@ -62,6 +53,8 @@
 #include "peer/rpc_server.h"
 
 #define PEER_SERVICE_MAX_BLOCKS 64
+/* The largest tensor a handler answers with (a state chunk, peer/statesync.h;
+ * an averaging slice, peer/allreduce.h): the RPC frames are sized for it. */
 #define PEER_STATE_CHUNK (256 * 1024)
 
 typedef struct peer_service_config {
@@ -107,6 +100,8 @@ typedef struct peer_block_info {
     int in, out;
     uint64_t version;             /* current weight version */
     int restored;                 /* loaded from a checkpoint at start */
+    int has_state;                /* not its initial weights: restored, installed, averaged
+                                     (peer_service_note_state) or stepped (version > 0) */
     peer_batcher_stats stats;
     /* Training integrity (see "Gradient checks" above). */
     uint64_t refused_requests;    /* backward requests refused (ERANGE) */
@@ -151,72 +146,45 @@ void peer_service_rpc_stats(const peer_service *s, peer_rpc_server_stats *out);
  * error. Loop thread. */
 int peer_service_install_state(peer_service *s, int i, const void *buf, size_t len);
 
-/* ---- Group averaging, the serving side (peer/allreduce.h drives it) ----
+/* Block i's expert block, borrowed until the service is destroyed (NULL
+ * for a bad index). Its compute threads use it meanwhile: callers use only
+ * the calls that are safe beside them (serialize, flat export and apply,
+ * version). Loop thread. */
+struct expert_block;
+struct expert_block *peer_service_block(peer_service *s, int i);
+
+/* Records that block i's state was replaced from elsewhere (an averaging
+ * round applied): peer_block_info.has_state is then set. Loop thread. */
+void peer_service_note_state(peer_service *s, int i);
+
+/* ---- Methods served by other modules ----
  *
- * A round freezes the block's flat state (expert_block_flat_export:
- * parameters, m, v) as the round's base and splits it into n contiguous
- * parts, one per member (peer_avg_part); member j reduces part j. Other
- * members pull slices of our base and, once we have reduced our part, of
- * the result, with PEER_METHOD_AVG (docs/rpc.md):
- *   request meta (48 bytes LE): round u64 | group digest 16 bytes |
- *                               kind u64 (0 base, 1 reduced) | offset u64 | count u64
- *   reply meta (24 bytes LE):   round u64 | weight f64 | flat length u64,
- *                               one (1, count) f32 tensor.
- * Errors: EAGAIN (that round has not begun here yet, our part is not
- * reduced yet, or we are in another group for this round and look again:
- * ask again), ESTALE (another round), ECANCELED
- * (the round failed here), EINVAL (a range outside the state or our part). */
-#define PEER_AVG_MAX_COUNT (PEER_STATE_CHUNK / 4)
-#define PEER_AVG_DIGEST_LEN 16
+ * The service computes info, forward, backward and infer itself. Every
+ * other method goes to the handler registered for it (state downloads:
+ * peer/statesync.h; averaging rounds: peer/allreduce.h); a method with no
+ * handler is answered ENOSYS ("unknown method"), and every method is
+ * answered ESHUTDOWN once the service is closing.
+ *
+ * The handler runs on the loop thread. block is the index of the hosted
+ * block msg->block names, or -1 when this service hosts no such block. msg
+ * (and its tensors) is borrowed: valid until req is answered. The handler
+ * returns 0 when it takes the request: it then answers req exactly once
+ * (peer_rpc_respond / peer_rpc_respond_error), before returning or later
+ * on the loop thread. It returns -ENOENT, without answering, when it has
+ * nothing for that block: the service answers ENOENT ("block '...' is not
+ * hosted by this peer"). It may use the service's loop-thread calls below
+ * (block info, peer_service_block), but not close or destroy it. */
+#define PEER_SERVICE_MAX_METHODS 16
+typedef int (*peer_service_handler)(void *ctx, peer_rpc_request *req, const peer_msg *msg, int block);
 
-/* Part j of n of a flat vector of nflat floats. */
-static inline void peer_avg_part(size_t nflat, int n, int j, size_t *off, size_t *len)
-{
-    size_t a = nflat * (size_t)j / (size_t)n, b = nflat * (size_t)(j + 1) / (size_t)n;
-    *off = a;
-    *len = b - a;
-}
-
-/* Begins round `round` of block i in the group named by digest (n members,
- * we are member me): freezes the base and our weight (training samples
- * since the last applied round, plus one, so a group where nobody trained
- * averages with equal weights; 0 while the block still has its initial
- * weights: never restored, downloaded, averaged or stepped, so it takes
- * the group's average without pulling it toward noise). Replaces any earlier round. Returns 0,
- * -EINVAL or -ENOMEM. Loop thread. */
-int peer_service_avg_begin(peer_service *s, int i, uint64_t round, const uint8_t digest[PEER_AVG_DIGEST_LEN],
-                           int n, int me, double *weight_out, size_t *nflat_out);
-/* The frozen base of the current round (flat length floats), or NULL. */
-const float *peer_service_avg_base(peer_service *s, int i);
-/* Publishes our reduced part (copied) for the others to pull. */
-int peer_service_avg_reduced(peer_service *s, int i, const float *part);
-/* Marks the round failed here: others asking get ECANCELED. */
-void peer_service_avg_fail(peer_service *s, int i, int err);
-/* Applies the round's result (the whole averaged flat vector) as one new
- * weight version, keeping the updates made since the base was frozen
- * (expert_block_flat_apply); with_optim == 0 moves the parameters only.
- * The samples counted for the next round's weight start at the base.
- * Returns 0 or expert_block_flat_apply's error (block unchanged). */
-int peer_service_avg_apply(peer_service *s, int i, const float *avg, int with_optim, double *dist_before,
-                           double *dist_after);
-/* Frees the round's buffers (others still asking then get ESTALE). */
-void peer_service_avg_release(peer_service *s, int i);
-
-/* Called on the loop thread when another member asks block i about
- * averaging round `round` that has not begun here, or names another group
- * for the round we are in (the answer is EAGAIN): the members' views of
- * the group differ, so the owner should look at the group again. */
-typedef void (*peer_service_avg_hook)(void *arg, int block, uint64_t round);
-void peer_service_set_avg_hook(peer_service *s, peer_service_avg_hook fn, void *arg);
-
-/* Cold copies (peer/keeper.h): a state request naming a block this
- * service does not host asks fn, which returns 0 with the serialized state
- * (borrowed: valid until control returns to the loop), its id (non-zero,
- * new whenever the copy is replaced) and weight version, or a negative
- * errno when it keeps no copy (the request then gets ENOENT). Loop thread. */
-typedef int (*peer_service_cold_fn)(void *arg, const char *block, const uint8_t **buf, size_t *len,
-                                    uint64_t *id, uint64_t *version);
-void peer_service_set_cold_source(peer_service *s, peer_service_cold_fn fn, void *arg);
+/* Hands requests of `method` to fn with ctx (fn NULL: none). The service
+ * owns the registration: release (may be NULL) is called with ctx once fn
+ * is no longer called, that is when another handler replaces it or in
+ * peer_service_destroy. Returns 0, or -EINVAL for a method the service
+ * computes itself or out of range (release is then not called). Loop
+ * thread. */
+int peer_service_set_handler(peer_service *s, peer_method method, peer_service_handler fn, void *ctx,
+                             void (*release)(void *ctx));
 
 /* Writes every block's checkpoint now (atomically; blocks the caller for the
  * time of the writes), then removes any temporary file of the blocks' that a

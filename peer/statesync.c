@@ -7,11 +7,200 @@
 #include <sys/socket.h>
 
 #include "dht/addr.h"
+#include "expert/block.h"
 #include "peer/rpc_client.h"
 #include "peer/service.h"
 #include "peer/wire.h"
 
 #define MAX_STATE_BYTES ((size_t)4 << 30) /* refuse absurd totals from a donor */
+
+/* ---- the meta of PEER_METHOD_STATE (both sides) ---- */
+
+#define STATE_REQUEST_META 16
+#define STATE_REPLY_META 24
+
+typedef struct state_request {
+    uint64_t id;                   /* snapshot id; 0: take a new snapshot */
+    uint64_t off;                  /* byte offset */
+} state_request;
+
+typedef struct state_reply {
+    uint64_t id, total, version;
+} state_reply;
+
+static void state_request_encode(uint8_t meta[STATE_REQUEST_META], const state_request *r)
+{
+    peer_put_le64(meta, r->id);
+    peer_put_le64(meta + 8, r->off);
+}
+
+/* Returns 0, or -EBADMSG when meta is not a request's. */
+static int state_request_decode(state_request *r, const void *meta, size_t len)
+{
+    if (!meta || len != STATE_REQUEST_META)
+        return -EBADMSG;
+    r->id = peer_get_le64(meta);
+    r->off = peer_get_le64((const uint8_t *)meta + 8);
+    return 0;
+}
+
+static void state_reply_encode(uint8_t meta[STATE_REPLY_META], const state_reply *r)
+{
+    peer_put_le64(meta, r->id);
+    peer_put_le64(meta + 8, r->total);
+    peer_put_le64(meta + 16, r->version);
+}
+
+/* Returns 0, or -EBADMSG when meta is not a reply's. 24 bytes; peers of
+ * session 2 sent a 4th, unused field. */
+static int state_reply_decode(state_reply *r, const void *meta, size_t len)
+{
+    if (!meta || (len != STATE_REPLY_META && len != STATE_REPLY_META + 8))
+        return -EBADMSG;
+    r->id = peer_get_le64(meta);
+    r->total = peer_get_le64((const uint8_t *)meta + 8);
+    r->version = peer_get_le64((const uint8_t *)meta + 16);
+    return 0;
+}
+
+/* ---- the serving side ---- */
+
+/* The latest serialized snapshot of one hosted block (loop thread). */
+typedef struct snapshot {
+    uint8_t *buf;
+    size_t len;
+    uint64_t id, version;
+} snapshot;
+
+struct peer_statesync_server {
+    peer_service *svc;
+    uint64_t next_id;
+    float *chunk;                  /* one reply's tensor, (PEER_STATE_CHUNK + 4) bytes */
+    peer_statesync_cold_fn cold_fn;
+    void *cold_arg;
+    snapshot snap[PEER_SERVICE_MAX_BLOCKS];
+};
+
+/* Answers one chunk of a serialized state (state, state_len) at off. */
+static void serve_chunk(peer_statesync_server *srv, peer_rpc_request *req, const uint8_t *state, size_t state_len,
+                        uint64_t state_id, uint64_t version, uint64_t off)
+{
+    if (off > state_len) {
+        peer_rpc_respond_error(req, EINVAL, "offset past the end of the state");
+        return;
+    }
+    size_t len = state_len - off < PEER_STATE_CHUNK ? state_len - (size_t)off : PEER_STATE_CHUNK;
+    if (!srv->chunk && !(srv->chunk = malloc(PEER_STATE_CHUNK + 4))) {
+        peer_rpc_respond_error(req, ENOMEM, "out of memory");
+        return;
+    }
+    float *chunk = srv->chunk;
+    size_t nf = (len + 3) / 4;
+    chunk[nf ? nf - 1 : 0] = 0.0f; /* zero the padding */
+    memcpy(chunk, state + off, len);
+    uint8_t meta[STATE_REPLY_META];
+    state_reply_encode(meta, &(state_reply){state_id, state_len, version});
+    peer_msg reply;
+    peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_STATE, 0);
+    reply.meta = meta;
+    reply.meta_len = sizeof meta;
+    uint64_t shape[2] = {1, nf};
+    reply.n_tensors = nf ? 1 : 0;
+    if (nf)
+        peer_tensor_f32(&reply.t[0], chunk, 2, shape);
+    peer_rpc_respond(req, &reply);
+}
+
+/* A chunk of hosted block i's state. Serialising a snapshot copies the
+ * parameters and optimizer state once per download, not per chunk. */
+static void serve_hosted(peer_statesync_server *srv, int i, peer_rpc_request *req, const state_request *q)
+{
+    snapshot *sn = &srv->snap[i];
+    uint64_t off = q->off;
+    if (q->id == 0) {
+        expert_block *blk = peer_service_block(srv->svc, i);
+        size_t need = expert_block_serialized_size(blk, 1);
+        uint8_t *buf = realloc(sn->buf, need ? need : 1);
+        if (!buf) {
+            peer_rpc_respond_error(req, ENOMEM, "out of memory for the state snapshot");
+            return;
+        }
+        sn->buf = buf;
+        long n = expert_block_serialize(blk, 1, buf, need);
+        if (n < 0) {
+            sn->len = 0;
+            peer_rpc_respond_error(req, EIO, "cannot serialize the block");
+            return;
+        }
+        sn->len = (size_t)n;
+        sn->id = ++srv->next_id;
+        sn->version = expert_block_version(blk);
+        off = 0;
+    } else if (q->id != sn->id || !sn->len) {
+        peer_rpc_respond_error(req, ESTALE, "the state snapshot was replaced; start again");
+        return;
+    }
+    serve_chunk(srv, req, sn->buf, sn->len, sn->id, sn->version, off);
+}
+
+/* The state method's handler (peer_service_set_handler): hosted blocks
+ * from their snapshots, others from a cold copy when there is one. */
+static int serve_state(void *ctx, peer_rpc_request *req, const peer_msg *msg, int i)
+{
+    peer_statesync_server *srv = ctx;
+    const uint8_t *buf = NULL;
+    size_t len = 0;
+    uint64_t cid = 0, version = 0;
+    if (i < 0 && (!srv->cold_fn || srv->cold_fn(srv->cold_arg, msg->block, &buf, &len, &cid, &version) != 0))
+        return -ENOENT;
+    state_request q;
+    if (state_request_decode(&q, msg->meta, msg->meta_len) != 0) {
+        peer_rpc_respond_error(req, EINVAL, "state takes meta = snapshot id and offset (16 bytes)");
+        return 0;
+    }
+    if (i >= 0) {
+        serve_hosted(srv, i, req, &q);
+        return 0;
+    }
+    if (q.id != 0 && q.id != cid) {
+        peer_rpc_respond_error(req, ESTALE, "the state snapshot was replaced; start again");
+        return 0;
+    }
+    serve_chunk(srv, req, buf, len, cid, version, q.id == 0 ? 0 : q.off);
+    return 0;
+}
+
+static void server_free(void *ctx)
+{
+    peer_statesync_server *srv = ctx;
+    for (int i = 0; i < PEER_SERVICE_MAX_BLOCKS; i++)
+        free(srv->snap[i].buf);
+    free(srv->chunk);
+    free(srv);
+}
+
+peer_statesync_server *peer_statesync_server_create(peer_service *svc)
+{
+    peer_statesync_server *srv = svc ? calloc(1, sizeof *srv) : NULL;
+    if (!srv)
+        return NULL;
+    srv->svc = svc;
+    if (peer_service_set_handler(svc, PEER_METHOD_STATE, serve_state, srv, server_free) != 0) {
+        free(srv);
+        return NULL;
+    }
+    return srv;
+}
+
+void peer_statesync_server_set_cold_source(peer_statesync_server *srv, peer_statesync_cold_fn fn, void *arg)
+{
+    if (!srv)
+        return;
+    srv->cold_fn = fn;
+    srv->cold_arg = arg;
+}
+
+/* ---- the download (client) ---- */
 
 typedef struct sync {
     peer_rpc_client *cl;
@@ -52,9 +241,8 @@ static void on_reply(void *arg, int status, const peer_msg *m);
 
 static void request(sync_t *s)
 {
-    uint8_t meta[16];
-    peer_put_le64(meta, s->id);
-    peer_put_le64(meta + 8, s->got);
+    uint8_t meta[STATE_REQUEST_META];
+    state_request_encode(meta, &(state_request){s->id, s->got});
     peer_msg m;
     peer_msg_init(&m, PEER_KIND_REQUEST, PEER_METHOD_STATE, 0);
     snprintf(m.block, sizeof m.block, "%s", s->block);
@@ -84,13 +272,12 @@ static void on_reply(void *arg, int status, const peer_msg *m)
         finish(s, m->err_code > 0 ? -m->err_code : -EIO);
         return;
     }
-    /* 24 bytes; peers of session 2 sent a 4th, unused field */
-    if (!m->meta || (m->meta_len != 24 && m->meta_len != 32)) {
+    state_reply r;
+    if (state_reply_decode(&r, m->meta, m->meta_len) != 0) {
         finish(s, -EBADMSG);
         return;
     }
-    uint64_t id = peer_get_le64(m->meta), total = peer_get_le64((const uint8_t *)m->meta + 8);
-    uint64_t version = peer_get_le64((const uint8_t *)m->meta + 16);
+    uint64_t id = r.id, total = r.total, version = r.version;
     if (s->id == 0) {
         /* The first chunk fixes the snapshot and its size. */
         if (total == 0 || total > MAX_STATE_BYTES) {

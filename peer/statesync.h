@@ -1,11 +1,26 @@
-/* peer/statesync.h: downloading a block's current state from a holder.
+/* peer/statesync.h: a block's state download, both sides.
  *
- * A newcomer connects to a donor (checking its node ID), asks for the
- * block's state snapshot chunk by chunk (PEER_METHOD_STATE, see
- * peer/service.h) and hands the whole byte string to the callback; the
- * caller installs it with peer_service_install_state, which verifies the
- * checksum and the config hash. A snapshot replaced mid-download (ESTALE)
- * restarts once. Loop thread only.
+ * The method (docs/rpc.md): state(block, meta = u64 snapshot id (0: take
+ * a new snapshot) + u64 offset, both little-endian) -> one f32 tensor
+ * (1, n) carrying up to PEER_STATE_CHUNK bytes of the block's serialized
+ * state (parameters and optimizer state, the checkpoint format; zero
+ * padded to whole floats), and meta = u64 snapshot id, u64 total bytes,
+ * u64 weight version. A newcomer asks for offset 0 with id 0, then for
+ * the following offsets with the id it got; if the snapshot was replaced
+ * meanwhile the answer is ESTALE and it starts again. The serialized bytes
+ * carry their own checksum and config hash, which the receiver verifies
+ * when it installs them.
+ *
+ * The serving side (peer_statesync_server) answers the method for the
+ * service's hosted blocks and, through a cold source, for the copies a
+ * keeper holds (peer/keeper.h).
+ *
+ * The download: a newcomer connects to a donor (checking its node ID),
+ * asks for the block's state snapshot chunk by chunk and hands the whole
+ * byte string to the callback; the caller installs it with
+ * peer_service_install_state, which verifies the checksum and the config
+ * hash. A snapshot replaced mid-download (ESTALE) restarts once. Loop
+ * thread only.
  */
 #ifndef PEER_STATESYNC_H
 #define PEER_STATESYNC_H
@@ -16,6 +31,30 @@
 #include <uv.h>
 
 #include "dht/identity.h"
+#include "peer/service.h"
+
+/* ---- The serving side ---- */
+
+typedef struct peer_statesync_server peer_statesync_server;
+
+/* Creates the state serving of svc's blocks and registers its
+ * PEER_METHOD_STATE handler with svc (peer_service_set_handler): the
+ * service owns the server from then on and frees it in
+ * peer_service_destroy, so the caller never frees it. Returns NULL when
+ * out of memory (nothing registered). */
+peer_statesync_server *peer_statesync_server_create(peer_service *svc);
+
+/* Cold copies (peer/keeper.h): a state request naming a block the service
+ * does not host asks fn, which returns 0 with the serialized state
+ * (borrowed: valid until control returns to the loop), its id (non-zero,
+ * new whenever the copy is replaced) and weight version, or a negative
+ * errno when it keeps no copy (the request then gets ENOENT). fn NULL:
+ * none. Loop thread. */
+typedef int (*peer_statesync_cold_fn)(void *arg, const char *block, const uint8_t **buf, size_t *len,
+                                      uint64_t *id, uint64_t *version);
+void peer_statesync_server_set_cold_source(peer_statesync_server *srv, peer_statesync_cold_fn fn, void *arg);
+
+/* ---- The download ---- */
 
 /* status 0: buf[0..len) is the donor's state at weight `version` (buf is
  * valid during the callback only). Otherwise a negative errno. */

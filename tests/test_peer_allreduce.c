@@ -26,6 +26,7 @@
 static uv_loop_t loop;
 static dht_identity ids[N], id_cli;
 static peer_service *svc[N];
+static peer_allreduce_server *rounds[N]; /* svc[k]'s; the service frees it */
 static int ports[N];
 static peer_allreduce_member members[N];
 
@@ -154,11 +155,11 @@ static float *flat_of(int k, size_t *n_out)
 {
     uint8_t dg[PEER_AVG_DIGEST_LEN] = {0};
     size_t n = 0;
-    assert_int_equal(peer_service_avg_begin(svc[k], 0, 1, dg, 1, 0, NULL, &n), 0);
+    assert_int_equal(peer_allreduce_server_begin(rounds[k], 0, 1, dg, 1, 0, NULL, &n), 0);
     float *f = malloc(n * sizeof(float));
     assert_non_null(f);
-    memcpy(f, peer_service_avg_base(svc[k], 0), n * sizeof(float));
-    peer_service_avg_release(svc[k], 0);
+    memcpy(f, peer_allreduce_server_base(rounds[k], 0), n * sizeof(float));
+    peer_allreduce_server_release(rounds[k], 0);
     *n_out = n;
     return f;
 }
@@ -182,7 +183,7 @@ static int start_round(int k, uint64_t round, const uint8_t *digest, double time
     memset(&c, 0, sizeof c);
     c.loop = &loop;
     c.self = &ids[k];
-    c.svc = svc[k];
+    c.srv = rounds[k];
     c.block = 0;
     c.block_name = BLOCK;
     c.round = round;
@@ -217,8 +218,11 @@ static void start_all(void)
                 ids[i] = ids[j];
                 ids[j] = t;
             }
-    for (int k = 0; k < N; k++)
+    for (int k = 0; k < N; k++) {
         svc[k] = start(k, 100u + (unsigned)k);
+        rounds[k] = peer_allreduce_server_create(svc[k]);
+        assert_non_null(rounds[k]);
+    }
 }
 
 static void stop_all(void)
@@ -328,7 +332,7 @@ static void hostile_member(int nan)
     outcome o[N];
     for (int k = 0; k < N; k++)
         assert_int_equal(start_round(k, 43, dg, 20.0, &o[k]), 0);
-    float *bad = (float *)peer_service_avg_base(svc[2], 0); /* what member 2 serves */
+    float *bad = (float *)peer_allreduce_server_base(rounds[2], 0); /* what member 2 serves */
     for (size_t i = 0; i < n; i++)
         if (!nan)
             bad[i] = 1e30f;
@@ -400,8 +404,8 @@ static void test_member_fails(void **state)
     for (int k = 0; k < 2; k++)
         assert_int_equal(start_round(k, 43, dg, 20.0, &o[k]), 0);
     /* Member 2 begins the round, then fails. */
-    assert_int_equal(peer_service_avg_begin(svc[2], 0, 43, dg, N, 2, NULL, NULL), 0);
-    peer_service_avg_fail(svc[2], 0, -EIO);
+    assert_int_equal(peer_allreduce_server_begin(rounds[2], 0, 43, dg, N, 2, NULL, NULL), 0);
+    peer_allreduce_server_fail(rounds[2], 0, -EIO);
     for (int k = 0; k < 2; k++) {
         run_until(&o[k].done);
         assert_int_equal(o[k].status, -ECANCELED);
@@ -519,7 +523,7 @@ static void test_bad_requests(void **state)
     expect_err(cl, m, 47, EINVAL);      /* short meta */
     expect_err(cl, NULL, 0, EINVAL);
     size_t n = 0;
-    assert_int_equal(peer_service_avg_begin(svc[0], 0, 50, dg, N, 0, NULL, &n), 0);
+    assert_int_equal(peer_allreduce_server_begin(rounds[0], 0, 50, dg, N, 0, NULL, &n), 0);
     reply r;
     call(cl, PEER_METHOD_AVG, m, 48, NULL, 0, 0, NULL, 0, &r);
     assert_int_equal(r.kind, PEER_KIND_REPLY);
@@ -535,15 +539,15 @@ static void test_bad_requests(void **state)
         uint8_t dg60[PEER_AVG_DIGEST_LEN];
         digest_for(dg60, 60);
         size_t n60 = 0;
-        assert_int_equal(peer_service_avg_begin(svc[1], 0, 60, dg60, N, 0, NULL, &n60), 0);
+        assert_int_equal(peer_allreduce_server_begin(rounds[1], 0, 60, dg60, N, 0, NULL, &n60), 0);
         size_t o60, l60;
         peer_avg_part(n60, N, 0, &o60, &l60);
         float *part = calloc(l60, sizeof(float));
         assert_non_null(part);
         part[0] = 42.0f;
-        assert_int_equal(peer_service_avg_reduced(svc[1], 0, part), 0);
+        assert_int_equal(peer_allreduce_server_reduced(rounds[1], 0, part), 0);
         free(part);
-        peer_service_avg_release(svc[1], 0);
+        peer_allreduce_server_release(rounds[1], 0);
         peer_rpc_client *c1 = connect_to(1);
         uint8_t m60[48];
         avg_meta(m60, 60, dg60, 1, o60, 16);
@@ -557,15 +561,15 @@ static void test_bad_requests(void **state)
         expect_err(c1, m60, 48, ESTALE);  /* an older round */
         uint8_t dg61[PEER_AVG_DIGEST_LEN];
         digest_for(dg61, 61);
-        assert_int_equal(peer_service_avg_begin(svc[1], 0, 61, dg61, N, 0, NULL, NULL), 0);
+        assert_int_equal(peer_allreduce_server_begin(rounds[1], 0, 61, dg61, N, 0, NULL, NULL), 0);
         avg_meta(m60, 60, dg60, 1, o60, 16);
         call(c1, PEER_METHOD_AVG, m60, 48, NULL, 0, 0, NULL, 0, &r60);
         assert_int_equal(r60.kind, PEER_KIND_REPLY); /* still, during round 61 */
-        peer_service_avg_release(svc[1], 0);
+        peer_allreduce_server_release(rounds[1], 0);
         close_client(&c1);
     }
     hints = 0;
-    peer_service_set_avg_hook(svc[0], on_hint, NULL);
+    peer_allreduce_server_set_hint(rounds[0], on_hint, NULL);
     avg_meta(m, 50, other, 0, 0, 16);
     expect_err(cl, m, 48, EAGAIN);      /* another group: both look again */
     assert_int_equal(hints, 1);
@@ -577,7 +581,7 @@ static void test_bad_requests(void **state)
     avg_meta(m, 49, dg, 0, 0, 16);
     expect_err(cl, m, 48, ESTALE);      /* an older round: no reason to look */
     assert_int_equal(hints, 2);
-    peer_service_set_avg_hook(svc[0], NULL, NULL);
+    peer_allreduce_server_set_hint(rounds[0], NULL, NULL);
     avg_meta(m, 50, dg, 2, 0, 16);
     expect_err(cl, m, 48, EINVAL);      /* unknown kind */
     avg_meta(m, 50, dg, 0, n - 8, 16);
@@ -592,7 +596,7 @@ static void test_bad_requests(void **state)
     expect_err(cl, m, 48, EAGAIN);      /* our part is not reduced yet */
     avg_meta(m, 50, dg, 1, n - 16, 16);
     expect_err(cl, m, 48, EINVAL);      /* not member 0's part */
-    peer_service_avg_fail(svc[0], 0, -EIO);
+    peer_allreduce_server_fail(rounds[0], 0, -EIO);
     avg_meta(m, 50, dg, 1, 0, 16);
     expect_err(cl, m, 48, ECANCELED);
     close_client(&cl);

@@ -5,6 +5,7 @@
 
 #include "dht/mp.h"
 #include "peer/announce.h"
+#include "peer/averaging.h"
 #include "test_util.h"
 
 static peer_announce sample(void)

@@ -1,5 +1,5 @@
-/* peer/averaging.h: the group a member forms from the matchmaking entries
- * it read. Every member must form the same group from the same entries, in
+/* peer/averaging.h: the candidates a member reads from the matchmaking
+ * entries, and the group it forms from them. Every member must form the same group from the same entries, in
  * whatever order they came back; groups over the size limit split alike
  * everywhere; a different view gives a different digest (which is how the
  * members notice that they must look again). */
@@ -12,6 +12,7 @@
 
 #include <cmocka.h>
 
+#include "peer/announce.h"
 #include "peer/averaging.h"
 
 static void cand_of(peer_avg_candidate *c, int k, int optim)
@@ -101,12 +102,148 @@ static void test_large_swarm_splits_alike(void **state)
         assert_int_equal(seen[k], 1);
 }
 
+/* Given inputs, the group chosen: the members sorted by node ID with their
+ * addresses, self's place, and the digest of exactly those IDs and
+ * optimizer kinds for that round. */
+static void test_group_for_given_inputs(void **state)
+{
+    (void)state;
+    peer_avg_candidate a[3];
+    const uint8_t first[3] = {0x30, 0x10, 0x20};
+    for (int k = 0; k < 3; k++) {
+        cand_of(&a[k], k, 1);
+        memset(a[k].m.id, first[k], DHT_ID_LEN);
+    }
+    peer_avg_group g;
+    assert_int_equal(peer_avg_choose_group(a, 3, a[2].m.id, 5000, &g), 0);
+    assert_int_equal(g.n, 3);
+    assert_int_equal(g.me, 1);
+    assert_true(g.with_optim);
+    /* 0x10 (a[1], port 4001), 0x20 (a[2], 4002), 0x30 (a[0], 4000) */
+    assert_memory_equal(g.members[0].id, a[1].m.id, DHT_ID_LEN);
+    assert_memory_equal(g.members[1].id, a[2].m.id, DHT_ID_LEN);
+    assert_memory_equal(g.members[2].id, a[0].m.id, DHT_ID_LEN);
+    assert_string_equal(g.members[0].addr, "127.0.0.1:4001");
+    assert_string_equal(g.members[1].addr, "127.0.0.1:4002");
+    assert_string_equal(g.members[2].addr, "127.0.0.1:4000");
+    uint8_t ids[3][DHT_ID_LEN], tags[3] = {1, 1, 1}, want[PEER_AVG_DIGEST_LEN];
+    for (int i = 0; i < 3; i++)
+        memcpy(ids[i], g.members[i].id, DHT_ID_LEN);
+    peer_allreduce_digest(want, 5000, (const uint8_t(*)[DHT_ID_LEN])ids, tags, 3);
+    assert_memory_equal(g.digest, want, PEER_AVG_DIGEST_LEN);
+    /* Member 0x30 uses SGD (kind 2): the group averages parameters only,
+     * and the digest records each member's kind. */
+    a[0].optim = 2;
+    tags[2] = 2;
+    assert_int_equal(peer_avg_choose_group(a, 3, a[1].m.id, 5000, &g), 0);
+    assert_int_equal(g.me, 0);
+    assert_false(g.with_optim);
+    peer_allreduce_digest(want, 5000, (const uint8_t(*)[DHT_ID_LEN])ids, tags, 3);
+    assert_memory_equal(g.digest, want, PEER_AVG_DIGEST_LEN);
+}
+
+/* One over the size limit: two groups, of 8 and 9, that together hold
+ * every candidate once. */
+static void test_just_over_the_limit(void **state)
+{
+    (void)state;
+    enum { NC = PEER_ALLREDUCE_MAX_MEMBERS + 1 };
+    peer_avg_candidate c[NC];
+    for (int k = 0; k < NC; k++)
+        cand_of(&c[k], k, 1);
+    int in_group[NC] = {0}, sizes[2] = {0}, ng = 0;
+    uint8_t digests[2][PEER_AVG_DIGEST_LEN];
+    for (int k = 0; k < NC; k++) {
+        peer_avg_group g;
+        assert_int_equal(peer_avg_choose_group(c, NC, c[k].m.id, 9000, &g), 0);
+        assert_memory_equal(g.members[g.me].id, c[k].m.id, DHT_ID_LEN);
+        int d = 0;
+        while (d < ng && memcmp(digests[d], g.digest, PEER_AVG_DIGEST_LEN))
+            d++;
+        if (d == ng) {
+            assert_true(ng < 2);
+            memcpy(digests[ng], g.digest, PEER_AVG_DIGEST_LEN);
+            sizes[ng++] = g.n;
+        }
+        assert_int_equal(sizes[d], g.n);
+        in_group[k]++;
+    }
+    assert_int_equal(ng, 2);
+    assert_int_equal(sizes[0] + sizes[1], NC);
+    assert_true((sizes[0] == 8 && sizes[1] == 9) || (sizes[0] == 9 && sizes[1] == 8));
+    for (int k = 0; k < NC; k++)
+        assert_int_equal(in_group[k], 1);
+}
+
+/* A matchmaking entry as the DHT returns it. */
+static void entry_of(dht_entry *e, uint8_t *val, size_t cap, const peer_avg_candidate *c, uint64_t round,
+                     uint64_t period_ms)
+{
+    peer_avg_record r = {0};
+    r.round = round;
+    snprintf(r.addr, sizeof r.addr, "%.64s", c->m.addr);
+    r.optim = c->optim;
+    r.period_ms = period_ms;
+    long n = peer_avg_record_encode(&r, val, cap);
+    assert_true(n > 0);
+    memset(e, 0, sizeof *e);
+    e->subkey = c->m.id;
+    e->subkey_len = DHT_ID_LEN;
+    e->value = val;
+    e->value_len = (size_t)n;
+    e->is_signed = 1;
+}
+
+/* From the entries read: this round's signed, well-formed entries of
+ * others, then self; the first other period seen is reported. */
+static void test_candidates_from_entries(void **state)
+{
+    (void)state;
+    peer_avg_candidate c[6], self, out[8];
+    for (int k = 0; k < 6; k++)
+        cand_of(&c[k], k, 1);
+    cand_of(&self, 9, 1);
+    static uint8_t vals[7][PEER_ANNOUNCE_MAX_BYTES];
+    dht_entry e[7];
+    entry_of(&e[0], vals[0], sizeof vals[0], &c[0], 6000, 10000);  /* taken */
+    entry_of(&e[1], vals[1], sizeof vals[1], &c[1], 4000, 20000);  /* another round; another period */
+    entry_of(&e[2], vals[2], sizeof vals[2], &c[2], 6000, 10000);
+    e[2].is_signed = 0;                                             /* unsigned */
+    entry_of(&e[3], vals[3], sizeof vals[3], &c[3], 6000, 10000);
+    e[3].subkey_len = 5;                                            /* not a node ID */
+    entry_of(&e[4], vals[4], sizeof vals[4], &c[4], 6000, 30000);  /* taken; the second other period */
+    vals[5][0] = 0xc1;                                              /* not msgpack */
+    e[5] = e[0];
+    e[5].value = vals[5];
+    e[5].value_len = 1;
+    entry_of(&e[6], vals[6], sizeof vals[6], &self, 6000, 10000);  /* our own: we come last anyway */
+    uint64_t other = 1;
+    int n = peer_avg_candidates(e, 7, 6000, &self, 10000, out, 8, &other);
+    assert_int_equal(n, 3);
+    assert_memory_equal(out[0].m.id, c[0].m.id, DHT_ID_LEN);
+    assert_string_equal(out[0].m.addr, c[0].m.addr);
+    assert_memory_equal(out[1].m.id, c[4].m.id, DHT_ID_LEN);
+    assert_string_equal(out[1].m.addr, c[4].m.addr);
+    assert_memory_equal(&out[2], &self, sizeof self);
+    assert_true(other == 20000);
+    /* Room for self alone; nothing read; bad arguments. */
+    assert_int_equal(peer_avg_candidates(e, 7, 6000, &self, 10000, out, 1, NULL), 1);
+    assert_memory_equal(&out[0], &self, sizeof self);
+    assert_int_equal(peer_avg_candidates(NULL, 0, 6000, &self, 10000, out, 8, &other), 1);
+    assert_true(other == 0);
+    assert_int_equal(peer_avg_candidates(e, 7, 6000, &self, 10000, out, 0, NULL), -EINVAL);
+    assert_int_equal(peer_avg_candidates(e, 7, 6000, NULL, 10000, out, 8, NULL), -EINVAL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_same_group_any_order),
         cmocka_unit_test(test_alone_or_absent),
         cmocka_unit_test(test_large_swarm_splits_alike),
+        cmocka_unit_test(test_group_for_given_inputs),
+        cmocka_unit_test(test_just_over_the_limit),
+        cmocka_unit_test(test_candidates_from_entries),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

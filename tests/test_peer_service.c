@@ -18,6 +18,7 @@
 #include "expert/model.h"
 #include "peer/peer.h"
 #include "peer/service.h"
+#include "peer/statesync.h"
 #include "test_util.h"
 #include "test_rpc_util.h"
 
@@ -244,8 +245,18 @@ static void test_rpc_equals_local_and_restart(void **state)
     assert_non_null(strstr(r.meta, "\"fmnist-mlp.1\""));
     assert_non_null(strstr(r.meta, "\"fmnist-mlp.5\""));
 
-    /* The state method: a first chunk, then hostile requests. */
+    /* The state method is served by its handler (peer/statesync.h): none
+     * registered, it is an unknown method; the service computes the other
+     * methods itself and refuses handlers for them. */
     uint8_t sm[16] = {0};
+    call_state(cl, "fmnist-mlp.5", sm, sizeof sm, &r);
+    assert_int_equal(r.kind, PEER_KIND_ERROR);
+    assert_int_equal(r.err_code, ENOSYS);
+    assert_int_equal(peer_service_set_handler(s, PEER_METHOD_FORWARD, NULL, NULL, NULL), -EINVAL);
+    assert_int_equal(peer_service_set_handler(s, PEER_METHOD_INFO, NULL, NULL, NULL), -EINVAL);
+    assert_non_null(peer_statesync_server_create(s)); /* the service frees it */
+
+    /* The state method: a first chunk, then hostile requests. */
     call_state(cl, "fmnist-mlp.5", sm, sizeof sm, &r);
     assert_int_equal(r.kind, PEER_KIND_REPLY);
     uint64_t sid = peer_get_le64(r.meta), total = peer_get_le64(r.meta + 8);
