@@ -393,7 +393,7 @@ void peer__conn_resume(peer__conn *c)
  * while we encrypt the rest, and the kernel copies the piece while it is
  * still in this core's L2 (1 MiB here). 256 KiB pieces, written one by one,
  * streamed 16 MiB records about 10 % faster than 1 MiB pieces written in
- * quarters (docs/benchmarks.md, Tensor RPC, session 7). */
+ * quarters (docs/benchmarks.md, "Tensor RPC, against PyTorch RPC"). */
 #define SEND_PIECE (256u << 10)
 
 typedef struct sender {

@@ -16,6 +16,7 @@
 #include "expert/guard.h"
 #include "expert/model.h"
 #include "peer/log.h"
+#include "peer/meta.h"
 #include "peer/rpc_server.h"
 #include "peer/wire.h"
 
@@ -165,13 +166,14 @@ static void task_reply(svc_task *t, int status)
         return;
     }
     peer_msg reply;
-    uint8_t meta[8 * PEER_SERVICE_MAX_BLOCKS];
+    uint8_t meta[PEER_META_U64_LEN * PEER_SERVICE_MAX_BLOCKS];
+    uint64_t versions[PEER_SERVICE_MAX_BLOCKS];
     int n = t->pos + 1; /* one weight version per stage, in order */
     for (svc_task *x = t; x; x = x->prev)
-        peer_put_le64(meta + 8 * x->pos, x->t.version);
+        versions[x->pos] = x->t.version;
     peer_msg_init(&reply, PEER_KIND_REPLY, (peer_method)t->method, 0);
     reply.meta = meta;
-    reply.meta_len = 8 * (size_t)n;
+    reply.meta_len = peer_meta_versions_encode(meta, sizeof meta, versions, n);
     uint64_t shape[2] = {(uint64_t)pt->rows,
                          (uint64_t)(t->method == PEER_METHOD_BACKWARD ? b->cfg.in : b->cfg.out)};
     reply.n_tensors = 1;
@@ -313,16 +315,15 @@ static int is_f32_2d(const peer_tensor *t, int cols, int max_rows, uint64_t *row
 static int infer_span(peer_service *s, svc_block *b, peer_rpc_request *req, const peer_msg *msg)
 {
     char why[256];
-    if (msg->method != PEER_METHOD_INFER || msg->meta_len == 0)
+    if (msg->method != PEER_METHOD_INFER)
         return 1;
-    uint64_t v = msg->meta_len == 8 ? peer_get_le64(msg->meta) : 0;
-    if (v < 1 || v > (uint64_t)s->n_blocks) {
+    int span;
+    if (peer_meta_span_decode(msg->meta, msg->meta_len, s->n_blocks, &span) != 0) {
         snprintf(why, sizeof why, "infer meta is the number of consecutive stages to run (u64le, 1..%d)",
                  s->n_blocks);
         peer_rpc_respond_error(req, EINVAL, why);
         return 0;
     }
-    int span = (int)v;
     for (int i = 1; i < span; i++)
         if (!block_of_stage(s, b->index + i)) {
             snprintf(why, sizeof why, "stage %d (in a span of %d from %s) is not hosted by this peer",
@@ -405,12 +406,11 @@ static void handle_compute(peer_service *s, svc_block *b, peer_rpc_request *req,
     t->t.grad_outputs = fwd ? NULL : msg->t[1].data;
     t->t.outputs = t->out;
     t->t.done = task_done;
-    /* A backward may name the weight version its forward used (8 bytes LE
-     * in meta), so the recompute uses the same weights when still held. */
-    if (!fwd && msg->meta && msg->meta_len == 8) {
+    /* A backward may name the weight version its forward used, so the
+     * recompute uses the same weights when still held; meta of another
+     * length is ignored, as it always was. */
+    if (!fwd && peer_meta_at_version_decode(msg->meta, msg->meta_len, &t->t.at_version) == 1)
         t->t.has_at_version = 1;
-        t->t.at_version = peer_get_le64(msg->meta);
-    }
     if (t->t.kind == PEER_TASK_INFER && t->t.rows <= s->cfg.infer_inline_rows) {
         infer_inline(s, t);
         return;

@@ -36,7 +36,7 @@ typedef enum peer_method {
     PEER_METHOD_BACKWARD = 3,   /* inputs, grad_outputs -> grad_inputs */
     PEER_METHOD_INFER = 4,      /* inputs -> outputs, like forward, served ahead of training */
     PEER_METHOD_STATE = 5,      /* a chunk of a block's serialized state (newcomer download) */
-    PEER_METHOD_AVG = 6,        /* a slice of a group-averaging round (peer/service.h) */
+    PEER_METHOD_AVG = 6,        /* a slice of a group-averaging round (peer/allreduce.h) */
 } peer_method;
 typedef enum peer_dtype { PEER_DTYPE_F32 = 0 } peer_dtype;
 
