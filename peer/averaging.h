@@ -5,7 +5,7 @@
  * round's start in ms since the epoch, so replicas agree on R without
  * talking, and peers whose periods are multiples of one another (10 s and
  * 30 s) meet at the common multiples. At the start of a round each hosted
- * block stores a signed matchmaking entry (peer/announce.h, with the
+ * block stores a signed matchmaking entry (below, with the
  * period), waits a gathering window, reads who else did, and runs the
  * all-reduce with that group (peer_avg_choose_group).
  *
