@@ -264,6 +264,40 @@ static int unsigned_room(const dht_store *s, const skey *k, const dht_addr *g, s
     return 1;
 }
 
+/* Replaces entry i of key k (same subkey and kind as e) by e, within the
+ * same bounds as a new entry. Returns 1 when replaced, 0 when the entry
+ * held is as new as e (nothing to do), -ENOSPC or -ENOMEM. */
+static int replace_entry(dht_store *s, skey *k, size_t i, const dht_entry *e, const dht_addr *g,
+                         uint64_t now)
+{
+    sentry *x = &k->e[i];
+    size_t sz = e->value_len + ENTRY_OVERHEAD, old = x->value_len + ENTRY_OVERHEAD;
+    if (x->expires >= e->expires && x->expires > now)
+        return 0;
+    if (!e->is_signed && !unsigned_room(s, k, g, sz, i, old))
+        return -ENOSPC;
+    if (s->bytes - old + sz > s->lim.max_bytes && (!e->is_signed || !evict_unsigned_bytes(s, k, sz - old)))
+        return -ENOSPC;
+    uint8_t *val = malloc(e->value_len ? e->value_len : 1);
+    if (!val)
+        return -ENOMEM;
+    if (e->value_len)
+        memcpy(val, e->value, e->value_len);
+    s->bytes = s->bytes - old + sz;
+    if (!e->is_signed) {
+        k->unsigned_bytes = k->unsigned_bytes - old + sz;
+        s->unsigned_bytes = s->unsigned_bytes - old + sz;
+        x->src = *g;
+    }
+    free(x->value);
+    x->value = val;
+    x->value_len = e->value_len;
+    x->expires = e->expires;
+    memcpy(x->pk, e->pk, 32);
+    memcpy(x->sig, e->sig, 64);
+    return 1;
+}
+
 int dht_store_put(dht_store *s, const uint8_t key[DHT_ID_LEN], const dht_entry *e, uint64_t now)
 {
     return dht_store_put_from(s, key, e, now, NULL);
@@ -300,35 +334,8 @@ int dht_store_put_from(dht_store *s, const uint8_t key[DHT_ID_LEN], const dht_en
         while (lo < hi) {
             size_t mid = (lo + hi) / 2;
             int c = cmp_entry(&k->e[mid], e->is_signed, e->subkey, e->subkey_len);
-            if (c == 0) {
-                sentry *x = &k->e[mid];
-                size_t old = x->value_len + ENTRY_OVERHEAD;
-                if (x->expires >= e->expires && x->expires > now)
-                    return 0;
-                if (!e->is_signed && !unsigned_room(s, k, &g, sz, mid, old))
-                    return -ENOSPC;
-                if (s->bytes - old + sz > s->lim.max_bytes &&
-                    (!e->is_signed || !evict_unsigned_bytes(s, k, sz - old)))
-                    return -ENOSPC;
-                val = malloc(e->value_len ? e->value_len : 1);
-                if (!val)
-                    return -ENOMEM;
-                if (e->value_len)
-                    memcpy(val, e->value, e->value_len);
-                s->bytes = s->bytes - old + sz;
-                if (!e->is_signed) {
-                    k->unsigned_bytes = k->unsigned_bytes - old + sz;
-                    s->unsigned_bytes = s->unsigned_bytes - old + sz;
-                    x->src = g;
-                }
-                free(x->value);
-                x->value = val;
-                x->value_len = e->value_len;
-                x->expires = e->expires;
-                memcpy(x->pk, e->pk, 32);
-                memcpy(x->sig, e->sig, 64);
-                return 1;
-            }
+            if (c == 0)
+                return replace_entry(s, k, mid, e, &g, now);
             if (c < 0)
                 lo = mid + 1;
             else

@@ -147,6 +147,49 @@ static void on_join(dht *d, int status, void *ud)
     }
 }
 
+/* The action and its operands (args[0..npos): get KEY | put KEY VALUE)
+ * into st: the key as an ID (hashed, or --raw-key hex) and the value
+ * (--value-hex decoded). Returns 0, or the exit code after saying why. */
+static int parse_action(dht_cli *st, int npos, char **args, int raw, int value_hex)
+{
+    if (npos < 1)
+        return cli_usage_error("dht", "expected 'get KEY' or 'put KEY VALUE'");
+    const char *verb = args[0];
+    if (strcmp(verb, "get") == 0) {
+        if (npos != 2)
+            return cli_usage_error("dht", "usage: starling dht get KEY --initial-peers LIST");
+    } else if (strcmp(verb, "put") == 0) {
+        if (npos != 3)
+            return cli_usage_error("dht", "usage: starling dht put KEY VALUE --initial-peers LIST");
+        st->is_put = 1;
+        st->value = args[2];
+        st->value_len = strlen(st->value);
+        if (value_hex) {
+            size_t bin = 0;
+            if (st->value_len % 2 != 0 || st->value_len / 2 > DHT_MAX_VALUE ||
+                sodium_hex2bin(st->value_buf, sizeof st->value_buf, st->value, st->value_len, NULL, &bin,
+                               NULL) != 0 ||
+                bin != st->value_len / 2)
+                return cli_usage_error("dht", "--value-hex: VALUE must be an even number of hex digits, at most "
+                                              "%d bytes", DHT_MAX_VALUE);
+            st->value = (const char *)st->value_buf;
+            st->value_len = bin;
+        } else if (st->value_len > DHT_MAX_VALUE) {
+            return cli_usage_error("dht", "VALUE is longer than %d bytes", DHT_MAX_VALUE);
+        }
+    } else {
+        return cli_usage_error("dht", "unknown action '%s' (expected get or put)", verb);
+    }
+    const char *key = args[1];
+    if (raw) {
+        if (dht_id_from_hex(st->key, key) != 0)
+            return cli_usage_error("dht", "--raw-key: KEY must be 40 hex digits, got '%s'", key);
+    } else {
+        dht_id_of_bytes(st->key, key, strlen(key));
+    }
+    return 0;
+}
+
 int cmd_dht(int argc, char **argv)
 {
     static const struct option opts[] = {
@@ -191,42 +234,10 @@ int cmd_dht(int argc, char **argv)
         default: return cli_bad_option("dht", c, argv);
         }
     }
-    int npos = argc - optind;
     memset(&st, 0, sizeof st);
-    if (npos < 1)
-        return cli_usage_error("dht", "expected 'get KEY' or 'put KEY VALUE'");
-    const char *verb = argv[optind];
-    if (strcmp(verb, "get") == 0) {
-        if (npos != 2)
-            return cli_usage_error("dht", "usage: starling dht get KEY --initial-peers LIST");
-    } else if (strcmp(verb, "put") == 0) {
-        if (npos != 3)
-            return cli_usage_error("dht", "usage: starling dht put KEY VALUE --initial-peers LIST");
-        st.is_put = 1;
-        st.value = argv[optind + 2];
-        st.value_len = strlen(st.value);
-        if (value_hex) {
-            size_t bin = 0;
-            if (st.value_len % 2 != 0 || st.value_len / 2 > DHT_MAX_VALUE ||
-                sodium_hex2bin(st.value_buf, sizeof st.value_buf, st.value, st.value_len, NULL, &bin, NULL) != 0 ||
-                bin != st.value_len / 2)
-                return cli_usage_error("dht", "--value-hex: VALUE must be an even number of hex digits, at most "
-                                              "%d bytes", DHT_MAX_VALUE);
-            st.value = (const char *)st.value_buf;
-            st.value_len = bin;
-        } else if (st.value_len > DHT_MAX_VALUE) {
-            return cli_usage_error("dht", "VALUE is longer than %d bytes", DHT_MAX_VALUE);
-        }
-    } else {
-        return cli_usage_error("dht", "unknown action '%s' (expected get or put)", verb);
-    }
-    const char *key = argv[optind + 1];
-    if (raw) {
-        if (dht_id_from_hex(st.key, key) != 0)
-            return cli_usage_error("dht", "--raw-key: KEY must be 40 hex digits, got '%s'", key);
-    } else {
-        dht_id_of_bytes(st.key, key, strlen(key));
-    }
+    rc = parse_action(&st, argc - optind, argv + optind, raw, value_hex);
+    if (rc != 0)
+        return rc;
     if (!peers_s)
         return cli_usage_error("dht", "--initial-peers LIST is required");
     n_peers = dht_peer_list_parse(peers, 16, peers_s);

@@ -139,6 +139,24 @@ static void range_of(const report_series *s, int ns, int right, int use_x, range
     r->hi = ceil(r->hi / step) * step;
 }
 
+/* Whether every finite value on the right axis lies in 0..1 (there is at
+ * least one): accuracies and other fractions read best on a fixed 0..1
+ * axis. */
+static int right_axis_is_fractions(const report_series *series, int nseries)
+{
+    int fractions = 0, others = 0;
+    for (int k = 0; k < nseries; k++)
+        for (int i = 0; series[k].right_axis && i < series[k].n; i++) {
+            if (!isfinite(series[k].y[i]))
+                continue;
+            if (series[k].y[i] >= 0 && series[k].y[i] <= 1)
+                fractions++;
+            else
+                others++;
+        }
+    return fractions > 0 && others == 0;
+}
+
 int report_plot_svg(const char *path, const char *title, const char *xlabel,
                     const char *left_label, const char *right_label,
                     const report_series *series, int nseries)
@@ -161,18 +179,7 @@ int report_plot_svg(const char *path, const char *title, const char *xlabel,
     range_of(series, nseries, 0, 1, &xr);
     range_of(series, nseries, 0, 0, &yl);
     range_of(series, nseries, 1, 0, &yr);
-    /* Accuracies and other fractions read best on a fixed 0..1 axis. */
-    int fractions = 0, others = 0;
-    for (int k = 0; k < nseries; k++)
-        for (int i = 0; series[k].right_axis && i < series[k].n; i++) {
-            if (!isfinite(series[k].y[i]))
-                continue;
-            if (series[k].y[i] >= 0 && series[k].y[i] <= 1)
-                fractions++;
-            else
-                others++;
-        }
-    if (fractions > 0 && others == 0) {
+    if (right_axis_is_fractions(series, nseries)) {
         yr.lo = 0;
         yr.hi = 1;
     }
