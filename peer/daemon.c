@@ -262,7 +262,8 @@ static int is_wildcard(const char *host)
 static const struct expert_model_spec *check_config(uv_loop_t *loop, const peer_daemon_config *cfg, char *host,
                                                     size_t cap, char *err, size_t errlen)
 {
-    if (!loop || !cfg || !cfg->ident || !cfg->listen || cfg->n_initial > PEER_JOINER_MAX_INITIAL) {
+    if (!loop || !cfg || !cfg->ident || !cfg->listen || cfg->n_initial > PEER_JOINER_MAX_INITIAL ||
+        (cfg->n_initial > 0 && !cfg->initial)) {
         snprintf(err, errlen, "invalid daemon configuration");
         return NULL;
     }
@@ -669,6 +670,8 @@ static void on_svc_closed(peer_service *s, int ckpt_status, void *arg)
     if (ckpt_status != 0)
         say(d, "final checkpoint failed: %s", strerror(-ckpt_status));
     peer_service_destroy(&d->svc);
+    d->rounds = NULL; /* freed with the service */
+    d->states = NULL;
     peer_metrics_stop(d->metrics);
     d->metrics = NULL;
     d->stop_phase = 3;

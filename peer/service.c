@@ -467,8 +467,11 @@ static void handle(peer_rpc_request *req, const peer_msg *msg, void *arg)
     }
     int i = find_block(s, msg->block);
     if (!compute) {
-        if (h->fn(h->ctx, req, msg, i) == -ENOENT)
+        int rc = h->fn(h->ctx, req, msg, i);
+        if (rc == -ENOENT)
             respond_not_hosted(req, msg);
+        else if (rc != 0) /* a handler that failed without answering */
+            peer_rpc_respond_error(req, rc < 0 ? -rc : EIO, "the request could not be handled");
     } else if (i < 0) {
         respond_not_hosted(req, msg);
     } else {

@@ -172,7 +172,8 @@ void peer_service_note_state(peer_service *s, int i);
  * (peer_rpc_respond / peer_rpc_respond_error), before returning or later
  * on the loop thread. It returns -ENOENT, without answering, when it has
  * nothing for that block: the service answers ENOENT ("block '...' is not
- * hosted by this peer"). It may use the service's loop-thread calls below
+ * hosted by this peer"); any other negative errno, without answering: the
+ * service answers with that error. It may use the service's loop-thread calls below
  * (block info, peer_service_block), but not close or destroy it. */
 #define PEER_SERVICE_MAX_METHODS 16
 typedef int (*peer_service_handler)(void *ctx, peer_rpc_request *req, const peer_msg *msg, int block);
@@ -180,7 +181,9 @@ typedef int (*peer_service_handler)(void *ctx, peer_rpc_request *req, const peer
 /* Hands requests of `method` to fn with ctx (fn NULL: none). The service
  * owns the registration: release (may be NULL) is called with ctx once fn
  * is no longer called, that is when another handler replaces it or in
- * peer_service_destroy. Returns 0, or -EINVAL for a method the service
+ * peer_service_destroy; a handler that answers later must have answered
+ * every request it took before it is replaced (both handlers in the tree
+ * answer before returning). Returns 0, or -EINVAL for a method the service
  * computes itself or out of range (release is then not called). Loop
  * thread. */
 int peer_service_set_handler(peer_service *s, peer_method method, peer_service_handler fn, void *ctx,

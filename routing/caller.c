@@ -233,7 +233,8 @@ static void on_conn_failed(void *arg, const uint8_t id[DHT_ID_LEN], const char *
     if (status >= 0)
         status = -EIO;
     route_swarm_ban(r->swarm, id, addr, route_caller_now(r), &r->rng);
-    /* A fresh scan after each report: on_failed may park or send others. */
+    /* A fresh scan after each report: on_failed may change the parked
+     * list (unpark, finish the run). */
     for (int guard = 0; guard < 1 << 20; guard++) {
         route_caller_call *c = r->parked;
         while (c && (memcmp(c->holder, id, DHT_ID_LEN) || strcmp(c->addr, addr)))
@@ -592,6 +593,8 @@ int route_caller_run(route_caller *r)
 {
     if (!r || r->timer_started)
         return -EINVAL;
+    if (r->finishing) /* finished before it ran: nothing to run */
+        return r->rc;
     uv_update_time(r->loop);
     route_errlog_init(&r->errs, ROUTE_ERRLOG_PERIOD_S, route_caller_now(r));
     uv_timer_init(r->loop, &r->timer);

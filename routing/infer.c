@@ -185,10 +185,15 @@ static int prefer(void *arg, const route_caller_call *c, const route_replica *re
             if (k != u->path && *used_flag(in, u->batch, c->stage, k) &&
                 !memcmp(used_id(in, u->batch, c->stage, k), reps[i].id, DHT_ID_LEN))
                 avoid[i] = 1;
+    /* When every replica is a sibling's, the path still stays where it was
+     * (the caller then ignores avoid). */
+    int all_avoided = 1;
+    for (int i = 0; i < n; i++)
+        all_avoided &= avoid[i];
     int stay = -1;
     if (c->stage > 0)
         for (int i = 0; i < n; i++)
-            if (!avoid[i] && !memcmp(reps[i].id, u->prev, DHT_ID_LEN))
+            if ((all_avoided || !avoid[i]) && !memcmp(reps[i].id, u->prev, DHT_ID_LEN))
                 stay = i;
     return stay;
 }
