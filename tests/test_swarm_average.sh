@@ -103,8 +103,19 @@ wait_for "$T/d.err" 'averaged in a group of [0-9]+ .*our weight 0,' 60 || \
     { fail "the fresh replica never averaged with weight 0"; show "$T/d.err" "$T/a.err"; }
 grep -q 'a replica averages every 3.0 s, this peer every 6.0 s: they average together only every 6 s' "$T/d.err" || \
     fail "the period mismatch was not reported"
-grep -E 'averaged in a group of 4' "$T/a.err" | grep -qE 'our weight (0\.[0-9]*)?[1-9]' || \
-    fail "a trained replica's weight in the group of 4 is not positive"
+# The trained replicas' rounds with it (a group of 4, at the periods'
+# common multiples; the fresh replica's first round may have been a smaller
+# group) give them positive weights. Wait (bounded) for one.
+g4=0
+for i in $(seq 1 900); do
+    grep -hE 'averaged in a group of 4' "$T/a.err" "$T/b.err" "$T/c.err" >"$T/g4.txt" 2>/dev/null && { g4=1; break; }
+    sleep 0.1
+done
+if [ "$g4" = 0 ]; then
+    fail "no trained replica averaged in a group of 4 with the fresh one"; show "$T/a.err" "$T/d.err"
+elif grep -vqE 'our weight (0\.[0-9]*)?[1-9]' "$T/g4.txt"; then
+    fail "a trained replica's weight in a group of 4 is not positive"; show "$T/g4.txt"
+fi
 kill -TERM "$PID_d"
 wait "$PID_d"
 # Kill one member; the survivors' next rounds are abandoned or run as a
