@@ -35,13 +35,13 @@ grep -q 'holders refused 30 backward calls' "$T/t1.err" || fail "no refusal coun
 
 # 2. An honest replica beside the refusers: every backward ends up accepted.
 start_peer h 5
-timeout 300 "$S" train --initial-peers "$BS" --train-samples 3000 --test-samples 1000 --json --timeout 5 \
+timeout 300 "$S" train --initial-peers "$BS" --train-samples 6000 --test-samples 1000 --json --timeout 5 \
     --metrics-log "" --plot "" >"$T/t2.out" 2>"$T/t2.err"
 rc=$?
 [ "$rc" -eq 0 ] || { fail "train (one honest replica) exited $rc"; show "$T/t2.err"; }
 cat "$T/t2.out"
 acc=$(json_field "$T/t2.out" test_acc)
-[ "$(json_field "$T/t2.out" samples)" = 3000 ] || fail "processed $(json_field "$T/t2.out" samples) samples, want 3000"
+[ "$(json_field "$T/t2.out" samples)" = 6000 ] || fail "processed $(json_field "$T/t2.out" samples) samples, want 6000"
 [ "$(json_field "$T/t2.out" refused_samples)" = 0 ] || fail "updates were dropped with an honest replica up"
 [ "$(json_field "$T/t2.out" refused)" -ge 1 ] || fail "no refusal counted"
 awk "BEGIN { exit !(${acc:-0} >= 0.5) }" || fail "test accuracy $acc below 0.5"
