@@ -126,6 +126,6 @@ wait_for "$T/a.err" 'averaged in a group of 2' 30 || \
 "$S" infer --initial-peers "$BS" --data test --samples 500 --json >"$T/after.json" 2>"$T/after.err"
 [ $? -eq 0 ] || { fail "infer through the survivors failed"; show "$T/after.err" "$T/a.err"; }
 acc=$(json_field "$T/after.json" accuracy)
-awk "BEGIN { exit !($acc > 0.3) }" || fail "survivors' accuracy $acc after the kill"
+awk "BEGIN { exit !($acc > 0.3) }" || { fail "survivors' accuracy $acc after the kill"; show "$T/after.err" "$T/a.err" "$T/b.err"; }
 grep -q "ERANGE\|non-finite\|Numerical result" "$T/a.err" "$T/b.err" && fail "a survivor produced non-finite weights"
 finish
