@@ -51,8 +51,8 @@ static void state_reply_encode(uint8_t meta[STATE_REPLY_META], const state_reply
     peer_put_le64(meta + 16, r->version);
 }
 
-/* Returns 0, or -EBADMSG when meta is not a reply's. 24 bytes; peers of
- * session 2 sent a 4th, unused field. */
+/* Returns 0, or -EBADMSG when meta is not a reply's. 24 bytes; 32 are
+ * accepted too (an early version of the reply had a 4th, unused field). */
 static int state_reply_decode(state_reply *r, const void *meta, size_t len)
 {
     if (!meta || (len != STATE_REPLY_META && len != STATE_REPLY_META + 8))
