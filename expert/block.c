@@ -68,9 +68,64 @@ struct expert_workspace {
 
 /* ------------------------------------------------------------ config -- */
 
+static const char *const kind_names[] = {
+    [EXPERT_BLOCK_LINEAR] = "linear", [EXPERT_BLOCK_RESFFN] = "resffn",
+    [EXPERT_BLOCK_HEAD] = "head",     [EXPERT_BLOCK_EMBED] = "embed",
+    [EXPERT_BLOCK_DECODER] = "decoder", [EXPERT_BLOCK_LMHEAD] = "lm_head",
+};
+
+int expert_block_kind_is_seq(int kind)
+{
+    return kind == EXPERT_BLOCK_EMBED || kind == EXPERT_BLOCK_DECODER ||
+           kind == EXPERT_BLOCK_LMHEAD;
+}
+
+const char *expert_block_kind_name(int kind)
+{
+    if (kind < 1 || (size_t)kind >= sizeof kind_names / sizeof kind_names[0])
+        return NULL;
+    return kind_names[kind];
+}
+
+int expert_block_kind_from_name(const char *name)
+{
+    for (size_t k = 1; name && k < sizeof kind_names / sizeof kind_names[0]; k++)
+        if (strcmp(kind_names[k], name) == 0)
+            return (int)k;
+    return 0;
+}
+
+static int in_range(int v, int lo, int hi)
+{
+    return v >= lo && v <= hi;
+}
+
+/* The transformer kinds: sizes in range and in/out the derived widths. */
+static int seq_config_check(const struct expert_block_config *c)
+{
+    if (!in_range(c->dim, 1, EXPERT_BLOCK_MAX_DIM) || !in_range(c->hidden, 1, EXPERT_BLOCK_MAX_DIM) ||
+        !in_range(c->heads, 1, c->dim) || c->dim % c->heads != 0 ||
+        !in_range(c->seq, 1, EXPERT_BLOCK_MAX_SEQ) ||
+        !in_range(c->layers, c->kind == EXPERT_BLOCK_DECODER ? 1 : 0, EXPERT_BLOCK_MAX_LAYERS))
+        return -EINVAL;
+    if (c->kind == EXPERT_BLOCK_DECODER ? c->vocab != 0
+                                         : !in_range(c->vocab, 1, EXPERT_BLOCK_MAX_VOCAB))
+        return -EINVAL;
+    long row = (long)c->seq * c->dim;
+    long in = c->kind == EXPERT_BLOCK_EMBED ? c->seq : row;
+    long out = c->kind == EXPERT_BLOCK_LMHEAD ? (long)c->seq * c->vocab : row;
+    if (row > EXPERT_BLOCK_MAX_ROW || out > EXPERT_BLOCK_MAX_ROW || c->in != in || c->out != out)
+        return -EINVAL;
+    return 0;
+}
+
 int expert_block_config_check(const struct expert_block_config *cfg)
 {
     if (!cfg)
+        return -EINVAL;
+    if (expert_block_kind_is_seq(cfg->kind))
+        return seq_config_check(cfg);
+    if (cfg->dim || cfg->heads || cfg->seq || cfg->layers || cfg->vocab)
         return -EINVAL;
     if (cfg->in < 1 || cfg->in > EXPERT_BLOCK_MAX_DIM || cfg->out < 1 ||
         cfg->out > EXPERT_BLOCK_MAX_DIM)
@@ -94,22 +149,46 @@ int expert_block_config_tensors(const struct expert_block_config *cfg,
 {
     if (expert_block_config_check(cfg) < 0 || !t)
         return -EINVAL;
-    int n = 0, in = cfg->in, out = cfg->out, h = cfg->hidden;
-#define T(nm, r, c) t[n++] = (struct expert_tensor_info){ .name = nm, .rows = (r), .cols = (c) }
+    int n = 0, in = cfg->in, out = cfg->out, h = cfg->hidden, d = cfg->dim, V = cfg->vocab;
+#define T(nm, r, c, ini, fi) \
+    t[n++] = (struct expert_tensor_info){ .name = nm, .rows = (r), .cols = (c), .init = (ini), \
+                                          .fan_in = (fi) }
+#define LIN(wn, bn, o, i) T(wn, o, i, EXPERT_INIT_FANIN, i); T(bn, o, 1, EXPERT_INIT_FANIN, i)
+#define LN(wn, bn, c) T(wn, c, 1, EXPERT_INIT_ONE, 0); T(bn, c, 1, EXPERT_INIT_ZERO, 0)
     switch (cfg->kind) {
     case EXPERT_BLOCK_LINEAR:
-        T("w", out, in); T("b", out, 1);
+        LIN("w", "b", out, in);
         break;
     case EXPERT_BLOCK_RESFFN:
-        T("ln_w", in, 1); T("ln_b", in, 1);
-        T("fc1_w", h, in); T("fc1_b", h, 1);
-        T("fc2_w", in, h); T("fc2_b", in, 1);
+        LN("ln_w", "ln_b", in);
+        LIN("fc1_w", "fc1_b", h, in);
+        LIN("fc2_w", "fc2_b", in, h);
         break;
     case EXPERT_BLOCK_HEAD:
-        T("ln_w", in, 1); T("ln_b", in, 1);
-        T("fc_w", out, in); T("fc_b", out, 1);
+        LN("ln_w", "ln_b", in);
+        LIN("fc_w", "fc_b", out, in);
+        break;
+    default: /* the transformer kinds (train_lm.py's state_dict order) */
+        if (cfg->kind == EXPERT_BLOCK_EMBED) {
+            T("tok_emb", V, d, EXPERT_INIT_NORMAL, 0);
+            T("pos_emb", cfg->seq, d, EXPERT_INIT_NORMAL, 0);
+        }
+        for (int l = 0; l < cfg->layers; l++) {
+            LN("ln1_w", "ln1_b", d);
+            LIN("qkv_w", "qkv_b", 3 * d, d);
+            LIN("proj_w", "proj_b", d, d);
+            LN("ln2_w", "ln2_b", d);
+            LIN("fc1_w", "fc1_b", h, d);
+            LIN("fc2_w", "fc2_b", d, h);
+        }
+        if (cfg->kind == EXPERT_BLOCK_LMHEAD) {
+            LN("lnf_w", "lnf_b", d);
+            LIN("head_w", "head_b", V, d);
+        }
         break;
     }
+#undef LN
+#undef LIN
 #undef T
     size_t off = 0;
     for (int i = 0; i < n; i++) {
@@ -142,20 +221,33 @@ uint64_t expert_block_config_hash(const struct expert_block_config *cfg)
 {
     if (expert_block_config_check(cfg) < 0)
         return 0;
-    static const char tag[] = "starling.block.v1";
-    uint8_t enc[sizeof tag - 1 + 6 * 4];
+    int seq = expert_block_kind_is_seq(cfg->kind);
+    const char *tag = seq ? "starling.block.v2" : "starling.block.v1";
+    uint32_t f[13];
+    int n = 0;
     float eps = EXPERT_LN_EPS;
     uint32_t eps_bits;
     memcpy(&eps_bits, &eps, sizeof eps_bits);
-    memcpy(enc, tag, sizeof tag - 1);
-    uint8_t *p = enc + sizeof tag - 1;
-    put_u32(p, (uint32_t)cfg->kind);
-    put_u32(p + 4, (uint32_t)cfg->in);
-    put_u32(p + 8, (uint32_t)cfg->out);
-    put_u32(p + 12, (uint32_t)cfg->hidden);
-    put_u32(p + 16, eps_bits);
-    put_u32(p + 20, 1u); /* GELU variant: 1 = exact erf */
-    return fnv1a(0xcbf29ce484222325ULL, enc, sizeof enc);
+    f[n++] = (uint32_t)cfg->kind;
+    f[n++] = (uint32_t)cfg->in;
+    f[n++] = (uint32_t)cfg->out;
+    f[n++] = (uint32_t)cfg->hidden;
+    if (seq) {
+        f[n++] = (uint32_t)cfg->dim;
+        f[n++] = (uint32_t)cfg->heads;
+        f[n++] = (uint32_t)cfg->seq;
+        f[n++] = (uint32_t)cfg->layers;
+        f[n++] = (uint32_t)cfg->vocab;
+    }
+    f[n++] = eps_bits;
+    f[n++] = 1u; /* GELU variant: 1 = exact erf */
+    if (seq)
+        f[n++] = 1u; /* attention variant: 1 = causal, scale before mask, learned positions */
+    uint8_t enc[17 + sizeof f];
+    memcpy(enc, tag, 17);
+    for (int i = 0; i < n; i++)
+        put_u32(enc + 17 + 4 * i, f[i]);
+    return fnv1a(0xcbf29ce484222325ULL, enc, 17 + 4 * (size_t)n);
 }
 
 double expert_block_config_flops(const struct expert_block_config *cfg, int B)
@@ -193,27 +285,41 @@ static void *alloc_floats(size_t n)
     return p;
 }
 
+/* N(0, 1) by Box-Muller over two 24-bit uniforms (u1 in (0, 1]). */
+static float normal01(uint64_t *s)
+{
+    float u1 = (float)((splitmix64(s) >> 40) + 1) * (1.0f / 16777216.0f);
+    float u2 = (float)(splitmix64(s) >> 40) * (1.0f / 16777216.0f);
+    return sqrtf(-2.0f * logf(u1)) * cosf(6.28318530717958647692f * u2);
+}
+
 static void init_params(const struct expert_block *b, float *p, uint64_t seed)
 {
     uint64_t s = seed;
     for (int i = 0; i < b->nt; i++) {
         const struct expert_tensor_info *t = &b->t[i];
         float *x = p + t->offset;
-        const char *nm = t->name;
-        if (strcmp(nm, "ln_w") == 0) {
+        switch (t->init) {
+        case EXPERT_INIT_ONE:
             for (size_t j = 0; j < t->count; j++)
                 x[j] = 1.0f;
-        } else if (strcmp(nm, "ln_b") == 0) {
+            break;
+        case EXPERT_INIT_ZERO:
             memset(x, 0, t->count * sizeof *x);
-        } else {
+            break;
+        case EXPERT_INIT_NORMAL:
+            for (size_t j = 0; j < t->count; j++)
+                x[j] = normal01(&s);
+            break;
+        default: {
             /* torch nn.Linear: kaiming_uniform_(a=√5) on w gives bound
              * gain·√(3/fan_in) = √(1/3)·√(3/fan_in) = 1/√fan_in, and the bias
-             * is U(±1/√fan_in) too. fan_in = the layer's input width, which is
-             * the weight's cols; a bias shares its weight's fan_in. */
-            int fan_in = t->cols > 1 ? t->cols : b->t[i - 1].cols;
-            float bound = 1.0f / sqrtf((float)fan_in);
+             * is U(±1/√fan_in) too, fan_in being the layer's input width. */
+            float bound = 1.0f / sqrtf((float)t->fan_in);
             for (size_t j = 0; j < t->count; j++)
                 x[j] = uniform_pm(&s, bound);
+            break;
+        }
         }
     }
 }

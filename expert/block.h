@@ -1,13 +1,30 @@
 /* expert/block.h: the model blocks a peer serves (one block = one stage).
  *
- * Kinds (PyTorch equivalents in ../shared/bench/torch/common.py):
+ * Kinds (PyTorch equivalents in ../shared/bench/torch/common.py and
+ * train_lm.py):
  *   LINEAR  y = x·Wᵀ + b                                  nn.Linear(in, out)
  *   RESFFN  y = x + W2·gelu(W1·LN(x) + b1) + b2            ResFFN(d, hidden), in = out = d
  *   HEAD    y = W·LN(x) + b                                Head(in, out)
+ * and the transformer kinds, whose row is one sequence of `seq` positions
+ * (a tensor [batch, seq, d] between stages is (batch, seq·d) rows here):
+ *   EMBED   tokens (seq, as floats) -> tok_emb[x] + pos_emb, then `layers`
+ *           decoder layers; in = seq, out = seq·dim
+ *   DECODER `layers` (>= 1) pre-LN decoder layers; in = out = seq·dim
+ *   LMHEAD  `layers` decoder layers, then LN + Linear(dim, vocab);
+ *           in = seq·dim, out = seq·vocab (logits per position)
+ *   A decoder layer (train_lm.py's Block): x += proj(attn(LN1(x)));
+ *   x += fc2(gelu(fc1(LN2(x)))), causal multi-head attention over a fused
+ *   qkv, fc1 dim -> hidden (train_lm.py: 4·dim).
  * Parameter tensors, in order (the order of torch's state_dict):
  *   LINEAR  w (out,in), b (out)
  *   RESFFN  ln_w (d), ln_b (d), fc1_w (hidden,d), fc1_b (hidden), fc2_w (d,hidden), fc2_b (d)
  *   HEAD    ln_w (in), ln_b (in), fc_w (out,in), fc_b (out)
+ *   EMBED   tok_emb (vocab,dim), pos_emb (seq,dim), then per layer:
+ *   layer   ln1_w, ln1_b (dim), qkv_w (3dim,dim), qkv_b (3dim), proj_w (dim,dim),
+ *           proj_b (dim), ln2_w, ln2_b (dim), fc1_w (hidden,dim), fc1_b (hidden),
+ *           fc2_w (dim,hidden), fc2_b (dim)
+ *   DECODER per layer as above
+ *   LMHEAD  per layer as above, then lnf_w, lnf_b (dim), head_w (vocab,dim), head_b (vocab)
  * A block's parameters, gradients, first and second optimizer moments are one
  * allocation each, with the tensors above as views at fixed offsets
  * (expert_block_tensors()). Parameters are double-buffered: see "Snapshots".
@@ -49,33 +66,72 @@ enum expert_block_kind {
     EXPERT_BLOCK_LINEAR = 1,
     EXPERT_BLOCK_RESFFN = 2,
     EXPERT_BLOCK_HEAD = 3,
+    EXPERT_BLOCK_EMBED = 4,
+    EXPERT_BLOCK_DECODER = 5,
+    EXPERT_BLOCK_LMHEAD = 6,
 };
 
-#define EXPERT_BLOCK_MAX_TENSORS 6
+/* Decoder layers one stage may hold, and so its tensors: 2 + 12·layers + 4. */
+#define EXPERT_BLOCK_MAX_LAYERS 16
+#define EXPERT_BLOCK_MAX_TENSORS (6 + 12 * EXPERT_BLOCK_MAX_LAYERS)
 #define EXPERT_TENSOR_NAME_LEN 24
 /* Largest width a block accepts, so sizes stay far from int overflow. */
 #define EXPERT_BLOCK_MAX_DIM (1 << 16)
+/* Largest row (in, out) of a transformer kind: seq·dim or seq·vocab. */
+#define EXPERT_BLOCK_MAX_ROW (1 << 22)
+/* Largest context length and vocabulary of the transformer kinds. */
+#define EXPERT_BLOCK_MAX_SEQ 4096
+#define EXPERT_BLOCK_MAX_VOCAB (1 << 18)
 
 struct expert_block_config {
     int kind;    /* enum expert_block_kind */
-    int in;      /* input width */
-    int out;     /* output width (RESFFN: = in) */
-    int hidden;  /* RESFFN hidden width; 0 otherwise */
+    int in;      /* input width of one row */
+    int out;     /* output width of one row (RESFFN, DECODER: = in) */
+    int hidden;  /* RESFFN, decoder layers: the MLP's hidden width; 0 otherwise */
+    /* The transformer kinds only (0 for the others): */
+    int dim;     /* model width d */
+    int heads;   /* attention heads; dim % heads == 0 */
+    int seq;     /* context length T: positions per row */
+    int layers;  /* decoder layers in the stage (DECODER >= 1; EMBED, LMHEAD >= 0) */
+    int vocab;   /* EMBED, LMHEAD: tokens; 0 for DECODER */
+};
+
+/* Which kinds are transformer kinds (rows are sequences). */
+int expert_block_kind_is_seq(int kind);
+/* The kind's name in model files ("linear", "resffn", "head", "embed",
+ * "decoder", "lm_head"), or NULL for an unknown kind. */
+const char *expert_block_kind_name(int kind);
+/* The kind named name, or 0. */
+int expert_block_kind_from_name(const char *name);
+
+/* How a tensor's first values are drawn (torch's defaults). */
+enum expert_tensor_init {
+    EXPERT_INIT_FANIN = 0,  /* U(±1/√fan_in): Linear weights and biases */
+    EXPERT_INIT_ONE = 1,    /* LayerNorm weights */
+    EXPERT_INIT_ZERO = 2,   /* LayerNorm biases */
+    EXPERT_INIT_NORMAL = 3, /* N(0, 1): embeddings */
 };
 
 /* One tensor of a block: a named view into the flat arrays. */
 struct expert_tensor_info {
-    const char *name;   /* static, e.g. "fc1_w" */
+    const char *name;   /* static, e.g. "fc1_w" (repeats for each decoder layer) */
     size_t offset;      /* in floats, into params/grads/m/v */
     size_t count;
     int rows, cols;     /* cols = 1 for vectors */
+    int init;           /* enum expert_tensor_init */
+    int fan_in;         /* EXPERT_INIT_FANIN: the layer's input width */
 };
 
 typedef struct expert_block expert_block;
 typedef struct expert_workspace expert_workspace;
 
 /* -EINVAL for an unknown kind, dims out of [1, EXPERT_BLOCK_MAX_DIM], RESFFN
- * with in != out or hidden < 1, or hidden set on other kinds. */
+ * with in != out or hidden < 1, or hidden set on other kinds. Transformer
+ * kinds: dim, hidden in [1, EXPERT_BLOCK_MAX_DIM], heads >= 1 dividing
+ * dim, seq in [1, EXPERT_BLOCK_MAX_SEQ], layers in [0 (1 for DECODER),
+ * EXPERT_BLOCK_MAX_LAYERS], vocab in [1, EXPERT_BLOCK_MAX_VOCAB] for EMBED
+ * and LMHEAD (0 for DECODER), and in/out the widths the kind derives from
+ * them (at most EXPERT_BLOCK_MAX_ROW). */
 int expert_block_config_check(const struct expert_block_config *cfg);
 
 /* Fills out[] (capacity EXPERT_BLOCK_MAX_TENSORS) with the tensor list and
@@ -85,8 +141,11 @@ int expert_block_config_tensors(const struct expert_block_config *cfg,
 
 /* 64-bit FNV-1a over the canonical encoding of the config (docs/expert.md):
  * "starling.block.v1", then kind, in, out, hidden as u32 little-endian, then
- * the fixed numerics (LN eps as f32 bits, GELU variant 1 = exact erf). Stable
- * across builds and machines; 0 for an invalid config. */
+ * the fixed numerics (LN eps as f32 bits, GELU variant 1 = exact erf). The
+ * transformer kinds use "starling.block.v2": kind, in, out, hidden, dim,
+ * heads, seq, layers, vocab, then the numerics (LN eps, GELU variant 1,
+ * attention variant 1 = causal, scale before the mask, learned absolute
+ * positions). Stable across builds and machines; 0 for an invalid config. */
 uint64_t expert_block_config_hash(const struct expert_block_config *cfg);
 
 /* Matmul FLOPs of one forward over B samples (2·m·n·k); fwd+bwd is 3×. */
@@ -304,12 +363,13 @@ const char *expert_block_stage(const expert_block *b, uint64_t *stage_hash_out);
 
 /* ---- Serialisation (the checkpoint file format; docs/expert.md; expert/serialize.c) ---- */
 
-#define EXPERT_CKPT_FORMAT 2          /* written; format 1 is still read */
+#define EXPERT_CKPT_FORMAT 3          /* the newest read: format 2 is written, format 3
+                                         for the transformer kinds; format 1 is still read */
 #define EXPERT_CKPT_NAME_LEN 64       /* model and stage name fields, with the NUL */
 
 /* What a checkpoint's header says (expert_ckpt_peek). */
 struct expert_ckpt_info {
-    uint32_t format;                  /* 1 or 2 */
+    uint32_t format;                  /* 1, 2 or 3 */
     int with_optim;
     uint64_t config_hash;             /* expert_block_config_hash of cfg */
     struct expert_block_config cfg;

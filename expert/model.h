@@ -22,12 +22,26 @@
 
 #define EXPERT_STAGE_NAME_MAX 64
 
+/* What the trainer feeds the model and how it scores the output. */
+enum expert_task {
+    EXPERT_TASK_CLASSES = 0,  /* images (n_in pixels) -> one of n_out classes */
+    EXPERT_TASK_BYTES = 1,    /* byte-level language model: a row is seq tokens,
+                                 the output seq·vocab logits, the loss the mean
+                                 cross-entropy of the next byte at every position */
+};
+
 struct expert_model_spec {
     const char *name;
     const char *desc;
     int n_stages;
     const struct expert_block_config *stages;   /* n_stages entries */
-    int n_in, n_out;                            /* model input/output widths */
+    int n_in, n_out;                            /* model input/output widths (per row) */
+    int task;                                   /* enum expert_task */
+    int seq, vocab;                             /* EXPERT_TASK_BYTES: context, vocabulary */
+    int batch;                                  /* rows per optimizer step a trainer and
+                                                   the peers use by default (0: theirs) */
+    int max_batch;                              /* largest batch a peer should join, rows
+                                                   (0: the peer's default) */
 };
 
 /* The model called name, or NULL. */

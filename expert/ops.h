@@ -95,9 +95,46 @@ int (name)(float *losses, float *probs, const float *logits, \
 int (name)(float *dlogits, const float *probs, const int32_t *targets, \
            float dloss, int B, int V)
 
+/* Row softmax. out (N,V) = softmax(inp) per row (max-subtracted); out may
+ * alias inp. */
+#define decl_softmax_fwd_fn(name) \
+int (name)(float *out, const float *inp, int N, int V)
+/* dinp = out ⊙ (dout − Σ_j dout_j·out_j) per row (=); dinp may alias dout.
+ * dinp, dout, out (N,V). */
+#define decl_softmax_bwd_fn(name) \
+int (name)(float *dinp, const float *dout, const float *out, int N, int V)
+
+/* Causal multi-head self-attention over a fused qkv (train_lm.py's layout).
+ * qkv (B,T,3C): columns [0,C) are q, [C,2C) k, [2C,2C+C) v; head h uses
+ * columns h·hd .. h·hd+hd-1 of each, hd = C/NH (C % NH == 0).
+ * att (B,NH,T,T) = softmax(q·kᵀ/√hd + M) per head, M[i][j] = -inf for j > i
+ * (the scale is applied before the mask); entries j > i are written 0.
+ * Saved for backward. out (B,T,C) = att·v, heads concatenated in order. */
+#define decl_attention_fwd_fn(name) \
+int (name)(float *out, float *att, const float *qkv, int B, int T, int C, int NH)
+/* dqkv (B,T,3C) = ∂/∂qkv (=). scratch (B,NH,T,T) is overwritten.
+ * dout (B,T,C), qkv and att from the forward. */
+#define decl_attention_bwd_fn(name) \
+int (name)(float *dqkv, float *scratch, const float *dout, const float *qkv, \
+           const float *att, int B, int T, int C, int NH)
+
+/* Token + learned position embedding.
+ * out (B,T,C) = wte[tok[b][t]] + wpe[t]; tok (B,T) in [0,V); wte (V,C);
+ * wpe (T,C) (the first T rows of a longer table work too).
+ * -EINVAL for a token out of range (nothing written past it). */
+#define decl_embedding_fwd_fn(name) \
+int (name)(float *out, const int32_t *tok, const float *wte, const float *wpe, \
+           int B, int T, int C, int V)
+/* dwte[tok[b][t]] += dout[b][t]; dwpe[t] += Σ_b dout[b][t] (both +=).
+ * -EINVAL for a token out of range (no gradient changed). */
+#define decl_embedding_bwd_fn(name) \
+int (name)(float *dwte, float *dwpe, const float *dout, const int32_t *tok, \
+           int B, int T, int C, int V)
+
 #define EXPERT_LN_EPS 1e-5f
 
-/* The function table a backend fills in. */
+/* The function table a backend fills in. The CUDA backend leaves the
+ * transformer ops (softmax, attention, embedding) NULL: they are CPU only. */
 struct expert_ops {
     const char *name;                          /* "cpu", "cuda" */
     decl_linear_fwd_fn(*linear_forward);
@@ -114,6 +151,12 @@ struct expert_ops {
     decl_residual_bwd_fn(*residual_backward);
     decl_crossentropy_fwd_fn(*crossentropy_forward);
     decl_crossentropy_bwd_fn(*crossentropy_backward);
+    decl_softmax_fwd_fn(*softmax_forward);
+    decl_softmax_bwd_fn(*softmax_backward);
+    decl_attention_fwd_fn(*attention_forward);
+    decl_attention_bwd_fn(*attention_backward);
+    decl_embedding_fwd_fn(*embedding_forward);
+    decl_embedding_bwd_fn(*embedding_backward);
 };
 
 /* Fills ops with the CPU reference backend. Always available. */
@@ -134,5 +177,11 @@ decl_residual_fwd_fn(expert_residual_forward);
 decl_residual_bwd_fn(expert_residual_backward);
 decl_crossentropy_fwd_fn(expert_crossentropy_forward);
 decl_crossentropy_bwd_fn(expert_crossentropy_backward);
+decl_softmax_fwd_fn(expert_softmax_forward);
+decl_softmax_bwd_fn(expert_softmax_backward);
+decl_attention_fwd_fn(expert_attention_forward);
+decl_attention_bwd_fn(expert_attention_backward);
+decl_embedding_fwd_fn(expert_embedding_forward);
+decl_embedding_bwd_fn(expert_embedding_backward);
 
 #endif

@@ -1,7 +1,8 @@
 /* expert/serialize.c: the checkpoint format, a block's state as bytes
  * (docs/expert.md, "Checkpoint / serialisation format"):
- * expert_block_serialize writes format 2, expert_block_deserialize reads
- * formats 1 and 2 and trusts nothing in them, expert_ckpt_peek reads a
+ * expert_block_serialize writes format 2 (format 3 for the transformer
+ * kinds), expert_block_deserialize reads formats 1 to 3 and trusts nothing
+ * in them, expert_ckpt_peek reads a
  * header alone and expert_block_ckpt_fits says whether it names this
  * block.
  *
@@ -29,9 +30,11 @@
 #endif
 
 /* Format 1: the 64-byte header, the table, the data, the CRC. Format 2 adds
- * the stage (hash, model name, stage name) after the first 64 bytes. */
+ * the stage (hash, model name, stage name) after the first 64 bytes; format
+ * 3 then the transformer kinds' sizes (dim, heads, seq, layers, vocab). */
 #define HDR_LEN_V1 64
-#define HDR_LEN 200
+#define HDR_LEN_V2 200
+#define HDR_LEN_V3 220
 #define ENTRY_LEN 48
 static const char magic[8] = { 'S', 'T', 'R', 'L', 'C', 'K', 'P', 'T' };
 
@@ -44,7 +47,14 @@ static size_t n_entries(int nt, int with_optim)
 
 static size_t hdr_len(uint32_t format)
 {
-    return format == 1 ? HDR_LEN_V1 : HDR_LEN;
+    return format == 1 ? HDR_LEN_V1 : format == 2 ? HDR_LEN_V2 : HDR_LEN_V3;
+}
+
+/* The format a block of this config is written in: 2, the format older
+ * builds read, unless its config needs format 3's fields. */
+static uint32_t format_for(const struct expert_block_config *cfg)
+{
+    return expert_block_kind_is_seq(cfg->kind) ? 3 : 2;
 }
 
 static size_t state_len(uint32_t format, int nt, size_t nfloats, int with_optim)
@@ -87,7 +97,7 @@ size_t expert_block_serialized_size(const expert_block *b, int with_optim)
     int nt;
     size_t n;
     expert_block_tensors(b, &nt, &n);
-    return state_len(EXPERT_CKPT_FORMAT, nt, n, with_optim);
+    return state_len(format_for(expert_block_config(b)), nt, n, with_optim);
 }
 
 /* A name field: printable ASCII, NUL-terminated, zero after the NUL. */
@@ -135,7 +145,7 @@ int expert_ckpt_peek(const void *buf, size_t len, struct expert_ckpt_info *out)
     if (len < 12 || memcmp(p, magic, 8) != 0)
         return -EBADMSG;
     out->format = get_u32(p + 8);
-    if (out->format != 1 && out->format != 2)
+    if (out->format < 1 || out->format > EXPERT_CKPT_FORMAT)
         return -EPROTONOSUPPORT;
     if (len < hdr_len(out->format))
         return -EBADMSG;
@@ -149,10 +159,23 @@ int expert_ckpt_peek(const void *buf, size_t len, struct expert_ckpt_info *out)
     uint32_t dims[4];
     for (int i = 0; i < 4; i++) {
         dims[i] = get_u32(p + 40 + 4 * i);
-        if (dims[i] > EXPERT_BLOCK_MAX_DIM)
+        if (dims[i] > EXPERT_BLOCK_MAX_ROW)
             return -EBADMSG;
     }
-    out->cfg = (struct expert_block_config){ (int)dims[0], (int)dims[1], (int)dims[2], (int)dims[3] };
+    out->cfg = (struct expert_block_config){ (int)dims[0], (int)dims[1], (int)dims[2], (int)dims[3],
+                                             0, 0, 0, 0, 0 };
+    if (out->format == 3) {
+        int *more[5] = { &out->cfg.dim, &out->cfg.heads, &out->cfg.seq, &out->cfg.layers,
+                         &out->cfg.vocab };
+        for (int i = 0; i < 5; i++) {
+            uint32_t v = get_u32(p + HDR_LEN_V2 + 4 * i);
+            if (v > EXPERT_BLOCK_MAX_VOCAB)
+                return -EBADMSG;
+            *more[i] = (int)v;
+        }
+    }
+    if (out->format != format_for(&out->cfg) && out->format > 1)
+        return -EBADMSG; /* a transformer kind needs format 3's fields, the others format 2 */
     struct expert_tensor_info t[EXPERT_BLOCK_MAX_TENSORS];
     size_t nfloats;
     int nt = expert_block_config_tensors(&out->cfg, t, &nfloats);
@@ -186,8 +209,8 @@ int expert_block_ckpt_fits(const expert_block *b, const struct expert_ckpt_info 
     const struct expert_block_config *cfg = expert_block_config(b);
     uint64_t stage_hash;
     const char *stage = expert_block_stage(b, &stage_hash);
-    if (info->config_hash != expert_block_config_hash(cfg) || info->cfg.kind != cfg->kind ||
-        info->cfg.in != cfg->in || info->cfg.out != cfg->out || info->cfg.hidden != cfg->hidden)
+    if (info->config_hash != expert_block_config_hash(cfg) ||
+        memcmp(&info->cfg, cfg, sizeof *cfg) != 0)
         return -ESTALE;
     if (stage[0] && info->stage[0] &&
         (strcmp(info->stage, stage) != 0 || strcmp(info->model, expert__block_model(b)) != 0 ||
@@ -196,13 +219,14 @@ int expert_block_ckpt_fits(const expert_block *b, const struct expert_ckpt_info 
     return 0;
 }
 
-/* Writes the header (hdr_len(EXPERT_CKPT_FORMAT) bytes, zeroed by the
+/* Writes the header (hdr_len(format_for(cfg)) bytes, zeroed by the
  * caller) of st, a block of config cfg with ne table entries. */
 static void put_header(uint8_t *p, const struct expert_block_config *cfg,
                        const struct expert__block_state *st, int with_optim, size_t ne)
 {
     memcpy(p, magic, 8);
-    put_u32(p + 8, EXPERT_CKPT_FORMAT);
+    uint32_t format = format_for(cfg);
+    put_u32(p + 8, format);
     put_u32(p + 12, (uint32_t)with_optim);
     put_u64(p + 16, expert_block_config_hash(cfg));
     put_u64(p + 24, st->version);
@@ -216,6 +240,13 @@ static void put_header(uint8_t *p, const struct expert_block_config *cfg,
     put_u64(p + 64, st->stage_hash);
     memcpy(p + 72, st->model, strlen(st->model));
     memcpy(p + 72 + EXPERT_CKPT_NAME_LEN, st->stage, strlen(st->stage));
+    if (format == 3) {
+        put_u32(p + HDR_LEN_V2, (uint32_t)cfg->dim);
+        put_u32(p + HDR_LEN_V2 + 4, (uint32_t)cfg->heads);
+        put_u32(p + HDR_LEN_V2 + 8, (uint32_t)cfg->seq);
+        put_u32(p + HDR_LEN_V2 + 12, (uint32_t)cfg->layers);
+        put_u32(p + HDR_LEN_V2 + 16, (uint32_t)cfg->vocab);
+    }
 }
 
 long expert_block_serialize(expert_block *b, int with_optim, void *buf, size_t cap)
@@ -230,7 +261,8 @@ long expert_block_serialize(expert_block *b, int with_optim, void *buf, size_t c
     int nt;
     const struct expert_tensor_info *t = expert_block_tensors(b, &nt, NULL);
     size_t ne = n_entries(nt, with_optim);
-    size_t data_off = HDR_LEN + ENTRY_LEN * ne;
+    size_t hl = hdr_len(format_for(expert_block_config(b)));
+    size_t data_off = hl + ENTRY_LEN * ne;
     struct expert__block_state st;
 
     /* The lock keeps a step from changing m/v or the weights while we copy. */
@@ -242,7 +274,7 @@ long expert_block_serialize(expert_block *b, int with_optim, void *buf, size_t c
     for (size_t e = 0; e < ne; e++) {
         const struct expert_tensor_info *te = &t[e % (size_t)nt];
         int role = (int)(e / (size_t)nt);
-        uint8_t *q = p + HDR_LEN + ENTRY_LEN * e;
+        uint8_t *q = p + hl + ENTRY_LEN * e;
         memcpy(q, te->name, strlen(te->name));
         put_u32(q + 24, (uint32_t)role);
         put_u32(q + 28, 0); /* dtype 0 = f32 little-endian */
@@ -285,7 +317,7 @@ int expert_block_deserialize(expert_block *b, const void *buf, size_t len)
     if (len < 12 || memcmp(p, magic, 8) != 0)
         return -EBADMSG;
     uint32_t format = get_u32(p + 8);
-    if (format != 1 && format != 2)
+    if (format < 1 || format > EXPERT_CKPT_FORMAT)
         return -EPROTONOSUPPORT;
     size_t hl = hdr_len(format);
     if (len < hl + 4 || get_u32(p + len - 4) != (uint32_t)crc32_z(0L, p, len - 4))

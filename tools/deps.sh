@@ -2,11 +2,12 @@
 # Installs the Debian 12 packages Starling needs, when they are missing.
 # libssl-dev is optional for the build (the tensor RPC's AES-GCM runs about
 # twice as fast on OpenSSL's libcrypto as on libsodium; records are the same
-# bytes either way), so it is installed to get the fast path.
+# bytes either way), so it is installed to get the fast path. fortunes and
+# fortunes-min are the language models' default corpus (train_lm.py's).
 
 STARLING_PKGS="meson ninja-build pkg-config gcc libc6-dev libuv1-dev libsodium-dev \
-libmsgpack-dev uthash-dev libopenblas-dev zlib1g-dev libcmocka-dev \
-dataset-fashion-mnist python3 iproute2 procps libssl-dev"
+libmsgpack-dev uthash-dev libopenblas-dev zlib1g-dev libcmocka-dev libjansson-dev \
+dataset-fashion-mnist fortunes fortunes-min python3 iproute2 procps libssl-dev"
 
 # starling_install_deps [extra packages...]
 starling_install_deps() {
