@@ -17,7 +17,7 @@ static void check_fixture(const char *file)
     struct tx_file f;
     tx_file_open(&f, file);
     assert_int_equal(tx_file_u32(&f), 1);
-    struct expert_block_config cfg;
+    struct expert_block_config cfg = { 0 };
     cfg.kind = (int)tx_file_u32(&f);
     cfg.in = (int)tx_file_u32(&f);
     cfg.out = (int)tx_file_u32(&f);

@@ -212,7 +212,7 @@ static void header_fields_case(int staged)
     }
     /* Specific fields give specific errors. */
     memcpy(mod, buf, len);
-    mod[8] = 3;                        /* format version */
+    mod[8] = 9;                        /* format version */
     assert_int_equal(expert_block_deserialize(b, mod, len), -EPROTONOSUPPORT);
     memcpy(mod, buf, len);
     mod[16] ^= 1;                      /* config hash: for a stage, no longer its stage hash's */
