@@ -8,6 +8,7 @@
 #include "expert/model.h"
 #include "expert/pool.h"
 #include "expert/ops.h"
+#include "expert/seq_internal.h"
 #include "expert/simd.h"
 
 #include <errno.h>
@@ -64,6 +65,7 @@ struct expert_workspace {
     int max_batch;
     float *buf;            /* the one allocation; views below */
     float *ln, *mean, *rstd, *act, *dgelu, *dln;
+    struct expert__seq_ws *seq; /* the transformer kinds' views (expert/seq_internal.h) */
 };
 
 /* ------------------------------------------------------------ config -- */
@@ -256,6 +258,14 @@ double expert_block_config_flops(const struct expert_block_config *cfg, int B)
         return 0.0;
     if (cfg->kind == EXPERT_BLOCK_RESFFN)
         return 2.0 * 2.0 * B * (double)cfg->in * cfg->hidden;
+    if (expert_block_kind_is_seq(cfg->kind)) {
+        /* train_lm.py's count: the linears, plus q·kᵀ and att·v over the
+         * full T×T score matrix. */
+        double T = cfg->seq, d = cfg->dim, H = cfg->hidden;
+        double layer = 2.0 * T * (3 * d * d + d * d + 2 * d * H) + 2.0 * 2.0 * T * T * d;
+        double head = cfg->kind == EXPERT_BLOCK_LMHEAD ? 2.0 * T * d * cfg->vocab : 0.0;
+        return B * (cfg->layers * layer + head);
+    }
     return 2.0 * B * (double)cfg->in * cfg->out;
 }
 
@@ -422,6 +432,15 @@ expert_workspace *expert_workspace_create(const struct expert_block_config *cfg,
         return NULL;
     ws->cfg = *cfg;
     ws->max_batch = max_batch;
+    if (expert_block_kind_is_seq(cfg->kind)) {
+        ws->seq = calloc(1, sizeof *ws->seq);
+        if (!ws->seq || expert__seq_ws_init(ws->seq, cfg, max_batch, &ws->buf) != 0) {
+            free(ws->seq);
+            free(ws);
+            return NULL;
+        }
+        return ws;
+    }
     size_t B = (size_t)max_batch, in = (size_t)cfg->in, h = (size_t)cfg->hidden;
     /* Each view rounded up to 16 floats so every one starts on a cache line. */
 #define R16(x) (((x) + 15) & ~(size_t)15)
@@ -453,6 +472,7 @@ void expert_workspace_destroy(expert_workspace **p)
     if (!p || !*p)
         return;
     free((*p)->buf);
+    free((*p)->seq);
     free(*p);
     *p = NULL;
 }
@@ -532,9 +552,7 @@ static int check_call(const expert_block *b, const expert_workspace *ws, int B)
 {
     if (!ws || B < 1 || B > ws->max_batch)
         return -EINVAL;
-    const struct expert_block_config *c = &ws->cfg;
-    if (c->kind != b->cfg.kind || c->in != b->cfg.in || c->out != b->cfg.out ||
-        c->hidden != b->cfg.hidden)
+    if (memcmp(&ws->cfg, &b->cfg, sizeof b->cfg) != 0)
         return -EINVAL;
     return 0;
 }
@@ -558,11 +576,22 @@ static void resffn_fwd(const expert_block *b, const float *params, expert_worksp
     }
 }
 
-static void forward_params(const expert_block *b, const float *params, expert_workspace *ws,
-                           float *out, const float *inp, int B, int want_dgelu)
+/* Returns 0, or -EINVAL for input a kind refuses (EMBED: a token that is
+ * not an integer in [0, vocab)). The transformer kinds always keep what a
+ * backward reads. */
+static int forward_params(const expert_block *b, const float *params, expert_workspace *ws,
+                          float *out, const float *inp, int B, int want_dgelu)
 {
     const struct expert_block_config *c = &b->cfg;
     switch (c->kind) {
+    case EXPERT_BLOCK_EMBED:
+        return expert__embed_forward(c, b->t, params, ws->seq, out, inp, B);
+    case EXPERT_BLOCK_DECODER:
+        expert__decoder_forward(c, b->t, params, ws->seq, out, inp, B);
+        break;
+    case EXPERT_BLOCK_LMHEAD:
+        expert__lmhead_forward(c, b->t, params, ws->seq, out, inp, B);
+        break;
     case EXPERT_BLOCK_LINEAR:
         if (out)
             expert_linear_forward(out, inp, P(0), P(1), B, c->in, c->out);
@@ -576,6 +605,7 @@ static void forward_params(const expert_block *b, const float *params, expert_wo
             expert_linear_forward(out, ws->ln, P(2), P(3), B, c->in, c->out);
         break;
     }
+    return 0;
 }
 
 int expert_block_forward_snapshot(expert_block *b, const struct expert_snapshot *s,
@@ -587,8 +617,7 @@ int expert_block_forward_snapshot(expert_block *b, const struct expert_snapshot 
     int rc = check_call(b, ws, B);
     if (rc < 0)
         return rc;
-    forward_params(b, s->params, ws, out, inp, B, 0);
-    return 0;
+    return forward_params(b, s->params, ws, out, inp, B, 0);
 }
 
 /* A forward on the current weights; want_dgelu: keep gelu' for a backward. */
@@ -602,11 +631,11 @@ static int forward_current(expert_block *b, expert_workspace *ws, float *out, co
         return rc;
     struct expert_snapshot s;
     expert_block_snapshot_acquire(b, &s);
-    forward_params(b, s.params, ws, out, inp, B, want_dgelu);
+    rc = forward_params(b, s.params, ws, out, inp, B, want_dgelu);
     if (version_out)
         *version_out = s.version;
     expert_block_snapshot_release(b, &s);
-    return 0;
+    return rc;
 }
 
 int expert_block_forward(expert_block *b, expert_workspace *ws, float *out,
@@ -617,15 +646,26 @@ int expert_block_forward(expert_block *b, expert_workspace *ws, float *out,
 
 /* recompute == 0: the workspace already holds the forward of inp on these
  * params (expert_block_forward_train, or rows loaded back into it). */
-static void backward_params(expert_block *b, const float *params, expert_workspace *ws,
-                            float *out, float *dinp, const float *dout,
-                            const float *inp, int B, int recompute)
+static int backward_params(expert_block *b, const float *params, expert_workspace *ws,
+                           float *out, float *dinp, const float *dout,
+                           const float *inp, int B, int recompute)
 {
     const struct expert_block_config *c = &b->cfg;
     int in = c->in, o = c->out, h = c->hidden;
-    if (recompute)
-        forward_params(b, params, ws, out, inp, B, 1);
+    if (recompute) {
+        int rc = forward_params(b, params, ws, out, inp, B, 1);
+        if (rc != 0)
+            return rc;
+    }
     switch (c->kind) {
+    case EXPERT_BLOCK_EMBED:
+        return expert__embed_backward(c, b->t, params, b->grads, ws->seq, dout, inp, B);
+    case EXPERT_BLOCK_DECODER:
+        expert__decoder_backward(c, b->t, params, b->grads, ws->seq, dinp, dout, B);
+        break;
+    case EXPERT_BLOCK_LMHEAD:
+        expert__lmhead_backward(c, b->t, params, b->grads, ws->seq, dinp, dout, B);
+        break;
     case EXPERT_BLOCK_LINEAR:
         expert_linear_backward(dinp, G(0), G(1), dout, inp, P(0), B, in, o);
         break;
@@ -659,6 +699,7 @@ static void backward_params(expert_block *b, const float *params, expert_workspa
         break;
     }
     }
+    return 0;
 }
 
 int expert_block_backward(expert_block *b, expert_workspace *ws, float *dinp,
@@ -714,13 +755,14 @@ static int backward_common(expert_block *b, expert_workspace *ws, float *out, fl
         pthread_mutex_unlock(&b->grad_mu);
         return -ESTALE;
     }
-    backward_params(b, s.params, ws, out, dinp, dout, inp, B, recompute);
+    rc = backward_params(b, s.params, ws, out, dinp, dout, inp, B, recompute);
     if (version_out)
         *version_out = s.version;
     expert_block_snapshot_release(b, &s);
-    b->accum += B;
+    if (rc == 0)
+        b->accum += B;
     pthread_mutex_unlock(&b->grad_mu);
-    return 0;
+    return rc;
 }
 
 int expert_block_backward_at(expert_block *b, expert_workspace *ws, float *out, float *dinp,
@@ -752,11 +794,13 @@ int expert_block_forward_train(expert_block *b, expert_workspace *ws, float *out
  * order rows are packed: for each its pointer and floats per row. LINEAR
  * keeps nothing (its backward reads only the input); HEAD keeps LN's output
  * and statistics; RESFFN also gelu(pre) and gelu'(pre). Returns the count. */
-#define KEPT_MAX 5
+#define KEPT_MAX EXPERT__SEQ_MAX_VIEWS
 static int kept_views(const expert_workspace *ws, float *v[KEPT_MAX], size_t w[KEPT_MAX])
 {
     const struct expert_block_config *c = &ws->cfg;
     int n = 0;
+    if (ws->seq)
+        return expert__seq_kept_views(c, ws->seq, v, w);
     if (c->kind == EXPERT_BLOCK_LINEAR)
         return 0;
     v[n] = ws->ln, w[n++] = (size_t)c->in;
