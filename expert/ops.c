@@ -21,4 +21,10 @@ void expert_ops_init_cpu(struct expert_ops *ops)
     ops->residual_backward = expert_residual_backward;
     ops->crossentropy_forward = expert_crossentropy_forward;
     ops->crossentropy_backward = expert_crossentropy_backward;
+    ops->softmax_forward = expert_softmax_forward;
+    ops->softmax_backward = expert_softmax_backward;
+    ops->attention_forward = expert_attention_forward;
+    ops->attention_backward = expert_attention_backward;
+    ops->embedding_forward = expert_embedding_forward;
+    ops->embedding_backward = expert_embedding_backward;
 }

@@ -11,6 +11,7 @@
 #ifndef EXPERT_SIMD_H
 #define EXPERT_SIMD_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -101,6 +102,95 @@ EXPERT__INLINE void expert__vgelu(expert__vf x, expert__vf *g, expert__vf *dg)
     expert__vf cdf = 0.5f * (1.0f + erfz);
     *g = x * cdf;
     *dg = cdf + x * e * 0.39894228040143268f;       /* 1/√(2π) */
+}
+
+/* Horizontal sum and max of the lanes. */
+EXPERT__INLINE float expert__vhsum(expert__vf v)
+{
+    float s = 0.0f;
+    for (int k = 0; k < EXPERT__VW; k++)
+        s += v[k];
+    return s;
+}
+
+EXPERT__INLINE float expert__vhmax(expert__vf v)
+{
+    float m = v[0];
+    for (int k = 1; k < EXPERT__VW; k++)
+        m = v[k] > m ? v[k] : m;
+    return m;
+}
+
+/* The first n (< EXPERT__VW) floats of p; the other lanes hold fill. */
+EXPERT__INLINE expert__vf expert__vload_part(const float *p, long n, float fill)
+{
+    float b[EXPERT__VW];
+    for (int k = 0; k < EXPERT__VW; k++)
+        b[k] = k < n ? p[k] : fill;
+    expert__vf v;
+    memcpy(&v, b, sizeof v);
+    return v;
+}
+
+EXPERT__INLINE void expert__vstore_part(float *p, expert__vf v, long n)
+{
+    float b[EXPERT__VW];
+    memcpy(b, &v, sizeof v);
+    memcpy(p, b, (size_t)n * sizeof(float));
+}
+
+/* Σ a[j]·b[j], j < n, in EXPERT__VW float lanes. */
+EXPERT__INLINE float expert__vdot(const float *a, const float *b, long n)
+{
+    expert__vf acc = expert__vsplat(0.0f), x, y;
+    long j = 0;
+    for (; j + EXPERT__VW <= n; j += EXPERT__VW) {
+        memcpy(&x, a + j, sizeof x);
+        memcpy(&y, b + j, sizeof y);
+        acc += x * y;
+    }
+    if (j < n)
+        acc += expert__vload_part(a + j, n - j, 0.0f) * expert__vload_part(b + j, n - j, 0.0f);
+    return expert__vhsum(acc);
+}
+
+/* out[j] = softmax(scale·x)[j] over j < n (scale > 0), computed as
+ * exp((x[j] - max x)·scale) / Σ. Arguments below -87 give exactly 0 (so a
+ * -inf logit gets probability 0, not the clamp's 1e-38). A NaN or +inf in
+ * the row, or a row of -inf only, makes the row NaN, as in PyTorch (the max
+ * skips NaN, but its exp is NaN and so is the sum). out may alias x. */
+EXPERT__INLINE void expert__softmax_row(float *out, const float *x, long n, float scale)
+{
+    const expert__vf ninf = expert__vsplat(-INFINITY), lo = expert__vsplat(-87.0f),
+                     zero = expert__vsplat(0.0f);
+    expert__vf vm = ninf, v, e;
+    long j = 0;
+    for (; j + EXPERT__VW <= n; j += EXPERT__VW) {
+        memcpy(&v, x + j, sizeof v);
+        vm = expert__vsel(v > vm, v, vm);
+    }
+    if (j < n) {
+        v = expert__vload_part(x + j, n - j, -INFINITY);
+        vm = expert__vsel(v > vm, v, vm);
+    }
+    float m = expert__vhmax(vm);
+    expert__vf vs = zero;
+    for (j = 0; j + EXPERT__VW <= n; j += EXPERT__VW) {
+        memcpy(&v, x + j, sizeof v);
+        v = (v - m) * scale;
+        e = expert__vsel(v < lo, zero, expert__vexp(v));
+        memcpy(out + j, &e, sizeof e);
+        vs += e;
+    }
+    if (j < n) {
+        v = (expert__vload_part(x + j, n - j, -INFINITY) - m) * scale;
+        e = expert__vsel(v < lo, zero, expert__vexp(v));
+        expert__vstore_part(out + j, e, n - j);
+        vs += e;
+    }
+    float inv = 1.0f / expert__vhsum(vs);
+    for (j = 0; j < n; j++)
+        out[j] *= inv;
 }
 
 /* Scalar GELU through the same formulas (for tails and tests). */

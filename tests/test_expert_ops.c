@@ -321,6 +321,10 @@ static void test_ops_table_and_bad_args(void **state)
     assert_int_equal(ops.residual_forward(x, x, x, -1), -EINVAL);
     assert_int_equal(ops.crossentropy_forward(x, x, x, NULL, 1, 2), -EINVAL);
     assert_int_equal(ops.bias_forward(x, x, NULL, 1, 1), -EINVAL);
+    assert_int_equal(ops.softmax_forward(x, x, 1, 0), -EINVAL);
+    assert_int_equal(ops.attention_forward(x, x, x, 1, 1, 3, 2), -EINVAL); /* C % NH */
+    int32_t tok = 2; /* >= V */
+    assert_int_equal(ops.embedding_backward(x, x, x, &tok, 1, 1, 1, 2), -EINVAL);
 }
 
 /* Large passes split across the helper pool when BLAS has 2+ threads; each
