@@ -91,6 +91,9 @@ static void decide(infer *in, int b)
             if (votes[c] > votes[best] || (votes[c] == votes[best] && mean[c] > mean[best]))
                 best = c;
         in->res->pred[i] = best;
+        if (in->res->probs)
+            for (int c = 0; c < C; c++)
+                in->res->probs[(size_t)i * (size_t)C + (size_t)c] = (float)mean[c];
         if (in->res->prob)
             in->res->prob[i] = (float)mean[best];
         if (in->res->agree)
@@ -116,8 +119,9 @@ static void path_done(infer *in, unit *u)
 {
     const float *z = u->buf[in->S & 1];
     int first = u->batch * in->cfg.batch;
+    size_t row = (size_t)in->cfg.model->n_out;
     for (int r = 0; r < u->rows; r++)
-        softmax_row(z + (size_t)r * (size_t)in->C,
+        softmax_row(z + (size_t)r * row + (in->cfg.positions ? (size_t)in->cfg.positions[first + r] * (size_t)in->C : 0),
                     in->probs + ((size_t)(first + r) * (size_t)in->cfg.replicas + (size_t)u->path) * (size_t)in->C,
                     in->C);
     in->lat[in->n_lat++] = (route_caller_now(in->caller) - u->t_start) * 1000.0;
@@ -359,25 +363,34 @@ int route_infer_run(uv_loop_t *loop, const route_infer_config *cfg, route_infer_
     if (!out)
         return -EINVAL;
     int *pred = out->pred;
-    float *prob = out->prob;
+    float *prob = out->prob, *probs = out->probs;
     uint8_t *agree = out->agree;
     memset(out, 0, sizeof *out);
     out->pred = pred;
     out->prob = prob;
+    out->probs = probs;
     out->agree = agree;
+    int lm = cfg && cfg->model && cfg->model->task == EXPERT_TASK_BYTES;
     if (!loop || !cfg || !cfg->dht || !cfg->ident || !cfg->model || !cfg->inputs || cfg->n < 1 ||
         cfg->batch < 1 || cfg->replicas < 1 || cfg->replicas > ROUTE_INFER_MAX_REPLICAS ||
-        cfg->inflight < 1 || !pred || cfg->model->n_stages > 64 || cfg->model->n_out > 256) {
+        cfg->inflight < 1 || !pred || cfg->model->n_stages > 64 ||
+        (lm ? !cfg->positions || cfg->model->vocab > 256 : cfg->positions || cfg->model->n_out > 256)) {
         snprintf(out->error, sizeof out->error, "invalid inference configuration");
         return -EINVAL;
     }
+    for (int i = 0; lm && i < cfg->n; i++)
+        if (cfg->positions[i] < 0 || cfg->positions[i] >= cfg->model->seq) {
+            snprintf(out->error, sizeof out->error, "position %d of row %d is outside the context (%d)",
+                     cfg->positions[i], i, cfg->model->seq);
+            return -EINVAL;
+        }
     infer *in = calloc(1, sizeof *in);
     if (!in)
         return -ENOMEM;
     in->cfg = *cfg;
     in->res = out;
     in->S = cfg->model->n_stages;
-    in->C = cfg->model->n_out;
+    in->C = lm ? cfg->model->vocab : cfg->model->n_out;
     for (int s = 0; s < in->S; s++) {
         struct expert_block_config c;
         expert_model_stage(cfg->model, s, &c);

@@ -40,6 +40,10 @@ typedef struct route_infer_config {
     const struct expert_model_spec *model;
     const float *inputs;                    /* (n, model->n_in) */
     int n;
+    const int *positions;                   /* a language model (task EXPERT_TASK_BYTES):
+                                               (n) the position whose next-token logits
+                                               answer each row (the row's output is
+                                               (seq, vocab)); NULL otherwise */
     int batch;                              /* rows per request */
     int replicas;                           /* paths per batch, 1..ROUTE_INFER_MAX_REPLICAS */
     int inflight;                           /* (batch, path) units at once */
@@ -51,6 +55,9 @@ typedef struct route_infer_config {
 typedef struct route_infer_result {
     int *pred;                 /* (n) caller-owned: the predicted class */
     float *prob;               /* (n) caller-owned or NULL: its mean probability */
+    float *probs;              /* (n, classes) caller-owned or NULL: every class's mean
+                                  probability over the paths (a language model: the
+                                  next token's distribution, for sampling) */
     uint8_t *agree;            /* (n) caller-owned or NULL: paths that voted for it */
     uint64_t ver_min[64], ver_max[64];  /* weight versions seen per stage */
     double p50_ms, p99_ms;     /* latency of one (batch, path) through every stage */
@@ -62,7 +69,9 @@ typedef struct route_infer_result {
     char error[320];           /* why it stopped early, or "" */
 } route_infer_result;
 
-/* Runs to the end. out->pred (and prob/agree when set) must have n entries.
+/* Runs to the end. out->pred (and prob/agree when set) must have n entries,
+ * out->probs (when set) n times the classes (n_out, or a language model's
+ * vocabulary).
  * Returns 0, -ETIMEDOUT (a stage had no holder for max_wait_s), -EINVAL
  * (bad config: nothing ran), -ENOMEM; out->error says what happened. */
 int route_infer_run(uv_loop_t *loop, const route_infer_config *cfg, route_infer_result *out);

@@ -27,6 +27,7 @@ typedef struct slot {
 
 struct route_pipeline {
     int S, max_batch, max_inflight, max_width;
+    int labels_per_row;
     int widths[ROUTE_PIPELINE_MAX_STAGES + 1];
     route_loss_fn loss;
     void *loss_ctx;
@@ -46,13 +47,15 @@ route_pipeline *route_pipeline_create(const route_pipeline_config *cfg)
 {
     if (!cfg || cfg->n_stages < 1 || cfg->n_stages > ROUTE_PIPELINE_MAX_STAGES || !cfg->widths ||
         cfg->max_batch < 1 || cfg->max_inflight < 1 ||
-        cfg->max_inflight > ROUTE_PIPELINE_MAX_INFLIGHT || !cfg->loss)
+        cfg->max_inflight > ROUTE_PIPELINE_MAX_INFLIGHT || !cfg->loss || cfg->labels_per_row < 0 ||
+        cfg->labels_per_row > (1 << 16))
         return NULL;
     route_pipeline *p = calloc(1, sizeof *p);
     if (!p)
         return NULL;
     p->S = cfg->n_stages;
     p->max_batch = cfg->max_batch;
+    p->labels_per_row = cfg->labels_per_row ? cfg->labels_per_row : 1;
     p->max_inflight = cfg->max_inflight;
     p->loss = cfg->loss;
     p->loss_ctx = cfg->loss_ctx;
@@ -72,7 +75,8 @@ route_pipeline *route_pipeline_create(const route_pipeline_config *cfg)
      * the labels, all carved from one allocation. */
     size_t B = (size_t)p->max_batch;
     size_t per_slot_floats = B * (act_floats + 2 * (size_t)p->max_width);
-    size_t per_slot = per_slot_floats * sizeof(float) + (size_t)(p->S + 1) * sizeof(float *) + B;
+    size_t per_slot = per_slot_floats * sizeof(float) + (size_t)(p->S + 1) * sizeof(float *) +
+                      B * (size_t)p->labels_per_row;
     per_slot = (per_slot + 63) & ~(size_t)63;
     p->mem = calloc((size_t)p->max_inflight, per_slot);
     if (!p->mem) {
@@ -120,7 +124,7 @@ static int64_t push(route_pipeline *p, const float *x, const uint8_t *labels, in
     if (!sl)
         return -EAGAIN;
     memcpy(sl->acts[0], x, (size_t)rows * (size_t)p->widths[0] * sizeof(float));
-    memcpy(sl->labels, labels, (size_t)rows);
+    memcpy(sl->labels, labels, (size_t)rows * (size_t)p->labels_per_row);
     sl->state = SLOT_FWD;
     sl->stage = 0;
     sl->taken = 0;

@@ -35,9 +35,10 @@ typedef enum route_call_kind {
     ROUTE_CALL_BACKWARD = 2,
 } route_call_kind;
 
-/* Computes the loss of one micro-batch: logits is (B, C); writes dlogits
- * (B, C) = d(mean loss)/d(logits), and the summed loss and count of correct
- * predictions. Returns 0 or -errno (the micro-batch then fails). */
+/* Computes the loss of one micro-batch: logits is (B, C), labels (B,
+ * labels_per_row); writes dlogits (B, C), the gradient of the loss summed
+ * over rows, and the summed loss and count of correct predictions. Returns
+ * 0 or -errno (the micro-batch then fails). */
 typedef int (*route_loss_fn)(void *ctx, const float *logits, const uint8_t *labels, int B, int C,
                              float *dlogits, double *loss_sum_out, int *correct_out);
 
@@ -51,6 +52,8 @@ typedef struct route_pipeline_config {
     int max_refusals;             /* -ERANGE answers to one batch's backward calls
                                      before its update is dropped; 0: the default,
                                      ROUTE_PIPELINE_MAX_REFUSALS */
+    int labels_per_row;           /* label bytes per row: 1 (0 means 1) for a class, the
+                                     context length for a language model */
 } route_pipeline_config;
 
 /* One RPC to make. The pointers stay valid until route_pipeline_call_done

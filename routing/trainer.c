@@ -80,6 +80,13 @@ typedef struct trainer {
     /* batch staging */
     float *xbuf;
     uint8_t *ybuf;
+    /* text (a language model): labels per row (its context; 1 for images),
+     * the first training draw of the current epoch, and the steps' end */
+    int lpr;
+    long draw_base;
+    int stopping;                  /* max_seconds reached: evaluate, then finish */
+    uint64_t *offs;                /* (batch) window offsets */
+    int32_t *tbuf;                 /* (batch, lpr) targets of a text batch */
 } trainer;
 
 static double now_s(const trainer *t)
@@ -99,31 +106,37 @@ static void finish(trainer *t, int rc)
 
 /* ---- the loss, computed here: the trainer holds only data and the loss ---- */
 
+/* A row's loss is the mean cross-entropy over its lpr positions (one for
+ * a class; every next byte of a window for a language model, whose logits
+ * row is (lpr, V)), so *loss_sum sums the rows' means and *correct counts
+ * positions. */
 static int loss_fn(void *ctx, const float *logits, const uint8_t *labels, int B, int C, float *dl,
                    double *loss_sum, int *correct)
 {
     trainer *t = ctx;
-    for (int i = 0; i < B; i++)
+    int n = B * t->lpr, V = C / t->lpr;
+    for (int i = 0; i < n; i++)
         t->targets[i] = labels[i];
-    int rc = expert_crossentropy_forward(t->losses, t->probs, logits, t->targets, B, C);
+    int rc = expert_crossentropy_forward(t->losses, t->probs, logits, t->targets, n, V);
     if (rc != 0)
         return rc;
-    /* The blocks expect the gradient of the loss SUMMED over samples. */
-    rc = expert_crossentropy_backward(dl, t->probs, t->targets, 1.0f, B, C);
+    /* The blocks expect the gradient of the loss SUMMED over rows (each
+     * row's loss the mean over its positions). */
+    rc = expert_crossentropy_backward(dl, t->probs, t->targets, 1.0f / (float)t->lpr, n, V);
     if (rc != 0)
         return rc;
     double s = 0;
     int ok = 0;
-    for (int i = 0; i < B; i++) {
+    for (int i = 0; i < n; i++) {
         s += t->losses[i];
-        const float *z = logits + (size_t)i * C;
+        const float *z = logits + (size_t)i * V;
         int arg = 0;
-        for (int c = 1; c < C; c++)
+        for (int c = 1; c < V; c++)
             if (z[c] > z[arg])
                 arg = c;
         ok += arg == labels[i];
     }
-    *loss_sum = s;
+    *loss_sum = s / t->lpr;
     *correct = ok;
     return 0;
 }
@@ -349,6 +362,8 @@ static int summary_part(void *arg, const route_errlog_kind *k, char *buf, size_t
 
 static void shuffle(trainer *t)
 {
+    if (t->cfg.text)
+        return; /* windows come in the order of their draws */
     for (long i = 0; i < t->n_train; i++)
         t->order[i] = (int)i;
     for (long i = t->n_train - 1; i > 0; i--) {
@@ -359,11 +374,44 @@ static void shuffle(trainer *t)
     }
 }
 
+/* Rows [cursor, cursor + rows) of the current phase into xbuf/ybuf. */
+static void stage_rows(trainer *t, int rows)
+{
+    if (t->cfg.text) {
+        int T = t->lpr, split = t->ph == PH_TRAIN ? ROUTE_TEXT_TRAIN : ROUTE_TEXT_VAL;
+        uint64_t seed = t->ph == PH_TRAIN ? t->cfg.seed : ROUTE_TEXT_VAL_SEED;
+        long first = t->ph == PH_TRAIN ? t->draw_base + t->cursor : t->cursor;
+        for (int r = 0; r < rows; r++)
+            t->offs[r] = route_text_offset(t->cfg.text, split, seed, (uint64_t)(first + r), T);
+        route_text_fill(t->cfg.text, split, t->offs, rows, T, t->xbuf, t->tbuf);
+        for (long i = 0; i < (long)rows * T; i++)
+            t->ybuf[i] = (uint8_t)t->tbuf[i];
+        return;
+    }
+    const route_dataset *d = t->ph == PH_TRAIN ? t->cfg.train : t->cfg.test;
+    int w = d->rows * d->cols;
+    for (int r = 0; r < rows; r++) {
+        long idx = t->ph == PH_TRAIN ? t->order[t->cursor + r] : t->cursor + r;
+        memcpy(t->xbuf + (size_t)r * (size_t)w, d->images + (size_t)idx * (size_t)w,
+               (size_t)w * sizeof(float));
+        t->ybuf[r] = d->labels[idx];
+    }
+}
+
+/* At a boundary between groups with nothing in flight: has max_seconds
+ * passed? Then this epoch's training ends here. */
+static int out_of_time(trainer *t)
+{
+    if (t->cfg.max_seconds <= 0 || now_s(t) - t->t_start < t->cfg.max_seconds)
+        return 0;
+    t->n_train = t->cursor;
+    t->stopping = 1;
+    return 1;
+}
+
 static void push_batches(trainer *t)
 {
-    const route_dataset *d = t->ph == PH_TRAIN ? t->cfg.train : t->cfg.test;
     long n = t->ph == PH_TRAIN ? t->n_train : t->n_test;
-    int w = d->rows * d->cols;
     while (t->cursor < n) {
         int rows = (int)(n - t->cursor < t->cfg.batch ? n - t->cursor : t->cfg.batch);
         if (t->ph == PH_TRAIN && t->cfg.sync_samples > 0) {
@@ -372,15 +420,14 @@ static void push_batches(trainer *t)
             long in_group = t->cursor % t->cfg.sync_samples;
             if (in_group == 0 && t->cursor > 0 && route_pipeline_inflight(t->pipe) > 0)
                 break;
+            if (in_group == 0 && t->cursor > 0 && out_of_time(t))
+                break;
             if (rows > t->cfg.sync_samples - in_group)
                 rows = (int)(t->cfg.sync_samples - in_group);
+        } else if (t->ph == PH_TRAIN && t->cursor > 0 && out_of_time(t)) {
+            break;
         }
-        for (int r = 0; r < rows; r++) {
-            long idx = t->ph == PH_TRAIN ? t->order[t->cursor + r] : t->cursor + r;
-            memcpy(t->xbuf + (size_t)r * (size_t)w, d->images + (size_t)idx * (size_t)w,
-                   (size_t)w * sizeof(float));
-            t->ybuf[r] = d->labels[idx];
-        }
+        stage_rows(t, rows);
         int64_t seq = t->ph == PH_TRAIN ? route_pipeline_push(t->pipe, t->xbuf, t->ybuf, rows)
                                         : route_pipeline_push_eval(t->pipe, t->xbuf, t->ybuf, rows);
         if (seq < 0)
@@ -428,6 +475,8 @@ static void advance_phase(trainer *t)
     if (t->ph == PH_TRAIN) {
         double ep_time = now_s(t) - t->t_epoch;
         t->train_time += ep_time;
+        if (t->cfg.text && t->cfg.sync_samples > 0)
+            t->res->steps += t->n_train / t->cfg.sync_samples;
         t->ph = PH_EVAL;
         t->cursor = 0;
         t->eval_correct = 0;
@@ -445,7 +494,7 @@ static void advance_phase(trainer *t)
     e.epoch = t->epoch;
     e.train_loss = t->ep_loss;
     e.test_loss = t->eval_done ? t->eval_loss / (double)t->eval_done : 0;
-    e.test_acc = t->eval_done ? (double)t->eval_correct / (double)t->eval_done : 0;
+    e.test_acc = t->eval_done ? (double)t->eval_correct / ((double)t->eval_done * t->lpr) : 0;
     e.samples = t->ep_samples;
     e.train_time_s = t->ep_time;
     e.retries = (long)(route_pipeline_retries(t->pipe) - t->ep_retries_base);
@@ -459,12 +508,20 @@ static void advance_phase(trainer *t)
     t->res->test_loss = e.test_loss;
     if (t->cfg.on_epoch)
         t->cfg.on_epoch(t->cfg.arg, &e);
-    if (t->epoch >= t->cfg.epochs) {
+    if (t->epoch >= t->cfg.epochs || t->stopping) {
+        t->res->stopped_early = t->stopping;
         finish(t, 0);
         return;
     }
     t->epoch++;
     t->ph = PH_TRAIN;
+    if (t->cfg.text && t->epoch > 1) {
+        /* The next stretch of steps, up to the next evaluation. */
+        t->draw_base += t->n_train;
+        long left = t->cfg.steps * t->cfg.sync_samples - t->draw_base;
+        long per = (long)t->cfg.eval_every * t->cfg.sync_samples;
+        t->n_train = left < per ? left : per;
+    }
     t->cursor = 0;
     t->ep_loss = 0;
     t->ep_samples = 0;
@@ -502,9 +559,31 @@ static void pump(void *arg)
     }
 }
 
+/* A language model's configuration. */
+static int check_text_config(const uv_loop_t *loop, const route_train_config *c, route_train_result *out)
+{
+    const struct expert_model_spec *m = c->model;
+    if (!loop || !c->dht || !c->ident || !m || c->batch < 1 || c->inflight < 1 ||
+        c->inflight > ROUTE_PIPELINE_MAX_INFLIGHT || c->sync_samples < 1 || c->steps < 1 ||
+        c->eval_every < 1 || c->eval_rows < 1 || m->n_stages > ROUTE_PIPELINE_MAX_STAGES ||
+        c->steps > (1L << 40) / c->sync_samples) {
+        snprintf(out->error, sizeof out->error, "invalid training configuration");
+        return -EINVAL;
+    }
+    if (m->task != EXPERT_TASK_BYTES || m->vocab != 256 || m->n_in != m->seq ||
+        (long)m->n_out != (long)m->seq * m->vocab) {
+        snprintf(out->error, sizeof out->error,
+                 "model %s is not a byte-level language model: it cannot train on text", m->name);
+        return -EINVAL;
+    }
+    return route_text_check(c->text, m->seq, out->error, sizeof out->error);
+}
+
 /* Checks the configuration; writes the reason into out->error. */
 static int check_config(const uv_loop_t *loop, const route_train_config *c, route_train_result *out)
 {
+    if (c && c->text)
+        return check_text_config(loop, c, out);
     if (!loop || !c || !c->dht || !c->ident || !c->model || !c->train || !c->test || c->epochs < 1 || c->batch < 1 ||
         c->inflight < 1 || c->inflight > ROUTE_PIPELINE_MAX_INFLIGHT || c->sync_samples < 0 ||
         c->model->n_stages > ROUTE_PIPELINE_MAX_STAGES) {
@@ -512,6 +591,11 @@ static int check_config(const uv_loop_t *loop, const route_train_config *c, rout
         return -EINVAL;
     }
     const struct expert_model_spec *m = c->model;
+    if (m->task != EXPERT_TASK_CLASSES) {
+        snprintf(out->error, sizeof out->error, "model %s is a language model: it trains on text, not images",
+                 m->name);
+        return -EINVAL;
+    }
     int in_w = c->train->rows * c->train->cols;
     if (in_w != m->n_in || c->test->rows * c->test->cols != m->n_in || c->train->classes > m->n_out ||
         c->test->classes > m->n_out) {
@@ -536,7 +620,7 @@ static int trainer_init(trainer *t, uv_loop_t *loop)
         widths[s + 1] = c.out;
     }
     route_pipeline_config pc = {m->n_stages, widths, t->cfg.batch, t->cfg.inflight, loss_fn, t,
-                                ROUTE_PIPELINE_MAX_REFUSALS};
+                                ROUTE_PIPELINE_MAX_REFUSALS, t->lpr};
     t->pipe = route_pipeline_create(&pc);
     uint64_t seed = t->cfg.seed * 0x9E3779B97F4A7C15ULL + 0x1234567ULL;
     route_caller_config cc = {.dht = t->cfg.dht,
@@ -563,14 +647,17 @@ static int trainer_init(trainer *t, uv_loop_t *loop)
     t->caller = route_caller_create(loop, &cc);
     t->versions = route_versions_create();
     t->pends = calloc((size_t)t->cfg.inflight, sizeof *t->pends);
-    t->order = malloc((size_t)t->n_train * sizeof *t->order);
-    t->probs = malloc((size_t)t->cfg.batch * (size_t)m->n_out * sizeof(float));
-    t->losses = malloc((size_t)t->cfg.batch * sizeof(float));
-    t->targets = malloc((size_t)t->cfg.batch * sizeof(int32_t));
-    t->xbuf = malloc((size_t)t->cfg.batch * (size_t)in_w * sizeof(float));
-    t->ybuf = malloc((size_t)t->cfg.batch);
+    size_t B = (size_t)t->cfg.batch, rows = B * (size_t)t->lpr;
+    t->order = malloc((t->cfg.text ? 1 : (size_t)t->n_train) * sizeof *t->order);
+    t->probs = malloc(B * (size_t)m->n_out * sizeof(float));
+    t->losses = malloc(rows * sizeof(float));
+    t->targets = malloc(rows * sizeof(int32_t));
+    t->xbuf = malloc(B * (size_t)in_w * sizeof(float));
+    t->ybuf = malloc(rows);
+    t->offs = malloc(B * sizeof *t->offs);
+    t->tbuf = malloc(rows * sizeof *t->tbuf);
     if (!t->pipe || !t->caller || !t->versions || !t->pends || !t->order || !t->probs || !t->losses ||
-        !t->targets || !t->xbuf || !t->ybuf)
+        !t->targets || !t->xbuf || !t->ybuf || !t->offs || !t->tbuf)
         return -ENOMEM;
     return 0;
 }
@@ -587,6 +674,8 @@ static void trainer_free(trainer *t)
     free(t->targets);
     free(t->xbuf);
     free(t->ybuf);
+    free(t->offs);
+    free(t->tbuf);
     free(t);
 }
 
@@ -603,9 +692,22 @@ int route_train_run(uv_loop_t *loop, const route_train_config *cfg_in, route_tra
         return -ENOMEM;
     t->cfg = *cfg_in;
     t->res = out;
-    t->n_train = t->cfg.n_train > 0 && t->cfg.n_train < t->cfg.train->n ? t->cfg.n_train : t->cfg.train->n;
-    t->n_test = t->cfg.n_test > 0 && t->cfg.n_test < t->cfg.test->n ? t->cfg.n_test : t->cfg.test->n;
-    t->total = t->n_train * t->cfg.epochs;
+    t->lpr = 1;
+    if (t->cfg.text) {
+        /* Epoch 0 is the evaluation before the first step; epoch e >= 1
+         * trains up to eval_every steps, then evaluates. */
+        t->lpr = t->cfg.model->seq;
+        t->cfg.epochs = (int)((t->cfg.steps + t->cfg.eval_every - 1) / t->cfg.eval_every);
+        long per = (long)t->cfg.eval_every * t->cfg.sync_samples;
+        t->total = t->cfg.steps * t->cfg.sync_samples;
+        t->n_train = t->total < per ? t->total : per;
+        t->n_test = t->cfg.eval_rows;
+    } else {
+        t->n_train = t->cfg.n_train > 0 && t->cfg.n_train < t->cfg.train->n ? t->cfg.n_train
+                                                                             : t->cfg.train->n;
+        t->n_test = t->cfg.n_test > 0 && t->cfg.n_test < t->cfg.test->n ? t->cfg.n_test : t->cfg.test->n;
+        t->total = t->n_train * t->cfg.epochs;
+    }
     rc = trainer_init(t, loop);
     if (rc != 0) {
         snprintf(out->error, sizeof out->error, "out of memory");
@@ -614,6 +716,10 @@ int route_train_run(uv_loop_t *loop, const route_train_config *cfg_in, route_tra
     }
     t->epoch = 1;
     t->ph = PH_TRAIN;
+    if (t->cfg.text) {
+        t->epoch = 0;
+        t->ph = PH_EVAL;
+    }
     shuffle(t);
     t->t_start = t->t_epoch = now_s(t);
     rc = route_caller_run(t->caller);

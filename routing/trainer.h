@@ -15,6 +15,15 @@
  * message naming the stage. After each epoch it evaluates the test set
  * through the same swarm (forward only).
  *
+ * A byte-level language model (a model of task EXPERT_TASK_BYTES) trains on
+ * text (routing/text.h) instead of images: a row is a window of seq+1
+ * bytes drawn exactly as ../shared/bench/torch/train_lm.py draws them
+ * (step s takes draws s·B .. s·B+B-1 of the training stream seeded with
+ * `seed`, B = sync_samples), the loss is the mean next-byte cross-entropy
+ * over every position, and the "epochs" are the stretches between
+ * evaluations: one before the first step, then every eval_every steps and
+ * after the last, each over the same eval_rows validation windows.
+ *
  * A holder's error reply is logged with its sentence, as is a call that
  * failed in transport: the first of each (stage, error) at once, then at
  * most one summary line every ROUTE_ERRLOG_PERIOD_S (routing/pipeline.h)
@@ -59,6 +68,7 @@
 #include "dht/dht.h"
 #include "expert/model.h"
 #include "routing/data.h"
+#include "routing/text.h"
 
 typedef struct route_train_progress {
     int epoch;                 /* 1-based */
@@ -95,7 +105,15 @@ typedef struct route_train_config {
     const dht_identity *ident;              /* for the RPC handshakes */
     const uint8_t *swarm_key;               /* 32 bytes or NULL */
     const struct expert_model_spec *model;
-    const route_dataset *train, *test;      /* borrowed */
+    const route_dataset *train, *test;      /* borrowed (NULL with text) */
+    const route_text *text;                 /* a language model's corpus, borrowed (NULL
+                                               for images); then: */
+    long steps;                             /*   optimizer steps of sync_samples windows */
+    int eval_every;                         /*   steps between evaluations (>= 1) */
+    int eval_rows;                          /*   validation windows (>= 1) */
+    double max_seconds;                     /* > 0: stop after the first optimizer step (text)
+                                               or micro-batch that ends this long after the
+                                               start (evaluations included), then evaluate */
     int n_train, n_test;                    /* first n samples (0 = all) */
     int epochs;                             /* >= 1 */
     int batch;                              /* micro-batch rows */
@@ -118,7 +136,10 @@ typedef struct route_train_config {
 
 typedef struct route_train_result {
     int epochs;                /* completed */
-    long samples;              /* training samples processed (each exactly once per epoch) */
+    long samples;              /* training samples (text: windows) processed (each exactly
+                                  once per epoch) */
+    long steps;                /* text: optimizer steps (groups of sync_samples) finished */
+    int stopped_early;         /* max_seconds ended training */
     double train_time_s;
     double samples_per_s;
     double test_acc, test_loss;

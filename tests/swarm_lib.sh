@@ -64,6 +64,22 @@ start_peer() {
     wait_announced "$name" 120 || { show "$T/$name.err" "$T/$name.ann" "$T/$name.ann.err"; echo "peer $name's announcements never became visible" >&2; exit 1; }
 }
 
+# start_peer_auto NAME [extra flags]: as start_peer, without --blocks: the
+# peer picks the least served span itself (--num-blocks, its default).
+# $AUTO_MON: extra flags for the monitor that checks its announcements
+# (e.g. the model's).
+start_peer_auto() {
+    name=$1; shift
+    : >"$T/$name.out"; : >"$T/$name.err"
+    "$S" peer --initial-peers "$BS" "$@" >"$T/$name.out" 2>"$T/$name.err" &
+    pid=$!
+    PIDS="$PIDS $pid"
+    eval "PID_$name=$pid"
+    wait_for "$T/$name.err" 'online: announcing' 120 || { show "$T/$name.out" "$T/$name.err"; echo "peer $name did not come online" >&2; exit 1; }
+    # shellcheck disable=SC2086
+    wait_announced "$name" 120 --initial-peers "$BS" ${AUTO_MON:-} || { show "$T/$name.err" "$T/$name.ann" "$T/$name.ann.err"; echo "peer $name's announcements never became visible" >&2; exit 1; }
+}
+
 # wait_announced NAME SECONDS [MONITOR FLAGS...]: a peer logs "online:
 # announcing" when it starts its DHT puts, not when they are stored; this
 # waits until `starling monitor` (flags default: --initial-peers $BS) shows

@@ -46,6 +46,7 @@ int cmd_bootstrap(int argc, char **argv);
 int cmd_monitor(int argc, char **argv);
 int cmd_train(int argc, char **argv);
 int cmd_infer(int argc, char **argv);
+int cmd_generate(int argc, char **argv);
 int cmd_keygen(int argc, char **argv);
 int cmd_dht(int argc, char **argv);
 

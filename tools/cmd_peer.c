@@ -34,7 +34,8 @@ static const char peer_help[] =
     "Options:\n"
     "  --blocks LIST          stage indices to host: 1,2 or 1-3\n"
     "  --num-blocks K         without --blocks: host the K contiguous stages the swarm\n"
-    "                         serves least (default 2), re-checked every\n"
+    "                         serves least (default: a third of the model's stages,\n"
+    "                         rounded up: fmnist-mlp 2, tiny-lm 1), re-checked every\n"
     "                         --rebalance-every S seconds (default 60; 0 off); a peer\n"
     "                         first covers stages that have no holder, otherwise\n"
     "                         moves only to a span served less than half as well\n"
@@ -65,12 +66,15 @@ static const char peer_help[] =
     "                         requests (default 0: always the inference thread)\n"
     "  --keep-activations N   per block, keep the activations of N training forwards\n"
     "                         for their backward, so a backward that reaches the\n"
-    "                         same peer skips recomputing its forward (default 16;\n"
-    "                         0: stateless, every backward recomputes)\n"
-    "  --max-batch N          largest request and joined batch, rows (default 256)\n";
+    "                         same peer skips recomputing its forward (default 16,\n"
+    "                         a language model 8; 0: stateless, every backward\n"
+    "                         recomputes)\n"
+    "  --max-batch N          largest request and joined batch, rows (default 256;\n"
+    "                         a language model's rows are sequences: tiny-lm 32)\n";
 /* In two pieces: C11 compilers need only take 4095-character literals. */
 static const char peer_help2[] =
-    "  --target-batch N       samples accumulated per optimizer step (default 128)\n"
+    "  --target-batch N       samples accumulated per optimizer step (default 128;\n"
+    "                         tiny-lm 32 sequences, train_lm.py's batch)\n"
     "  --optimizer NAME       adamw (default) or sgd\n"
     "  --lr X                 learning rate (default 1e-3 adamw, 1e-2 sgd)\n"
     "  --grad-factor X        refuse a backward or step whose gradient norm is over X\n"
@@ -220,7 +224,7 @@ typedef struct peer_opts {
 
 static const peer_opts peer_opts_default = {
     .model = "fmnist-mlp", .device = "cpu", .listen = "127.0.0.1:0", .optimizer = "adamw",
-    .threads = 1, .max_batch = 256, .target = 128, .keep = 16,
+    .threads = 1, .max_batch = 0, .target = 0, .keep = -1, /* 0, -1: the model's defaults */
     .keep_copies = 2, .keep_mb = 2048, .max_conns_ip = 64, .max_conns = 1024,
     .ckpt_every = 300, .lr = -1, .ann_every = 20, .ann_ttl = 60, .rebalance = 60, .average = 30,
     .keep_every = 60, .idle_timeout = 120,
@@ -335,6 +339,7 @@ typedef struct run_ctx {
     int blocks[PEER_SERVICE_MAX_BLOCKS];
     int n_blocks;                 /* --blocks given: how many */
     int auto_k;                   /* 0: --blocks given; else span length */
+    long max_batch, target, keep; /* the flags, or the model's defaults */
     dht_peer_addr peers[64];
     int n_peers;
     char listen[96];
@@ -361,7 +366,9 @@ static int check_blocks(const peer_opts *o, run_ctx *r)
                                        spec->n_stages - 1, r->blocks[i]);
         return -1;
     }
-    r->auto_k = o->num_blocks ? (int)o->num_blocks : (spec->n_stages < 2 ? spec->n_stages : 2);
+    /* By default a third of the model (rounded up), so three peers hold it
+     * all: fmnist-mlp 2 of 6 stages, tiny-lm 1 of 3. */
+    r->auto_k = o->num_blocks ? (int)o->num_blocks : (spec->n_stages + 2) / 3;
     if (r->auto_k > spec->n_stages)
         return cli_usage_error("peer", "--num-blocks %d: model %s has only %d stages", r->auto_k, spec->name,
                                spec->n_stages);
@@ -395,6 +402,12 @@ static int check_peer_opts(const peer_opts *o, run_ctx *r)
     }
     if ((rc = check_blocks(o, r)) >= 0)
         return rc;
+    /* A language model's rows are whole sequences: fewer per batch, and
+     * fewer kept forwards (each holds every layer's activations). */
+    int seq = r->spec->task == EXPERT_TASK_BYTES;
+    r->max_batch = o->max_batch ? o->max_batch : r->spec->max_batch > 0 ? r->spec->max_batch : 256;
+    r->target = o->target ? o->target : r->spec->batch > 0 ? r->spec->batch : 128;
+    r->keep = o->keep >= 0 ? o->keep : seq ? 8 : 16;
     if (o->initial) {
         r->n_peers = dht_peer_list_parse(r->peers, 64, o->initial);
         if (r->n_peers < 0)
@@ -412,12 +425,12 @@ static int check_peer_opts(const peer_opts *o, run_ctx *r)
     if (o->ann_ttl <= o->ann_every)
         return cli_usage_error("peer", "--announce-ttl (%g s) must be longer than --announce-every (%g s)",
                                o->ann_ttl, o->ann_every);
-    if (o->inline_rows > o->max_batch)
+    if (o->inline_rows > r->max_batch)
         return cli_usage_error("peer", "--infer-inline-rows (%ld) cannot exceed --max-batch (%ld)",
-                               o->inline_rows, o->max_batch);
+                               o->inline_rows, r->max_batch);
     if (o->lr > 0)
         r->optim.lr = (float)o->lr;
-    r->optim.target_batch = (int)o->target;
+    r->optim.target_batch = (int)r->target;
     return -1;
 }
 
@@ -466,11 +479,11 @@ static void fill_daemon_config(const peer_opts *o, run_ctx *r)
     dc->svc.blocks = r->blocks;
     dc->svc.n_blocks = r->n_blocks;
     dc->svc.threads = (int)o->threads;
-    dc->svc.max_batch = (int)o->max_batch;
-    dc->svc.max_queue_rows = (int)o->max_batch * 8;
+    dc->svc.max_batch = (int)r->max_batch;
+    dc->svc.max_queue_rows = (int)r->max_batch * 8;
     dc->svc.train_idle = o->train_idle;
     dc->svc.infer_inline_rows = (int)o->inline_rows;
-    dc->svc.keep_activations = (int)o->keep;
+    dc->svc.keep_activations = (int)r->keep;
     dc->svc.optim = r->optim;
     dc->svc.guard = o->guard;
     dc->svc.seed = (uint64_t)o->seed;

@@ -1,4 +1,5 @@
-/* starling train: train a model through the swarm on Fashion-MNIST. */
+/* starling train: train a model through the swarm: an image classifier on
+ * Fashion-MNIST, or a byte-level language model on a text file. */
 #include <errno.h>
 #include <limits.h>
 #include <stdio.h>
@@ -18,10 +19,14 @@
 static const char train_help[] =
     "Usage: starling train --initial-peers ADDR[,ADDR...] [--model NAME] [--epochs N]\n"
     "                      [--batch B] [--data DIR] [--json] ...\n"
+    "       starling train --initial-peers LIST --model tiny-lm [--data FILE] [--steps N]\n"
+    "                      [--max-seconds S] [--json] ...\n"
     "\n"
-    "Trains a model whose stages are served by the swarm's peers on Fashion-MNIST\n"
-    "(Debian package dataset-fashion-mnist). The trainer holds only the data and\n"
-    "the loss: it finds each stage's holders in the DHT, keeps several micro-batches\n"
+    "Trains a model whose stages are served by the swarm's peers: an image model\n"
+    "(fmnist-mlp) on Fashion-MNIST (Debian package dataset-fashion-mnist), a\n"
+    "byte-level language model (tiny-lm) on the bytes of a text file (default:\n"
+    "the Debian packages fortunes and fortunes-min, as ../shared/bench/torch/\n"
+    "train_lm.py uses them). The trainer holds only the data and the loss: it finds each stage's holders in the DHT, keeps several micro-batches\n"
     "in flight, and retries a failed call on another replica, so no batch is lost\n"
     "(except one whose gradient the holders refuse 3 times: its update is dropped).\n"
     "The optimizer runs on the peers (see 'starling peer --lr/--target-batch').\n"
@@ -41,9 +46,25 @@ static const char train_help[] =
     "                         single-process training (0: asynchronous; default 0)\n"
     "  --data DIR             Fashion-MNIST IDX files (default: $FASHION_MNIST_DIR, then\n"
     "                         /usr/share/datasets/fashion-mnist)\n"
+    "  --data FILE            a language model's corpus: any file, as bytes; the last\n"
+    "                         10% is validation (default: the fortunes packages' files)\n"
     "  --train-samples N      use the first N training samples (default all 60000)\n"
     "  --test-samples N       evaluate on the first N test samples (default all 10000)\n"
-    "  --seed N               data order seed (default 0)\n"
+    "  --seed N               data order seed (default 0); a language model's windows\n"
+    "                         are train_lm.py's for the same seed\n"
+    ;
+/* In two pieces: C11 compilers need only take 4095-character literals. */
+static const char train_help2[] =
+    "Language models (their rows are windows of context+1 bytes):\n"
+    "  --steps N              optimizer steps of --sync windows each (default 250)\n"
+    "  --max-seconds S        stop after the first step that ends S seconds after the\n"
+    "                         start, evaluations included (default 0: no limit)\n"
+    "  --eval-every N         evaluate every N steps, and before the first and after\n"
+    "                         the last (default 50)\n"
+    "  --eval-batches N       validation windows: N x 32, the same at every evaluation\n"
+    "                         (default 8)\n"
+    "  For a language model --batch defaults to 8, --inflight to 4 and --sync to the\n"
+    "  model's batch (tiny-lm: 32, which its peers' --target-batch defaults to too).\n"
     "  --timeout S            seconds before a call or a connection attempt gives up\n"
     "                         and is retried elsewhere (default 30)\n"
     "  --max-wait S           give up when a stage has no holder this long (default 120)\n"
@@ -57,6 +78,8 @@ static const char train_help[] =
     "  --lr X                 not a trainer setting: the error says where it goes\n"
     "  -h, --help             this text\n"
     "\n"
+    "A language model's --json line holds tokens_per_s, val_loss (nats/byte),\n"
+    "val_bpb (bits/byte), steps, retries and status.\n"
     "The --json line's \"status\" is \"rolled_back\" instead of \"ok\" when a holder\n"
     "went back to older weights during the run (listed in \"rollbacks\"; see\n"
     "docs/operations.md). \"refused\" counts backward calls a holder refused (its\n"
@@ -101,7 +124,13 @@ typedef struct train_ui {
     double ex[1024], eacc[1024];
     int ne;
     int quiet;
+    /* A language model: tokens per window, windows per step, and the
+     * windows trained so far (the x axis of its evaluations). */
+    int T, per_step;
+    long windows;
 } train_ui;
+
+#define LN2 0.69314718055994530942
 
 static double mono(void)
 {
@@ -116,11 +145,18 @@ static void on_progress(void *arg, const route_train_progress *p)
     if (!ui->quiet)
         report_progress_update(&ui->prog, p->done, p->loss, mono(), p->done == p->total);
     if (p->done >= ui->next_point && ui->np < MAX_POINTS) {
-        ui->px[ui->np] = (double)p->done;
+        ui->px[ui->np] = (double)p->done * (ui->T ? ui->T : 1);
         ui->py[ui->np] = p->loss;
         ui->np++;
         ui->next_point = p->done + ui->point_every;
-        if (ui->jsonl)
+        if (ui->jsonl && ui->T)
+            fprintf(ui->jsonl,
+                    "{\"event\":\"step\",\"step\":%ld,\"tokens\":%ld,\"loss\":%.6f,"
+                    "\"elapsed_s\":%.3f,\"tokens_per_s\":%.1f,\"retries\":%ld,\"refused\":%ld}\n",
+                    p->done / ui->per_step, p->done * ui->T, p->loss, p->elapsed_s,
+                    p->elapsed_s > 0 ? (double)p->done * ui->T / p->elapsed_s : 0.0, p->retries,
+                    p->refused);
+        else if (ui->jsonl)
             fprintf(ui->jsonl,
                     "{\"event\":\"step\",\"epoch\":%d,\"samples\":%ld,\"loss\":%.6f,"
                     "\"elapsed_s\":%.3f,\"samples_per_s\":%.1f,\"retries\":%ld,\"refused\":%ld}\n",
@@ -132,9 +168,48 @@ static void on_progress(void *arg, const route_train_progress *p)
     }
 }
 
+/* A language model's evaluation (epoch 0 is the one before the first
+ * step): validation loss in nats and bits per byte. */
+static void on_eval(train_ui *ui, const route_epoch_result *e)
+{
+    ui->windows += e->samples;
+    long step = ui->windows / ui->per_step;
+    if (!ui->quiet) {
+        report_progress_finish(&ui->prog);
+        if (e->epoch == 0)
+            fprintf(stderr, "step 0: val loss %.4f nats/byte (%.3f bits/byte), next-byte accuracy %.4f\n",
+                    e->test_loss, e->test_loss / LN2, e->test_acc);
+        else
+            fprintf(stderr,
+                    "step %ld: train loss %.4f, val loss %.4f nats/byte (%.3f bits/byte), next-byte "
+                    "accuracy %.4f, %.0f tokens/s, %ld retries\n",
+                    step, e->train_loss, e->test_loss, e->test_loss / LN2, e->test_acc,
+                    e->train_time_s > 0 ? (double)e->samples * ui->T / e->train_time_s : 0.0, e->retries);
+        ui->prog.last_draw = -1e30;
+    }
+    if (ui->ne < 1024) {
+        ui->ex[ui->ne] = (double)ui->windows * ui->T;
+        ui->eacc[ui->ne] = e->test_loss;
+        ui->ne++;
+    }
+    if (ui->jsonl) {
+        fprintf(ui->jsonl,
+                "{\"event\":\"eval\",\"step\":%ld,\"tokens\":%ld,\"train_loss\":%.6f,"
+                "\"val_loss\":%.6f,\"val_bpb\":%.6f,\"val_acc\":%.6f,\"train_time_s\":%.3f,"
+                "\"retries\":%ld,\"refused\":%ld,\"refused_samples\":%ld}\n",
+                step, ui->windows * ui->T, e->train_loss, e->test_loss, e->test_loss / LN2, e->test_acc,
+                e->train_time_s, e->retries, e->refused, e->refused_samples);
+        fflush(ui->jsonl);
+    }
+}
+
 static void on_epoch(void *arg, const route_epoch_result *e)
 {
     train_ui *ui = arg;
+    if (ui->T) {
+        on_eval(ui, e);
+        return;
+    }
     if (!ui->quiet) {
         report_progress_finish(&ui->prog);
         fprintf(stderr,
@@ -170,7 +245,7 @@ static void on_message(void *arg, const char *msg)
 
 enum { O_INITIAL = 256, O_MODEL, O_EPOCHS, O_BATCH, O_INFLIGHT, O_DATA, O_NTRAIN, O_NTEST,
        O_SEED, O_TIMEOUT, O_MAXWAIT, O_REFRESH, O_SYNC_GROUP, O_LOG, O_PLOT, O_JSON, O_LISTEN, O_IDENTITY, O_SWARM,
-       O_LR };
+       O_LR, O_STEPS, O_MAXSEC, O_EVAL_EVERY, O_EVAL_BATCHES };
 
 static const struct option train_opts[] = {
     {"initial-peers", required_argument, NULL, O_INITIAL},
@@ -193,6 +268,10 @@ static const struct option train_opts[] = {
     {"identity", required_argument, NULL, O_IDENTITY},
     {"swarm-key", required_argument, NULL, O_SWARM},
     {"lr", required_argument, NULL, O_LR},
+    {"steps", required_argument, NULL, O_STEPS},
+    {"max-seconds", required_argument, NULL, O_MAXSEC},
+    {"eval-every", required_argument, NULL, O_EVAL_EVERY},
+    {"eval-batches", required_argument, NULL, O_EVAL_BATCHES},
     {"help", no_argument, NULL, 'h'},
     {NULL, 0, NULL, 0},
 };
@@ -200,8 +279,9 @@ static const struct option train_opts[] = {
 /* The command line, parsed. */
 typedef struct train_args {
     const char *initial, *model, *data, *log_path, *plot_path, *listen, *identity, *swarm;
-    long epochs, batch, inflight, ntrain, ntest, seed, sync;
-    double timeout, max_wait, refresh;
+    long epochs, batch, inflight, ntrain, ntest, seed, sync;   /* -1: not given */
+    long steps, eval_every, eval_batches;                       /* -1: not given */
+    double timeout, max_wait, refresh, max_seconds;
     int json;
 } train_args;
 
@@ -223,6 +303,12 @@ static int parse_train_number(int c, train_args *a)
     case O_MAXWAIT: bad = cli_parse_double("train", "--max-wait", optarg, 0.1, 1e7, &a->max_wait); break;
     case O_REFRESH: bad = cli_parse_double("train", "--refresh", optarg, 0.1, 3600, &a->refresh); break;
     case O_SYNC_GROUP: bad = cli_parse_long("train", "--sync", optarg, 0, 1 << 24, &a->sync); break;
+    case O_STEPS: bad = cli_parse_long("train", "--steps", optarg, 1, 1L << 30, &a->steps); break;
+    case O_MAXSEC: bad = cli_parse_double("train", "--max-seconds", optarg, 0, 1e9, &a->max_seconds); break;
+    case O_EVAL_EVERY: bad = cli_parse_long("train", "--eval-every", optarg, 1, 1L << 30, &a->eval_every); break;
+    case O_EVAL_BATCHES:
+        bad = cli_parse_long("train", "--eval-batches", optarg, 1, 1 << 16, &a->eval_batches);
+        break;
     default: return -2;
     }
     return bad ? CLI_EXIT_USAGE : -1;
@@ -233,7 +319,7 @@ static int parse_train_number(int c, train_args *a)
 static int parse_train_option(int c, char **argv, train_args *a)
 {
     switch (c) {
-    case 'h': fputs(train_help, stdout); return CLI_EXIT_OK;
+    case 'h': fputs(train_help, stdout); fputs(train_help2, stdout); return CLI_EXIT_OK;
     case O_INITIAL: a->initial = optarg; break;
     case O_MODEL: a->model = optarg; break;
     case O_DATA: a->data = optarg; break;
@@ -254,6 +340,40 @@ static int parse_train_option(int c, char **argv, train_args *a)
     return -1;
 }
 
+/* Replaces the options not given (-1) by the defaults of the model's
+ * kind, refusing the options of the other kind. Returns -1 to go on, else
+ * the exit status (a usage error). */
+static int fill_defaults(train_args *a, const struct expert_model_spec *spec)
+{
+    int text = spec->task == EXPERT_TASK_BYTES;
+    const char *wrong = NULL;
+    if (text)
+        wrong = a->epochs >= 0 ? "--epochs" : a->ntrain >= 0 ? "--train-samples"
+              : a->ntest >= 0 ? "--test-samples" : NULL;
+    else
+        wrong = a->steps >= 0 ? "--steps" : a->eval_every >= 0 ? "--eval-every"
+              : a->eval_batches >= 0 ? "--eval-batches" : NULL;
+    if (wrong)
+        return cli_usage_error("train", "%s does not apply to %s, a %s", wrong, spec->name,
+                               text ? "language model (it trains for --steps on text)"
+                                    : "model of images (it trains for --epochs)");
+#define DEF(f, v) if (a->f < 0) a->f = (v)
+    DEF(epochs, 1);
+    DEF(ntrain, 0);
+    DEF(ntest, 0);
+    DEF(batch, text ? 8 : 64);
+    DEF(inflight, text ? 4 : 2);
+    DEF(sync, text ? (spec->batch > 0 ? spec->batch : 32) : 0);
+    DEF(steps, 250);
+    DEF(eval_every, 50);
+    DEF(eval_batches, 8);
+#undef DEF
+    if (text && a->sync < 1)
+        return cli_usage_error("train", "a language model trains in synchronous steps: --sync must be "
+                                        "at least 1 (the peers' --target-batch)");
+    return -1;
+}
+
 /* Parses and checks the command line into a and *spec. Returns -1 to go
  * on, else the exit status. */
 static int parse_train_args(int argc, char **argv, train_args *a, const struct expert_model_spec **spec)
@@ -262,9 +382,8 @@ static int parse_train_args(int argc, char **argv, train_args *a, const struct e
     a->model = "fmnist-mlp";
     a->log_path = "starling-train.jsonl";
     a->plot_path = "starling-train.svg";
-    a->epochs = 1;
-    a->batch = 64;
-    a->inflight = 2;
+    a->epochs = a->batch = a->inflight = a->sync = a->ntrain = a->ntest = -1;
+    a->steps = a->eval_every = a->eval_batches = -1;
     a->timeout = 30;
     a->max_wait = 120;
     a->refresh = 10;
@@ -283,12 +402,24 @@ static int parse_train_args(int argc, char **argv, train_args *a, const struct e
         return cli_usage_error("train", "unknown model '%s'", a->model);
     if (!a->initial)
         return cli_usage_error("train", "--initial-peers LIST is required");
-    return -1;
+    return fill_defaults(a, *spec);
 }
 
 /* The metrics log's end line. */
-static void log_end(FILE *f, int rc, const route_train_result *res)
+static void log_end(FILE *f, int rc, const route_train_result *res, int T)
 {
+    if (T) {
+        fprintf(f,
+                "{\"event\":\"end\",\"status\":\"%s\",\"steps\":%ld,\"tokens\":%ld,"
+                "\"tokens_per_s\":%.1f,\"val_loss\":%.6f,\"val_bpb\":%.6f,\"retries\":%ld,"
+                "\"refused\":%ld,\"refused_samples\":%ld,\"errors\":%ld,\"stopped_early\":%s,",
+                train_status(rc, res), res->steps, res->samples * T, res->samples_per_s * T,
+                res->test_loss, res->test_loss / LN2, res->retries, res->refused, res->refused_samples,
+                res->errors, res->stopped_early ? "true" : "false");
+        print_rollbacks(f, res);
+        fputs("}\n", f);
+        return;
+    }
     fprintf(f,
             "{\"event\":\"end\",\"status\":\"%s\",\"epochs\":%d,\"samples\":%ld,"
             "\"samples_per_s\":%.1f,\"test_acc\":%.6f,\"retries\":%ld,\"refused\":%ld,"
@@ -305,6 +436,18 @@ static void write_plot(const char *plot_path, const train_ui *ui, const struct e
 {
     if (!plot_path || !*plot_path || (ui->np == 0 && ui->ne == 0))
         return;
+    if (ui->T) {
+        report_series ls[2] = {
+            {"training loss (nats/byte)", "#1f77b4", ui->px, ui->py, ui->np, 0},
+            {"validation loss (nats/byte)", "#d62728", ui->ex, ui->eacc, ui->ne, 0},
+        };
+        char t[128];
+        snprintf(t, sizeof t, "starling train: %s", spec->name);
+        int lrc = report_plot_svg(plot_path, t, "training tokens", "loss (nats/byte)", "", ls, 2);
+        if (lrc != 0)
+            fprintf(stderr, "starling train: warning: cannot write %s: %s\n", plot_path, strerror(-lrc));
+        return;
+    }
     /* Accuracy is drawn at each epoch's end, on the samples axis. */
     double ax[1024];
     for (int i = 0; i < ui->ne; i++)
@@ -320,10 +463,41 @@ static void write_plot(const char *plot_path, const train_ui *ui, const struct e
         fprintf(stderr, "starling train: warning: cannot write %s: %s\n", plot_path, strerror(-prc));
 }
 
+/* report_end for a language model of context T. */
+static int report_text_end(const train_args *a, int rc, const route_train_result *res, int T)
+{
+    if (a->json) {
+        printf("{\"tokens_per_s\":%.1f,\"val_loss\":%.6f,\"val_bpb\":%.6f,\"val_acc\":%.6f,"
+               "\"steps\":%ld,\"tokens\":%ld,\"retries\":%ld,\"refused\":%ld,\"refused_samples\":%ld,"
+               "\"errors\":%ld,\"train_time_s\":%.3f,\"stopped_early\":%s,",
+               res->samples_per_s * T, res->test_loss, res->test_loss / LN2, res->test_acc, res->steps,
+               res->samples * T, res->retries, res->refused, res->refused_samples, res->errors,
+               res->train_time_s, res->stopped_early ? "true" : "false");
+        print_rollbacks(stdout, res);
+        printf(",\"status\":\"%s\"}\n", train_status(rc, res));
+    }
+    if (rc != 0)
+        return cli_fail("train", "%s", res->error[0] ? res->error : strerror(-rc));
+    fprintf(stderr,
+            "starling train: done: val loss %.4f nats/byte (%.3f bits/byte) after %ld step%s%s, "
+            "%.0f tokens/s, %ld retries\n",
+            res->test_loss, res->test_loss / LN2, res->steps, res->steps == 1 ? "" : "s",
+            res->stopped_early ? " (--max-seconds)" : "", res->samples_per_s * T, res->retries);
+    if (res->refused > 0)
+        fprintf(stderr, "starling train: holders refused %ld backward call%s (gradients out of bounds)\n",
+                res->refused, res->refused == 1 ? "" : "s");
+    if (res->n_rollbacks > 0)
+        fprintf(stderr, "starling train: %d holder rollback%s: some stages went back to older weights\n",
+                res->n_rollbacks, res->n_rollbacks == 1 ? "" : "s");
+    return CLI_EXIT_OK;
+}
+
 /* The final lines: JSON on stdout when asked, the outcome on stderr.
  * Returns the exit status. */
-static int report_end(const train_args *a, int rc, const route_train_result *res)
+static int report_end(const train_args *a, int rc, const route_train_result *res, int T)
 {
+    if (T)
+        return report_text_end(a, rc, res, T);
     if (a->json) {
         printf("{\"samples_per_s\":%.1f,\"test_acc\":%.6f,\"test_loss\":%.6f,\"epochs\":%d,"
                "\"samples\":%ld,\"retries\":%ld,\"refused\":%ld,\"refused_batches\":%ld,"
@@ -356,8 +530,8 @@ static int report_end(const train_args *a, int rc, const route_train_result *res
 /* Trains through the joined client cl on train/test, with ui's progress
  * output; fills *res. Returns route_train_run's result. */
 static int run_training(const train_args *a, const struct expert_model_spec *spec, tools_client *cl,
-                        const route_dataset *train, const route_dataset *test, train_ui *ui,
-                        route_train_result *res)
+                        const route_dataset *train, const route_dataset *test, const route_text *text,
+                        train_ui *ui, route_train_result *res)
 {
     route_train_config tc;
     memset(&tc, 0, sizeof tc);
@@ -367,6 +541,11 @@ static int run_training(const train_args *a, const struct expert_model_spec *spe
     tc.model = spec;
     tc.train = train;
     tc.test = test;
+    tc.text = text;
+    tc.steps = a->steps;
+    tc.eval_every = (int)a->eval_every;
+    tc.eval_rows = (int)a->eval_batches * ROUTE_TEXT_EVAL_ROWS;
+    tc.max_seconds = a->max_seconds;
     tc.n_train = (int)a->ntrain;
     tc.n_test = (int)a->ntest;
     tc.epochs = (int)a->epochs;
@@ -387,7 +566,7 @@ static int run_training(const train_args *a, const struct expert_model_spec *spe
 /* Joins the swarm, trains, writes the log and plot and reports. Returns
  * the exit status. */
 static int train_with(const train_args *a, const struct expert_model_spec *spec, const route_dataset *train,
-                      const route_dataset *test)
+                      const route_dataset *test, const route_text *text)
 {
     tools_client cl;
     int rc = tools_client_open(&cl, "train", a->initial, a->listen, a->identity, a->swarm, 15);
@@ -395,9 +574,15 @@ static int train_with(const train_args *a, const struct expert_model_spec *spec,
         return rc;
     train_ui ui;
     memset(&ui, 0, sizeof ui);
-    long n_train = a->ntrain > 0 && a->ntrain < train->n ? a->ntrain : train->n;
-    long total = n_train * a->epochs;
+    long n_train = text ? a->steps * a->sync : a->ntrain > 0 && a->ntrain < train->n ? a->ntrain : train->n;
+    long total = text ? n_train : n_train * a->epochs;
     report_progress_init(&ui.prog, stderr, total, -1, mono());
+    if (text) {
+        ui.T = spec->seq;
+        ui.per_step = (int)a->sync;
+        ui.prog.rate_unit = "tokens";
+        ui.prog.rate_scale = spec->seq;
+    }
     ui.px = calloc(MAX_POINTS, sizeof *ui.px);
     ui.py = calloc(MAX_POINTS, sizeof *ui.py);
     ui.point_every = total / 200 > a->batch ? total / 200 : a->batch;
@@ -406,19 +591,26 @@ static int train_with(const train_args *a, const struct expert_model_spec *spec,
         if (!ui.jsonl)
             fprintf(stderr, "starling train: warning: cannot write %s: %s\n", a->log_path, strerror(errno));
     }
-    fprintf(stderr, "starling train: %s, %ld training samples x %ld epoch%s, batch %ld\n", spec->name, n_train,
-            a->epochs, a->epochs == 1 ? "" : "s", a->batch);
+    if (text)
+        fprintf(stderr,
+                "starling train: %s on %s (%zu bytes: %zu training, %zu validation), %ld steps of %ld "
+                "windows of %d bytes, micro-batch %ld\n",
+                spec->name, text->source, text->n, text->n_train, text->n_val, a->steps, a->sync,
+                spec->seq + 1, a->batch);
+    else
+        fprintf(stderr, "starling train: %s, %ld training samples x %ld epoch%s, batch %ld\n", spec->name,
+                n_train, a->epochs, a->epochs == 1 ? "" : "s", a->batch);
     route_train_result res;
-    rc = run_training(a, spec, &cl, train, test, &ui, &res);
+    rc = run_training(a, spec, &cl, train, test, text, &ui, &res);
     tools_client_close(&cl);
     if (ui.jsonl) {
-        log_end(ui.jsonl, rc, &res);
+        log_end(ui.jsonl, rc, &res, ui.T);
         fclose(ui.jsonl);
     }
     write_plot(a->plot_path, &ui, spec, n_train);
     free(ui.px);
     free(ui.py);
-    return report_end(a, rc, &res);
+    return report_end(a, rc, &res, ui.T);
 }
 
 int cmd_train(int argc, char **argv)
@@ -428,8 +620,20 @@ int cmd_train(int argc, char **argv)
     int st = parse_train_args(argc, argv, &a, &spec);
     if (st >= 0)
         return st;
-    /* Data first: a missing package is the most likely problem. */
     char dir[4096], err[512];
+    if (spec->task == EXPERT_TASK_BYTES) {
+        route_text text;
+        if (route_text_load(&text, a.data, err, sizeof err) != 0)
+            return cli_fail("train", "%s", err);
+        if (route_text_check(&text, spec->seq, err, sizeof err) != 0) {
+            route_text_free(&text);
+            return cli_fail("train", "%s", err);
+        }
+        st = train_with(&a, spec, NULL, NULL, &text);
+        route_text_free(&text);
+        return st;
+    }
+    /* Data first: a missing package is the most likely problem. */
     route_dataset train, test;
     if (route_data_find_dir(a.data, dir, sizeof dir, err, sizeof err) != 0)
         return cli_fail("train", "%s", err);
@@ -439,7 +643,7 @@ int cmd_train(int argc, char **argv)
         route_data_free(&train);
         return cli_fail("train", "%s", err);
     }
-    st = train_with(&a, spec, &train, &test);
+    st = train_with(&a, spec, &train, &test, NULL);
     route_data_free(&train);
     route_data_free(&test);
     return st;

@@ -30,6 +30,8 @@ void report_progress_init(report_progress *p, FILE *out, long total, int tty, do
     p->last_draw = -1e30;
     p->min_interval = p->tty ? 0.2 : 5.0;
     p->total = total;
+    p->rate_unit = "samples";
+    p->rate_scale = 1.0;
 }
 
 int report_progress_format(const report_progress *p, char *buf, size_t len, long done,
@@ -50,11 +52,11 @@ int report_progress_format(const report_progress *p, char *buf, size_t len, long
         for (int i = 0; i < W; i++)
             bar[i] = i < fill ? '#' : '.';
         bar[W] = '\0';
-        n = snprintf(buf, len, "[%s] %3.0f%% %ld/%ld  %.0f samples/s  loss %.4f  ETA %s", bar,
-                     frac * 100, done, p->total, rate, loss, etas);
+        n = snprintf(buf, len, "[%s] %3.0f%% %ld/%ld  %.0f %s/s  loss %.4f  ETA %s", bar,
+                     frac * 100, done, p->total, rate * p->rate_scale, p->rate_unit, loss, etas);
     } else {
-        n = snprintf(buf, len, "progress %ld/%ld (%.1f%%) %.0f samples/s loss %.4f eta %s", done,
-                     p->total, frac * 100, rate, loss, etas);
+        n = snprintf(buf, len, "progress %ld/%ld (%.1f%%) %.0f %s/s loss %.4f eta %s", done,
+                     p->total, frac * 100, rate * p->rate_scale, p->rate_unit, loss, etas);
     }
     return n < 0 ? 0 : n;
 }

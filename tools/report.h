@@ -21,6 +21,8 @@ typedef struct report_progress {
     double last_draw;   /* monotonic seconds of the last line drawn */
     double min_interval;/* seconds between plain lines (tty: between redraws) */
     long total;         /* samples in the whole run (for the bar and ETA) */
+    const char *rate_unit; /* what the rate counts: "samples" (init), "tokens", ... */
+    double rate_scale;  /* rate_unit per sample (init: 1; a language model: its context) */
 } report_progress;
 
 /* Starts a progress display of `total` samples on out. tty < 0 means "ask

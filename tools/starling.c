@@ -17,8 +17,9 @@ static const struct {
     {"peer", cmd_peer, "serve model blocks to the swarm and announce them in the DHT", "starling-peer"},
     {"bootstrap", cmd_bootstrap, "run a DHT-only node that others join through", "starling-boot"},
     {"monitor", cmd_monitor, "show the models, stages and holders of a swarm", "starling-mon"},
-    {"train", cmd_train, "train a model through the swarm on Fashion-MNIST", "starling-train"},
+    {"train", cmd_train, "train a model through the swarm (images or text)", "starling-train"},
     {"infer", cmd_infer, "run predictions through the swarm", "starling-infer"},
+    {"generate", cmd_generate, "sample text from a language model through the swarm", "starling-gen"},
     {"keygen", cmd_keygen, "create an ed25519 identity file and print its node ID", "starling-keygen"},
     {"dht", cmd_dht, "get or put a key in a running swarm (debugging)", "starling-dht"},
 };
