@@ -24,19 +24,26 @@ struct ctx {
 };
 
 /* Copies s into out (cap bytes) for an error message: at most max bytes,
- * control characters and quotes as '?', "..." when cut. */
-static void safe_text(char *out, size_t cap, const char *s, size_t max)
+ * control characters as '?', and when quoted single quotes (s goes between
+ * single quotes) else bytes over 0x7f (jansson's "near" text may hold part
+ * of a bad UTF-8 sequence) too; "..." when cut. */
+static void safe_text_q(char *out, size_t cap, const char *s, size_t max, int quoted)
 {
     size_t n = 0, i = 0;
     for (; s[i] && i < max && n + 4 < cap; i++) {
         unsigned char ch = (unsigned char)s[i];
-        out[n++] = (ch < 0x20 || ch == 0x7f || ch == '\'') ? '?' : (char)ch;
+        out[n++] = (ch < 0x20 || ch == 0x7f || (quoted ? ch == '\'' : ch > 0x7f)) ? '?' : (char)ch;
     }
     if (s[i] && n + 4 < cap) {
         memcpy(out + n, "...", 3);
         n += 3;
     }
     out[n] = '\0';
+}
+
+static void safe_text(char *out, size_t cap, const char *s, size_t max)
+{
+    safe_text_q(out, cap, s, max, 1);
 }
 
 /* "LABEL: PATH: message" (just "LABEL: message" when path is NULL). Only the
@@ -525,7 +532,7 @@ struct expert_model_spec *expert_model_parse(const char *text, size_t len, const
     json_t *root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &je);
     if (!root) {
         char msg[200];
-        safe_text(msg, sizeof msg, je.text, 160);
+        safe_text_q(msg, sizeof msg, je.text, 160, 0);
         fail(&c, NULL, "line %d, column %d: not valid JSON: %s", je.line, je.column, msg);
         return NULL;
     }
