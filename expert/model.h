@@ -10,7 +10,18 @@
  *   .1  RESFFN  d 512, hidden 2048      .2, .3, .4 the same
  *   .5  HEAD    LN(512) + Linear 512 -> 10
  *   loss (trainer): softmax cross-entropy over 10 classes
- * Specs are static tables: every function here is thread-safe.
+ * tiny-lm (= ../shared train_lm.py's default GPT, 4 903 168 parameters):
+ *   .0  EMBED    tokens + positions, 2 decoder layers (d 256, 8 heads,
+ *                hidden 1024, context 128, vocabulary 256)
+ *   .1  DECODER  2 layers     .2  LMHEAD  2 layers + LN + Linear 256 -> 256
+ *   loss (trainer): next-byte cross-entropy at every position
+ *
+ * Besides the built-ins, models described by model files
+ * (expert/modelfile.h, docs/models.md) can be registered at run time
+ * (expert_model_register); expert_model_find, expert_model_at and
+ * expert_stage_parse see them as they see the built-ins. Registered specs
+ * are never freed or moved: a pointer these functions return is valid until
+ * the process exits. Every function here is thread-safe.
  */
 #ifndef EXPERT_MODEL_H
 #define EXPERT_MODEL_H
@@ -44,10 +55,25 @@ struct expert_model_spec {
                                                    (0: the peer's default) */
 };
 
-/* The model called name, or NULL. */
+/* The model called name (built in or registered), or NULL. */
 const struct expert_model_spec *expert_model_find(const char *name);
-/* The i-th known model (0-based), or NULL past the end. */
+/* The i-th known model (0-based: the built-ins, then the registered models in
+ * the order they were registered), or NULL past the end. */
 const struct expert_model_spec *expert_model_at(int i);
+
+/* Models that may be registered in one process. */
+#define EXPERT_MODEL_REGISTRY_MAX 256
+
+/* Registers a model (from expert_model_parse/expert_model_load_file) so the
+ * functions above find it by name. Takes ownership of owned in every case:
+ * do not use or free it after the call; look the model up with
+ * expert_model_find(name) (copy the name first). Returns 0 (registered),
+ * 1 (a model with this name and the same canonical JSON, built in or
+ * registered, is already there: owned was freed, the existing one stays),
+ * -EEXIST (the name is taken by another definition), -EINVAL (owned is not a
+ * valid model), -ENOSPC (EXPERT_MODEL_REGISTRY_MAX reached), -ENOMEM; on
+ * failure a sentence in err (may be NULL). */
+int expert_model_register(struct expert_model_spec *owned, char *err, size_t errlen);
 
 /* Stage index's config into *cfg_out. -EINVAL / -ENOENT (index out of range). */
 int expert_model_stage(const struct expert_model_spec *m, int index,

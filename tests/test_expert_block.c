@@ -319,6 +319,43 @@ static void test_model_spec(void **state)
     assert_true(h[0] == 0xdf12b5aae585ce84ULL);
     assert_true(expert_stage_seed(0, 1) != expert_stage_seed(0, 2));
     assert_true(expert_stage_seed(7, 1) == expert_stage_seed(7, 1));
+
+    /* tiny-lm: train_lm.py's default GPT, 4 903 168 parameters in three
+     * stages that chain from context token ids to context*vocab logits. */
+    const struct expert_model_spec *lm = expert_model_find("tiny-lm");
+    assert_non_null(lm);
+    assert_ptr_equal(expert_model_at(1), lm);
+    assert_int_equal(lm->task, EXPERT_TASK_BYTES);
+    assert_int_equal(m->task, EXPERT_TASK_CLASSES);
+    assert_int_equal(lm->n_stages, 3);
+    assert_int_equal(lm->n_in, 128);
+    assert_int_equal(lm->n_out, 128 * 256);
+    total = 0;
+    for (int i = 0; i < lm->n_stages; i++) {
+        struct expert_block_config lc;
+        assert_int_equal(expert_model_stage(lm, i, &lc), 0);
+        assert_int_equal(expert_block_config_check(&lc), 0);
+        assert_int_equal(lc.in, i ? lm->stages[i - 1].out : lm->n_in);
+        struct expert_tensor_info t[EXPERT_BLOCK_MAX_TENSORS];
+        size_t n;
+        assert_true(expert_block_config_tensors(&lc, t, &n) > 0);
+        total += n;
+        assert_true(expert_stage_hash(lm, i) != 0);
+    }
+    assert_int_equal(lm->stages[lm->n_stages - 1].out, lm->n_out);
+    assert_int_equal(total, 4903168);
+    assert_int_equal(expert_stage_parse("tiny-lm.2", &pm, &idx), 0);
+    assert_ptr_equal(pm, lm);
+    assert_int_equal(expert_stage_parse("tiny-lm.3", &pm, &idx), -ENOENT);
+    /* Every built-in is a valid model: its stages chain from n_in to n_out. */
+    for (int k = 0; expert_model_at(k); k++) {
+        const struct expert_model_spec *bm = expert_model_at(k);
+        for (int i = 0; i < bm->n_stages; i++) {
+            assert_int_equal(expert_block_config_check(&bm->stages[i]), 0);
+            assert_int_equal(bm->stages[i].in, i ? bm->stages[i - 1].out : bm->n_in);
+        }
+        assert_int_equal(bm->stages[bm->n_stages - 1].out, bm->n_out);
+    }
 }
 
 int main(void)

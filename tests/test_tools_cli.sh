@@ -79,6 +79,37 @@ expect 2 "peer --optimizer" -- "$S" peer --blocks 1 --optimizer adagrad
 expect 2 "peer --announce-ttl" -- "$S" peer --blocks 1 --announce-every 30 --announce-ttl 10
 expect 2 "peer --model" -- "$S" peer --blocks 1 --model nope
 contains "unknown model 'nope'" "unknown model message"
+contains "known: fmnist-mlp, tiny-lm" "unknown model message lists the built-ins"
+# --model-file: every command reads a model file the same way; errors name
+# the file and the key, before any network or compute starts.
+cat >"$tmp/m.json" <<'EOF'
+{ "format": "starling.model.v1", "name": "cli-test.v1",
+  "task": { "kind": "classes", "inputs": 784, "classes": 10 },
+  "stages": [ { "kind": "linear", "in": 784, "out": 64 },
+              { "kind": "head", "in": 64, "out": 10 } ] }
+EOF
+printf '{ "format": "starling.model.v1", "name": ' >"$tmp/bad.json"
+sed 's/"out": 64 }/"out": 64, "hiden": 3 }/' "$tmp/m.json" >"$tmp/key.json"
+for c in peer train infer monitor; do
+    extra=""
+    [ "$c" = infer ] && extra="--data test" # infer checks that first
+    expect 2 "$c --model-file missing" -- "$S" $c $extra --model-file "$tmp/none.json"
+    contains "model file $tmp/none.json: cannot open: No such file or directory" "$c missing model file message"
+    expect 2 "$c --model-file bad JSON" -- "$S" $c $extra --model-file "$tmp/bad.json"
+    contains "model file $tmp/bad.json: line 1, column" "$c bad JSON message"
+    expect 2 "$c --model-file unknown key" -- "$S" $c $extra --model-file "$tmp/key.json"
+    contains "stages\[0\].hiden: unknown key (known for linear: kind, in, out, repeat)" "$c unknown key message"
+    expect 2 "$c --model-file vs --model" -- "$S" $c $extra --model-file "$tmp/m.json" --model fmnist-mlp
+    contains "--model 'fmnist-mlp' is not the model in $tmp/m.json ('cli-test.v1')" "$c name mismatch message"
+    "$S" $c --help | grep -q -- "--model-file FILE" || fail "$c help lacks --model-file"
+done
+# A good file is registered and selected: the checks that follow see its stages.
+expect 2 "peer --model-file, stage out of range" -- "$S" peer --model-file "$tmp/m.json" --blocks 2
+contains "model cli-test.v1 has stages 0..1, not 2" "peer uses the file's model"
+expect 2 "peer --model-file and the same --model" -- "$S" peer --model cli-test.v1 --model-file "$tmp/m.json" --num-blocks 3
+contains "model cli-test.v1 has only 2 stages" "peer --model NAME matching the file"
+expect 2 "train --model-file, no peers" -- "$S" train --model-file "$tmp/m.json"
+contains "--initial-peers LIST is required" "train goes past the model file"
 # dht put --value-hex: odd length, non-hex digits, over the value limit.
 n=0
 for v in "abc" "zz" "$(head -c 1538 /dev/zero | tr '\0' 'a')"; do

@@ -6,6 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "expert/model.h"
+#include "expert/modelfile.h"
+
 static void vsay(const char *cmd, const char *fmt, va_list ap)
 {
     fprintf(stderr, "starling %s: ", cmd);
@@ -76,4 +79,37 @@ int cli_parse_double(const char *cmd, const char *flag, const char *val, double 
         return cli_usage_error(cmd, "%s must be between %g and %g, got %g", flag, min, max, v);
     *out = v;
     return 0;
+}
+
+int cli_model_select(const char *cmd, const char *name, const char *file, const char *dflt,
+                     const struct expert_model_spec **out)
+{
+    *out = NULL;
+    if (file) {
+        char err[512], fname[EXPERT_MODEL_NAME_MAX + 1];
+        struct expert_model_spec *m = expert_model_load_file(file, err, sizeof err);
+        if (!m)
+            return cli_usage_error(cmd, "model file %s", err);
+        snprintf(fname, sizeof fname, "%s", m->name);
+        if (name && strcmp(name, fname) != 0) {
+            expert_model_free(m);
+            return cli_usage_error(cmd, "--model '%s' is not the model in %s ('%s'); give one of them, "
+                                   "or the same name", name, file, fname);
+        }
+        if (expert_model_register(m, err, sizeof err) < 0) /* takes m */
+            return cli_usage_error(cmd, "model file %s: %s", file, err);
+        *out = expert_model_find(fname);
+        return *out ? 0 : cli_usage_error(cmd, "model file %s: not registered", file);
+    }
+    if (!name && !dflt)
+        return 0;
+    *out = expert_model_find(name ? name : dflt);
+    if (*out)
+        return 0;
+    char names[512] = "";
+    for (int i = 0; expert_model_at(i); i++)
+        snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", i ? ", " : "",
+                 expert_model_at(i)->name);
+    return cli_usage_error(cmd, "unknown model '%s' (known: %s; or give --model-file FILE)",
+                           name ? name : dflt, names);
 }

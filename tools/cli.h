@@ -40,6 +40,19 @@ int cli_parse_long(const char *cmd, const char *flag, const char *val, long min,
 int cli_parse_double(const char *cmd, const char *flag, const char *val, double min,
                      double max, double *out);
 
+struct expert_model_spec;
+
+/* The model a command works on, from --model NAME (NULL when not given) and
+ * --model-file FILE (NULL when not given). With FILE: loads the model file
+ * (docs/models.md), registers its model (expert_model_register) and selects
+ * it; NAME, when given too, must be the file's model name. Without FILE: the
+ * model called NAME, or dflt when NAME is NULL (*out = NULL when dflt is
+ * NULL too). Returns 0 with *out set, or prints why ("starling CMD: ...",
+ * naming the file and the key at fault, or listing the known models) and
+ * returns 2. */
+int cli_model_select(const char *cmd, const char *name, const char *file, const char *dflt,
+                     const struct expert_model_spec **out);
+
 /* Subcommands. Each takes argv with argv[0] = the subcommand's name. */
 int cmd_peer(int argc, char **argv);
 int cmd_bootstrap(int argc, char **argv);

@@ -28,6 +28,7 @@ static const char generate_help[] =
     "Options:\n"
     "  --initial-peers LIST   DHT addresses to join through (required)\n"
     "  --model NAME           a language model (default tiny-lm)\n"
+    "  --model-file FILE      a language model described in a model file (docs/models.md)\n"
     "  --prompt TEXT          the start of the text, as UTF-8 bytes (default \"\\n\")\n"
     "  --tokens N             bytes to generate (default 200)\n"
     "  --temperature T        softmax(logits / T) sampling; 0 = the most likely byte\n"
@@ -46,12 +47,13 @@ static const char generate_help[] =
     "versions each stage served and the speed go to stderr at the end.\n"
     "Exit status: 0 generated, 1 failed, 2 usage error.\n";
 
-enum { O_INITIAL = 256, O_MODEL, O_PROMPT, O_TOKENS, O_TEMP, O_REPLICAS, O_SEED, O_JSON, O_TIMEOUT,
+enum { O_INITIAL = 256, O_MODEL, O_MODEL_FILE, O_PROMPT, O_TOKENS, O_TEMP, O_REPLICAS, O_SEED, O_JSON, O_TIMEOUT,
        O_MAXWAIT, O_IDENTITY, O_SWARM, O_LISTEN };
 
 static const struct option generate_opts[] = {
     {"initial-peers", required_argument, NULL, O_INITIAL},
     {"model", required_argument, NULL, O_MODEL},
+    {"model-file", required_argument, NULL, O_MODEL_FILE},
     {"prompt", required_argument, NULL, O_PROMPT},
     {"tokens", required_argument, NULL, O_TOKENS},
     {"temperature", required_argument, NULL, O_TEMP},
@@ -68,7 +70,7 @@ static const struct option generate_opts[] = {
 };
 
 typedef struct gen_args {
-    const char *initial, *model, *prompt, *identity, *swarm, *listen;
+    const char *initial, *model, *model_file, *prompt, *identity, *swarm, *listen;
     long tokens, replicas, seed;
     double temperature, timeout, max_wait;
     int json;
@@ -82,6 +84,7 @@ static int parse_generate_option(int c, char **argv, gen_args *a)
     case 'h': fputs(generate_help, stdout); return CLI_EXIT_OK;
     case O_INITIAL: a->initial = optarg; break;
     case O_MODEL: a->model = optarg; break;
+    case O_MODEL_FILE: a->model_file = optarg; break;
     case O_PROMPT: a->prompt = optarg; break;
     case O_IDENTITY: a->identity = optarg; break;
     case O_SWARM: a->swarm = optarg; break;
@@ -103,7 +106,6 @@ static int parse_generate_option(int c, char **argv, gen_args *a)
 static int parse_generate_args(int argc, char **argv, gen_args *a, const struct expert_model_spec **spec)
 {
     memset(a, 0, sizeof *a);
-    a->model = "tiny-lm";
     a->prompt = "\n";
     a->tokens = 200;
     a->replicas = 1;
@@ -120,11 +122,10 @@ static int parse_generate_args(int argc, char **argv, gen_args *a, const struct 
     }
     if (cli_no_positional("generate", argc, argv))
         return CLI_EXIT_USAGE;
-    *spec = expert_model_find(a->model);
-    if (!*spec)
-        return cli_usage_error("generate", "unknown model '%s'", a->model);
+    if (cli_model_select("generate", a->model, a->model_file, "tiny-lm", spec))
+        return CLI_EXIT_USAGE;
     if ((*spec)->task != EXPERT_TASK_BYTES)
-        return cli_usage_error("generate", "%s is not a language model: use 'starling infer'", a->model);
+        return cli_usage_error("generate", "%s is not a language model: use 'starling infer'", (*spec)->name);
     if (!a->initial)
         return cli_usage_error("generate", "--initial-peers LIST is required");
     if (!a->prompt[0])

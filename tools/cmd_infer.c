@@ -12,7 +12,7 @@
 
 static const char infer_help[] =
     "Usage: starling infer --initial-peers ADDR[,ADDR...] (--data test | --input FILE)\n"
-    "                      [--model NAME] [--replicas K] [--json] ...\n"
+    "                      [--model NAME | --model-file FILE] [--replicas K] [--json] ...\n"
     "\n"
     "Sends forward-only requests through the swarm, which peers serve ahead of\n"
     "training work and which never change weights, and prints the predicted\n"
@@ -25,6 +25,7 @@ static const char infer_help[] =
     "Options:\n"
     "  --initial-peers LIST   DHT addresses to join through (required)\n"
     "  --model NAME           model (default fmnist-mlp)\n"
+    "  --model-file FILE      the model a model file describes (docs/models.md)\n"
     "  --data test            the Fashion-MNIST test set (labels known)\n"
     "  --data-dir DIR         where Fashion-MNIST is (default: the Debian package's)\n"
     "  --input FILE           inputs: an IDX file of 28x28 unsigned-byte images\n"
@@ -58,11 +59,13 @@ static void write_predictions(FILE *f, const route_infer_result *r, int n, int K
 }
 
 enum { O_INITIAL = 256, O_MODEL, O_DATA, O_DATADIR, O_INPUT, O_LABELS, O_SAMPLES, O_REPLICAS,
-       O_BATCH, O_INFLIGHT, O_OUTPUT, O_JSON, O_TIMEOUT, O_MAXWAIT, O_IDENTITY, O_SWARM, O_LISTEN };
+       O_BATCH, O_INFLIGHT, O_OUTPUT, O_JSON, O_TIMEOUT, O_MAXWAIT, O_IDENTITY, O_SWARM, O_LISTEN,
+       O_MODEL_FILE };
 
 static const struct option infer_opts[] = {
     {"initial-peers", required_argument, NULL, O_INITIAL},
     {"model", required_argument, NULL, O_MODEL},
+    {"model-file", required_argument, NULL, O_MODEL_FILE},
     {"data", required_argument, NULL, O_DATA},
     {"data-dir", required_argument, NULL, O_DATADIR},
     {"input", required_argument, NULL, O_INPUT},
@@ -88,6 +91,7 @@ typedef struct infer_args {
     long samples, replicas, batch, inflight;
     double timeout, max_wait;
     int json;
+    const char *model_file;
 } infer_args;
 
 /* Parses one option c (its argument in optarg) into a. Returns -1 to go on,
@@ -98,6 +102,7 @@ static int parse_infer_option(int c, char **argv, infer_args *a)
     case 'h': fputs(infer_help, stdout); return CLI_EXIT_OK;
     case O_INITIAL: a->initial = optarg; break;
     case O_MODEL: a->model = optarg; break;
+    case O_MODEL_FILE: a->model_file = optarg; break;
     case O_DATA: a->data = optarg; break;
     case O_DATADIR: a->data_dir = optarg; break;
     case O_INPUT: a->input = optarg; break;
@@ -131,7 +136,6 @@ static int parse_infer_option(int c, char **argv, infer_args *a)
 static int parse_infer_args(int argc, char **argv, infer_args *a, const struct expert_model_spec **spec)
 {
     memset(a, 0, sizeof *a);
-    a->model = "fmnist-mlp";
     a->replicas = 1;
     a->batch = 64;
     a->inflight = 8;
@@ -153,9 +157,8 @@ static int parse_infer_args(int argc, char **argv, infer_args *a, const struct e
         return cli_usage_error("infer", "--data takes 'test' (the Fashion-MNIST test set), not '%s'", a->data);
     if (a->labels && !a->input)
         return cli_usage_error("infer", "--labels goes with --input");
-    *spec = expert_model_find(a->model);
-    if (!*spec)
-        return cli_usage_error("infer", "unknown model '%s'", a->model);
+    if (cli_model_select("infer", a->model, a->model_file, "fmnist-mlp", spec))
+        return CLI_EXIT_USAGE;
     if (!a->initial)
         return cli_usage_error("infer", "--initial-peers LIST is required");
     return -1;

@@ -16,7 +16,7 @@
 
 static const char monitor_help[] =
     "Usage: starling monitor --initial-peers ADDR[,ADDR...] [--model NAME] [--watch SECONDS]\n"
-    "                        [--json] [--min-throughput X]\n"
+    "                        [--model-file FILE] [--json] [--min-throughput X]\n"
     "\n"
     "Joins the DHT as a light client, finds the models announced in the swarm\n"
     "(or just --model) and shows, for every stage, its holders: short peer ID,\n"
@@ -30,6 +30,8 @@ static const char monitor_help[] =
     "Options:\n"
     "  --initial-peers LIST   DHT addresses to join through (required)\n"
     "  --model NAME           show only this model\n"
+    "  --model-file FILE      show only the model a model file describes\n"
+    "                         (docs/models.md)\n"
     "  --watch SECONDS        redraw every SECONDS until interrupted\n"
     "  --json                 print one JSON document (schema in docs/operations.md)\n"
     "  --min-throughput X     flag stages serving fewer than X samples/s (default 0)\n"
@@ -400,10 +402,11 @@ static int wait_lookups(tools_client *cl, view *v, double timeout_s)
 
 int cmd_monitor(int argc, char **argv)
 {
-    enum { O_INITIAL = 256, O_MODEL, O_WATCH, O_JSON, O_MIN, O_TIMEOUT, O_SWARM, O_LISTEN };
+    enum { O_INITIAL = 256, O_MODEL, O_WATCH, O_JSON, O_MIN, O_TIMEOUT, O_SWARM, O_LISTEN, O_MODEL_FILE };
     static const struct option opts[] = {
         {"initial-peers", required_argument, NULL, O_INITIAL},
         {"model", required_argument, NULL, O_MODEL},
+        {"model-file", required_argument, NULL, O_MODEL_FILE},
         {"watch", required_argument, NULL, O_WATCH},
         {"json", no_argument, NULL, O_JSON},
         {"min-throughput", required_argument, NULL, O_MIN},
@@ -414,6 +417,7 @@ int cmd_monitor(int argc, char **argv)
         {NULL, 0, NULL, 0},
     };
     const char *initial = NULL, *model = NULL, *swarm = NULL, *listen = NULL;
+    const char *model_file = NULL;
     double watch = 0, min_tput = 0, timeout = 10;
     int json = 0, c;
 
@@ -424,6 +428,7 @@ int cmd_monitor(int argc, char **argv)
         case 'h': fputs(monitor_help, stdout); return CLI_EXIT_OK;
         case O_INITIAL: initial = optarg; break;
         case O_MODEL: model = optarg; break;
+        case O_MODEL_FILE: model_file = optarg; break;
         case O_JSON: json = 1; break;
         case O_SWARM: swarm = optarg; break;
         case O_LISTEN: listen = optarg; break;
@@ -446,10 +451,10 @@ int cmd_monitor(int argc, char **argv)
         return CLI_EXIT_USAGE;
     view v;
     memset(&v, 0, sizeof v);
-    if (model) {
-        v.specs[0] = expert_model_find(model);
-        if (!v.specs[0])
-            return cli_usage_error("monitor", "unknown model '%s'", model);
+    if (cli_model_select("monitor", model, model_file, NULL, &v.specs[0]))
+        return CLI_EXIT_USAGE;
+    if (v.specs[0]) {
+        model = v.specs[0]->name;
         v.n = 1;
     }
     tools_client cl;

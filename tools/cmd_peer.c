@@ -22,7 +22,7 @@
 
 static const char peer_help[] =
     "Usage: starling peer [--blocks LIST | --num-blocks K] [--initial-peers ADDR[,ADDR...]]\n"
-    "                     [--model NAME]\n"
+    "                     [--model NAME | --model-file FILE]\n"
     "                     [--listen HOST:PORT] [--announce HOST] [--identity FILE]\n"
     "                     [--checkpoint-dir DIR] [--swarm-key FILE] [--device cpu|cuda:N] ...\n"
     "\n"
@@ -43,6 +43,8 @@ static const char peer_help[] =
     "  --initial-peers LIST   DHT peers to join through (from 'starling bootstrap');\n"
     "                         without it this peer starts a new swarm\n"
     "  --model NAME           model to serve (default fmnist-mlp)\n"
+    "  --model-file FILE      serve the model a model file describes (docs/models.md);\n"
+    "                         every peer and client of the model needs the same file\n"
     "  --listen HOST:PORT     address to listen on (default 127.0.0.1:0, any free port)\n"
     "  --announce HOST        address other machines reach this peer at (needed when\n"
     "                         --listen is 0.0.0.0 or [::])\n"
@@ -163,12 +165,13 @@ enum {
     O_SWARM_KEY, O_THREADS, O_BLAS, O_TPRIO, O_INLINE, O_KEEP, O_MAX_BATCH, O_TARGET, O_OPT, O_LR, O_SEED,
     O_METRICS, O_ANN_EVERY, O_ANN_TTL, O_NO_SYNC, O_NUM_BLOCKS, O_REBALANCE, O_AVERAGE, O_KEEP_EVERY,
     O_KEEP_COPIES, O_KEEP_MB, O_GRAD_FACTOR, O_GRAD_MAX, O_GRAD_WARMUP, O_FROZEN, O_MAX_CONNS_IP, O_MAX_CONNS,
-    O_IDLE, O_DHT_LIMITS
+    O_IDLE, O_DHT_LIMITS, O_MODEL_FILE
 };
 
 static const struct option peer_opts_table[] = {
     {"initial-peers", required_argument, NULL, O_INITIAL},
     {"model", required_argument, NULL, O_MODEL},
+    {"model-file", required_argument, NULL, O_MODEL_FILE},
     {"blocks", required_argument, NULL, O_BLOCKS},
     {"device", required_argument, NULL, O_DEVICE},
     {"listen", required_argument, NULL, O_LISTEN},
@@ -220,10 +223,11 @@ typedef struct peer_opts {
     int train_idle;
     int dht_limits;                   /* -1: STARLING_DHT_LIMITS, else public (dht_config_default) */
     int no_sync;
+    const char *model_file;
 } peer_opts;
 
 static const peer_opts peer_opts_default = {
-    .model = "fmnist-mlp", .device = "cpu", .listen = "127.0.0.1:0", .optimizer = "adamw",
+    .device = "cpu", .listen = "127.0.0.1:0", .optimizer = "adamw",
     .threads = 1, .max_batch = 0, .target = 0, .keep = -1, /* 0, -1: the model's defaults */
     .keep_copies = 2, .keep_mb = 2048, .max_conns_ip = 64, .max_conns = 1024,
     .ckpt_every = 300, .lr = -1, .ann_every = 20, .ann_ttl = 60, .rebalance = 60, .average = 30,
@@ -296,6 +300,7 @@ static int parse_peer_flags(int argc, char **argv, peer_opts *o)
         case O_NO_SYNC: o->no_sync = 1; break;
         case O_INITIAL: o->initial = optarg; break;
         case O_MODEL: o->model = optarg; break;
+        case O_MODEL_FILE: o->model_file = optarg; break;
         case O_BLOCKS: o->blocks = optarg; break;
         case O_DEVICE: o->device = optarg; break;
         case O_LISTEN: o->listen = optarg; break;
@@ -392,14 +397,8 @@ static int check_peer_opts(const peer_opts *o, run_ctx *r)
     if (r->dev.kind != PEER_DEVICE_CPU)
         return cli_fail("peer", "hosting blocks on %s is not available in this build yet; use --device cpu",
                         o->device);
-    r->spec = expert_model_find(o->model);
-    if (!r->spec) {
-        char names[256] = "";
-        for (int i = 0; expert_model_at(i); i++)
-            snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", i ? ", " : "",
-                     expert_model_at(i)->name);
-        return cli_usage_error("peer", "unknown model '%s' (known: %s)", o->model, names);
-    }
+    if (cli_model_select("peer", o->model, o->model_file, "fmnist-mlp", &r->spec))
+        return CLI_EXIT_USAGE;
     if ((rc = check_blocks(o, r)) >= 0)
         return rc;
     /* A language model's rows are whole sequences: fewer per batch, and

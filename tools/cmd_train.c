@@ -18,7 +18,7 @@
 
 static const char train_help[] =
     "Usage: starling train --initial-peers ADDR[,ADDR...] [--model NAME] [--epochs N]\n"
-    "                      [--batch B] [--data DIR] [--json] ...\n"
+    "                      [--model-file FILE] [--batch B] [--data DIR] [--json] ...\n"
     "       starling train --initial-peers LIST --model tiny-lm [--data FILE] [--steps N]\n"
     "                      [--max-seconds S] [--json] ...\n"
     "\n"
@@ -26,7 +26,8 @@ static const char train_help[] =
     "(fmnist-mlp) on Fashion-MNIST (Debian package dataset-fashion-mnist), a\n"
     "byte-level language model (tiny-lm) on the bytes of a text file (default:\n"
     "the Debian packages fortunes and fortunes-min, as ../shared/bench/torch/\n"
-    "train_lm.py uses them). The trainer holds only the data and the loss: it finds each stage's holders in the DHT, keeps several micro-batches\n"
+    "train_lm.py uses them). The trainer holds only the data and the loss: it\n"
+    "finds each stage's holders in the DHT, keeps several micro-batches\n"
     "in flight, and retries a failed call on another replica, so no batch is lost\n"
     "(except one whose gradient the holders refuse 3 times: its update is dropped).\n"
     "The optimizer runs on the peers (see 'starling peer --lr/--target-batch').\n"
@@ -34,6 +35,7 @@ static const char train_help[] =
     "Options:\n"
     "  --initial-peers LIST   DHT addresses to join through (required)\n"
     "  --model NAME           model to train (default fmnist-mlp)\n"
+    "  --model-file FILE      train the model a model file describes (docs/models.md)\n"
     "  --epochs N             passes over the training set (default 1)\n"
     "  --batch B              samples per micro-batch (default 64)\n"
     "  --inflight K           micro-batches in flight (default 2). Peers step after\n"
@@ -245,11 +247,12 @@ static void on_message(void *arg, const char *msg)
 
 enum { O_INITIAL = 256, O_MODEL, O_EPOCHS, O_BATCH, O_INFLIGHT, O_DATA, O_NTRAIN, O_NTEST,
        O_SEED, O_TIMEOUT, O_MAXWAIT, O_REFRESH, O_SYNC_GROUP, O_LOG, O_PLOT, O_JSON, O_LISTEN, O_IDENTITY, O_SWARM,
-       O_LR, O_STEPS, O_MAXSEC, O_EVAL_EVERY, O_EVAL_BATCHES };
+       O_LR, O_STEPS, O_MAXSEC, O_EVAL_EVERY, O_EVAL_BATCHES, O_MODEL_FILE };
 
 static const struct option train_opts[] = {
     {"initial-peers", required_argument, NULL, O_INITIAL},
     {"model", required_argument, NULL, O_MODEL},
+    {"model-file", required_argument, NULL, O_MODEL_FILE},
     {"epochs", required_argument, NULL, O_EPOCHS},
     {"batch", required_argument, NULL, O_BATCH},
     {"inflight", required_argument, NULL, O_INFLIGHT},
@@ -283,6 +286,7 @@ typedef struct train_args {
     long steps, eval_every, eval_batches;                       /* -1: not given */
     double timeout, max_wait, refresh, max_seconds;
     int json;
+    const char *model_file;
 } train_args;
 
 /* Parses a numeric option c (its argument in optarg) into a. Returns -1 to
@@ -322,6 +326,7 @@ static int parse_train_option(int c, char **argv, train_args *a)
     case 'h': fputs(train_help, stdout); fputs(train_help2, stdout); return CLI_EXIT_OK;
     case O_INITIAL: a->initial = optarg; break;
     case O_MODEL: a->model = optarg; break;
+    case O_MODEL_FILE: a->model_file = optarg; break;
     case O_DATA: a->data = optarg; break;
     case O_LOG: a->log_path = optarg; break;
     case O_PLOT: a->plot_path = optarg; break;
@@ -379,7 +384,6 @@ static int fill_defaults(train_args *a, const struct expert_model_spec *spec)
 static int parse_train_args(int argc, char **argv, train_args *a, const struct expert_model_spec **spec)
 {
     memset(a, 0, sizeof *a);
-    a->model = "fmnist-mlp";
     a->log_path = "starling-train.jsonl";
     a->plot_path = "starling-train.svg";
     a->epochs = a->batch = a->inflight = a->sync = a->ntrain = a->ntest = -1;
@@ -397,9 +401,8 @@ static int parse_train_args(int argc, char **argv, train_args *a, const struct e
     }
     if (cli_no_positional("train", argc, argv))
         return CLI_EXIT_USAGE;
-    *spec = expert_model_find(a->model);
-    if (!*spec)
-        return cli_usage_error("train", "unknown model '%s'", a->model);
+    if (cli_model_select("train", a->model, a->model_file, "fmnist-mlp", spec))
+        return CLI_EXIT_USAGE;
     if (!a->initial)
         return cli_usage_error("train", "--initial-peers LIST is required");
     return fill_defaults(a, *spec);

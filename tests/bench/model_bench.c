@@ -126,6 +126,13 @@ int main(int argc, char **argv)
     }
     if (spec->n_stages > MAX_STAGES)
         return 2;
+    if (spec->task != EXPERT_TASK_CLASSES) {
+        /* The transformer kinds cannot run forward yet, and their loss is
+         * per position: only classifier models are measured here. */
+        fprintf(stderr, "model_bench: model '%s' is not a classifier; only classes tasks are benchmarked\n",
+                name);
+        return 2;
+    }
     expert_blas_set_threads((int)threads);
 
     model m = { .n = spec->n_stages, .B = (int)batch, .classes = spec->n_out };
