@@ -413,25 +413,45 @@ static void run_split(const struct split *sp)
         memcpy(p_after + ch.off[s], snap.params, expert_block_nparams(ch.b[s]) * sizeof(float));
         expert_block_snapshot_release(ch.b[s], &snap);
     }
-    /* At t = 1 the update is lr·g/(|g| + eps) (bias corrections cancel):
-     * about ±lr, except where |g| is near eps, where it turns on the exact
-     * gradient; there a gradient within the tolerance above may move the
-     * weight by up to 2·lr from torch's. */
+    /* At t = 1 torch's AdamW moves p by −(lr/(1−β1))·m/(√v/√(1−β2) + eps)
+     * with m = (1−β1)·g, v = (1−β2)·g², about lr·g/(|g| + eps). First the
+     * step itself: that formula (in double) on OUR averaged gradients g must
+     * give the block's new weights to a few ulps. */
     {
-        float *want = tx_alloc(np), *tol_got = tx_alloc(np);
-        int loose = 0;
+        float *want = tx_alloc(np);
         for (size_t i = 0; i < np; i++) {
-            want[i] = fx.params_after[i];
-            tol_got[i] = p_after[i];
-            if (fabsf(fx.grads[i]) < 1e-6f && fabsf(p_after[i] - want[i]) <= 2.5e-3f) {
-                tol_got[i] = want[i]; /* within the bound: not compared tighter */
-                loose++;
+            double gi = (double)g_kept[i], m = 0.1 * gi, v = 0.001 * gi * gi;
+            want[i] = (float)((double)fx.params[i] -
+                              (1e-3 / 0.1) * m / (sqrt(v) / sqrt(0.001) + 1e-8));
+        }
+        miss += compare("step = AdamW formula on our grads", p_after, want, np, 1e-7, 2e-6, &ch);
+        free(want);
+    }
+    /* Then torch's new weights. Where |g| is near eps the update depends on
+     * g itself, so there the gradient error checked above shows through:
+     * each weight may differ from torch's by lr·|u(g) − u(g_torch)| more,
+     * u(g) = g/(|g| + eps) (the t = 1 update per unit lr; at most 2·lr). */
+    {
+        float *got = tx_alloc(np);
+        int widened = 0, wmiss = 0;
+        for (size_t i = 0; i < np; i++) {
+            double go = (double)g_kept[i], gt = (double)fx.grads[i];
+            double extra = 1e-3 * fabs(go / (fabs(go) + 1e-8) - gt / (fabs(gt) + 1e-8));
+            got[i] = p_after[i];
+            if (extra > 1e-7) {
+                widened++;
+                double d = fabs((double)p_after[i] - (double)fx.params_after[i]);
+                if (d <= 2e-6 + 1e-5 * fabs((double)fx.params_after[i]) + 1.01 * extra)
+                    got[i] = fx.params_after[i]; /* within its wider bound */
+                else
+                    wmiss++;
             }
         }
-        fprintf(stderr, "  (%d parameters with |grad| < 1e-6 compared to 2.5e-3 only)\n", loose);
-        miss += compare("params after one AdamW step", tol_got, want, np, 2e-6, 1e-5, &ch);
-        free(want);
-        free(tol_got);
+        fprintf(stderr, "  (%d weights, with |grad| near eps, allowed the gradient error's effect: "
+                "%d miss)\n", widened, wmiss);
+        miss += compare("params after one AdamW step vs torch", got, fx.params_after, np, 2e-6,
+                        1e-5, &ch);
+        free(got);
     }
     /* ... and the loss on the same batch after the step. */
     {
