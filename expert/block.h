@@ -428,6 +428,18 @@ int expert_block_save(expert_block *b, const char *path, int with_optim);
  * so only its block config could be checked. */
 int expert_block_load(expert_block *b, const char *path, char *msg, size_t msglen);
 
+/* Loads stage `index` of model m from a flat weight file: every parameter of
+ * the whole model, float32 little-endian, stage after stage, each stage's
+ * tensors in order, nothing else (../shared/bench/torch/train_lm.py's
+ * --save-init/--save-final files for a GPT of the same config are this).
+ * The file must be exactly the model's size; the stage's slice must be
+ * finite. Installs it as a new weight version (expert_block_set_params);
+ * b must be a block of that stage's config. Returns 0, -errno (I/O),
+ * -EBADMSG (wrong size, non-finite value) or -EINVAL, with a sentence in
+ * msg naming the file on failure. */
+int expert_block_load_flat(expert_block *b, const struct expert_model_spec *m, int index,
+                           const char *path, char *msg, size_t msglen);
+
 /* Files older than this with no live writer count as stale (below). */
 #define EXPERT_CKPT_TMP_STALE_S 600
 

@@ -3,6 +3,7 @@
  * fsync, rename, fsync of the directory; loading with a sentence that says
  * what is wrong; and removing the temp files of writers that were killed. */
 #include "expert/block.h"
+#include "expert/model.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -10,6 +11,7 @@
 #include <inttypes.h>
 #include <libgen.h>
 #include <limits.h>
+#include <math.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -327,4 +329,68 @@ int expert_ckpt_clean_tmp(const char *path, uint64_t *bytes_out)
     if (bytes_out)
         *bytes_out = bytes;
     return removed;
+}
+
+int expert_block_load_flat(expert_block *b, const struct expert_model_spec *m, int index,
+                           const char *path, char *msg, size_t msglen)
+{
+    if (msg && msglen)
+        msg[0] = '\0';
+    struct expert_block_config c;
+    if (!b || !path || expert_model_stage(m, index, &c) != 0 ||
+        memcmp(&c, expert_block_config(b), sizeof c) != 0)
+        return -EINVAL;
+    /* Where the stage's slice starts, and the model's whole size. */
+    size_t before = 0, total = 0, n = expert_block_nparams(b);
+    for (int s = 0; s < m->n_stages; s++) {
+        struct expert_block_config cs;
+        struct expert_tensor_info t[EXPERT_BLOCK_MAX_TENSORS];
+        size_t ns = 0;
+        expert_model_stage(m, s, &cs);
+        expert_block_config_tensors(&cs, t, &ns);
+        if (s < index)
+            before += ns;
+        total += ns;
+    }
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        int e = -errno;
+        say(msg, msglen, "cannot open %s: %s", path, strerror(-e));
+        return e;
+    }
+    struct stat st;
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || (uint64_t)st.st_size != (uint64_t)total * 4) {
+        close(fd);
+        say(msg, msglen, "%s is not a flat weight file of %s: it must hold exactly %zu float32 values "
+                         "(%zu bytes)", path, m->name, total, total * 4);
+        return -EBADMSG;
+    }
+    float *p = malloc(n * sizeof *p);
+    if (!p) {
+        close(fd);
+        say(msg, msglen, "out of memory reading %s", path);
+        return -ENOMEM;
+    }
+    size_t done = 0;
+    while (done < n * sizeof *p) {
+        ssize_t got = pread(fd, (char *)p + done, n * sizeof *p - done, (off_t)(before * 4 + done));
+        if (got <= 0) {
+            int e = got < 0 ? -errno : -EBADMSG;
+            free(p);
+            close(fd);
+            say(msg, msglen, "cannot read %s: %s", path, got < 0 ? strerror(-e) : "short read");
+            return e;
+        }
+        done += (size_t)got;
+    }
+    close(fd);
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(p[i])) {
+            free(p);
+            say(msg, msglen, "%s: value %zu of stage %s.%d is not finite", path, i, m->name, index);
+            return -EBADMSG;
+        }
+    int rc = expert_block_set_params(b, p);
+    free(p);
+    return rc;
 }

@@ -656,6 +656,9 @@ static int open_block(peer_service *s, const peer_service_config *cfg, int idx, 
         return -1;
     }
     expert_block_set_guard(b->block, &cfg->guard);
+    if (cfg->init_weights &&
+        expert_block_load_flat(b->block, s->spec, idx, cfg->init_weights, err, errlen) != 0)
+        return -1;
     if (cfg->checkpoint_dir && restore_block(s, b, cfg->checkpoint_dir, err, errlen) != 0)
         return -1;
     peer_batcher_config bc = {cfg->threads, cfg->max_batch, cfg->max_queue_rows, cfg->optim, 1,

@@ -86,6 +86,9 @@ static const char peer_help2[] =
     "  --frozen-steps N       steps that change no weight before a block is reported\n"
     "                         frozen (log line, announcement) (default 8)\n"
     "  --seed N               initial weights seed when no checkpoint exists (default 0)\n"
+    "  --init-weights FILE    start from a flat weight file of the whole model instead\n"
+    "                         (float32, stage after stage: train_lm.py --save-init's\n"
+    "                         layout for a GPT); a checkpoint, when there is one, wins\n"
     "  --metrics HOST:PORT    serve Prometheus metrics at http://HOST:PORT/metrics\n"
     "  --max-conns-per-ip N   tensor RPC connections one address (IPv4, IPv6 /64) may\n"
     "                         hold; its next one is closed at once (default 64)\n"
@@ -162,7 +165,7 @@ static int parse_blocks(const char *s, int *out, int max)
 
 enum {
     O_INITIAL = 256, O_MODEL, O_BLOCKS, O_DEVICE, O_LISTEN, O_ANNOUNCE, O_IDENTITY, O_CKPT_DIR, O_CKPT_EVERY,
-    O_SWARM_KEY, O_THREADS, O_BLAS, O_TPRIO, O_INLINE, O_KEEP, O_MAX_BATCH, O_TARGET, O_OPT, O_LR, O_SEED,
+    O_SWARM_KEY, O_THREADS, O_BLAS, O_TPRIO, O_INLINE, O_KEEP, O_MAX_BATCH, O_TARGET, O_OPT, O_LR, O_SEED, O_INIT_WEIGHTS,
     O_METRICS, O_ANN_EVERY, O_ANN_TTL, O_NO_SYNC, O_NUM_BLOCKS, O_REBALANCE, O_AVERAGE, O_KEEP_EVERY,
     O_KEEP_COPIES, O_KEEP_MB, O_GRAD_FACTOR, O_GRAD_MAX, O_GRAD_WARMUP, O_FROZEN, O_MAX_CONNS_IP, O_MAX_CONNS,
     O_IDLE, O_DHT_LIMITS, O_MODEL_FILE
@@ -194,6 +197,7 @@ static const struct option peer_opts_table[] = {
     {"grad-warmup", required_argument, NULL, O_GRAD_WARMUP},
     {"frozen-steps", required_argument, NULL, O_FROZEN},
     {"seed", required_argument, NULL, O_SEED},
+    {"init-weights", required_argument, NULL, O_INIT_WEIGHTS},
     {"metrics", required_argument, NULL, O_METRICS},
     {"announce-every", required_argument, NULL, O_ANN_EVERY},
     {"announce-ttl", required_argument, NULL, O_ANN_TTL},
@@ -224,6 +228,7 @@ typedef struct peer_opts {
     int dht_limits;                   /* -1: STARLING_DHT_LIMITS, else public (dht_config_default) */
     int no_sync;
     const char *model_file;
+    const char *init_weights;
 } peer_opts;
 
 static const peer_opts peer_opts_default = {
@@ -301,6 +306,7 @@ static int parse_peer_flags(int argc, char **argv, peer_opts *o)
         case O_INITIAL: o->initial = optarg; break;
         case O_MODEL: o->model = optarg; break;
         case O_MODEL_FILE: o->model_file = optarg; break;
+        case O_INIT_WEIGHTS: o->init_weights = optarg; break;
         case O_BLOCKS: o->blocks = optarg; break;
         case O_DEVICE: o->device = optarg; break;
         case O_LISTEN: o->listen = optarg; break;
@@ -486,6 +492,7 @@ static void fill_daemon_config(const peer_opts *o, run_ctx *r)
     dc->svc.optim = r->optim;
     dc->svc.guard = o->guard;
     dc->svc.seed = (uint64_t)o->seed;
+    dc->svc.init_weights = o->init_weights;
     dc->svc.checkpoint_dir = o->ckpt_dir;
     dc->svc.rpc_max_conns = (int)o->max_conns;
     dc->svc.rpc_max_conns_per_ip = (int)o->max_conns_ip;
