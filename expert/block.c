@@ -252,6 +252,21 @@ uint64_t expert_block_config_hash(const struct expert_block_config *cfg)
     return fnv1a(0xcbf29ce484222325ULL, enc, 17 + 4 * (size_t)n);
 }
 
+int expert_block_row_shape(const struct expert_block_config *cfg, int out, uint64_t dims[2])
+{
+    if (expert_block_config_check(cfg) < 0 || !dims)
+        return -EINVAL;
+    if (!expert_block_kind_is_seq(cfg->kind)) {
+        dims[0] = (uint64_t)(out ? cfg->out : cfg->in);
+        return 1;
+    }
+    dims[0] = (uint64_t)cfg->seq;
+    if (!out && cfg->kind == EXPERT_BLOCK_EMBED)
+        return 1;
+    dims[1] = (uint64_t)(out && cfg->kind == EXPERT_BLOCK_LMHEAD ? cfg->vocab : cfg->dim);
+    return 2;
+}
+
 double expert_block_config_flops(const struct expert_block_config *cfg, int B)
 {
     if (expert_block_config_check(cfg) < 0 || B < 0)

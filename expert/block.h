@@ -148,6 +148,13 @@ int expert_block_config_tensors(const struct expert_block_config *cfg,
  * positions). Stable across builds and machines; 0 for an invalid config. */
 uint64_t expert_block_config_hash(const struct expert_block_config *cfg);
 
+/* The shape of one row of a block's input (out == 0) or output (out != 0),
+ * as the RPC carries it after the batch dimension: (in) or (out) for
+ * LINEAR, RESFFN and HEAD; a transformer kind's row is a sequence: EMBED's
+ * input (seq), LMHEAD's output (seq, vocab), the others (seq, dim). Writes
+ * the dims into dims[0..1] and returns their count (1 or 2), or -EINVAL. */
+int expert_block_row_shape(const struct expert_block_config *cfg, int out, uint64_t dims[2]);
+
 /* Matmul FLOPs of one forward over B samples (2·m·n·k); fwd+bwd is 3×. */
 double expert_block_config_flops(const struct expert_block_config *cfg, int B);
 

@@ -174,10 +174,11 @@ static void task_reply(svc_task *t, int status)
     peer_msg_init(&reply, PEER_KIND_REPLY, (peer_method)t->method, 0);
     reply.meta = meta;
     reply.meta_len = peer_meta_versions_encode(meta, sizeof meta, versions, n);
-    uint64_t shape[2] = {(uint64_t)pt->rows,
-                         (uint64_t)(t->method == PEER_METHOD_BACKWARD ? b->cfg.in : b->cfg.out)};
+    uint64_t row[2];
+    int nrow = expert_block_row_shape(&b->cfg, t->method != PEER_METHOD_BACKWARD, row);
     reply.n_tensors = 1;
-    if (peer_tensor_f32(&reply.t[0], t->out, 2, shape) != 0 || peer_rpc_respond(t->req, &reply) != 0) {
+    if (peer_tensor_rows(&reply.t[0], t->out, (uint64_t)pt->rows, nrow, row) != 0 ||
+        peer_rpc_respond(t->req, &reply) != 0) {
         /* respond already answered the client (EIO) or dropped the
          * request; either way the request is gone. */
     }
@@ -299,13 +300,25 @@ static int check_backward(peer_service *s, svc_block *b, const peer_msg *msg, in
     return rc;
 }
 
-static int is_f32_2d(const peer_tensor *t, int cols, int max_rows, uint64_t *rows_out)
+/* Whether t is a batch of rows of block config c's input (out == 0) or
+ * output: f32 (B, row shape...) with 1 <= B <= max_rows. */
+static int is_rows_of(const peer_tensor *t, const struct expert_block_config *c, int out, int max_rows,
+                      uint64_t *rows_out)
 {
-    if (t->dtype != PEER_DTYPE_F32 || t->ndim != 2 || t->shape[1] != (uint64_t)cols ||
-        t->shape[0] < 1 || t->shape[0] > (uint64_t)max_rows)
-        return 0;
-    *rows_out = t->shape[0];
-    return 1;
+    uint64_t row[2];
+    int n = expert_block_row_shape(c, out, row);
+    return n > 0 && peer_tensor_is_rows(t, n, row, (uint64_t)max_rows, rows_out);
+}
+
+/* "(B, 128, 256)": the shape a batch of c's input (out == 0) or output has. */
+static void shape_text(char *buf, size_t len, const struct expert_block_config *c, int out)
+{
+    uint64_t row[2];
+    int n = expert_block_row_shape(c, out, row);
+    if (n == 2)
+        snprintf(buf, len, "(B, %llu, %llu)", (unsigned long long)row[0], (unsigned long long)row[1]);
+    else
+        snprintf(buf, len, "(B, %llu)", (unsigned long long)row[0]);
 }
 
 /* The span an infer request names in its meta: this stage and the ones
@@ -372,11 +385,14 @@ static void handle_compute(peer_service *s, svc_block *b, peer_rpc_request *req,
     char why[256];
     const int fwd = msg->method != PEER_METHOD_BACKWARD;
     uint64_t rows = 0, rows2 = 0;
-    if (msg->n_tensors != (fwd ? 1 : 2) || !is_f32_2d(&msg->t[0], b->cfg.in, s->cfg.max_batch, &rows) ||
-        (!fwd && (!is_f32_2d(&msg->t[1], b->cfg.out, s->cfg.max_batch, &rows2) || rows2 != rows))) {
-        snprintf(why, sizeof why,
-                 "%s of %s takes %s f32 tensors of shape (B, %d)%s with 1 <= B <= %d", fwd ? "forward" : "backward",
-                 b->name, fwd ? "one" : "two", b->cfg.in, fwd ? "" : " and (B, out)", s->cfg.max_batch);
+    if (msg->n_tensors != (fwd ? 1 : 2) || !is_rows_of(&msg->t[0], &b->cfg, 0, s->cfg.max_batch, &rows) ||
+        (!fwd && (!is_rows_of(&msg->t[1], &b->cfg, 1, s->cfg.max_batch, &rows2) || rows2 != rows))) {
+        char in_s[64], out_s[64];
+        shape_text(in_s, sizeof in_s, &b->cfg, 0);
+        shape_text(out_s, sizeof out_s, &b->cfg, 1);
+        snprintf(why, sizeof why, "%s of %s takes %s f32 tensor%s of shape %s%s%s with 1 <= B <= %d",
+                 fwd ? "forward" : "backward", b->name, fwd ? "one" : "two", fwd ? "" : "s", in_s,
+                 fwd ? "" : " and ", fwd ? "" : out_s, s->cfg.max_batch);
         peer_rpc_respond_error(req, EINVAL, why);
         return;
     }

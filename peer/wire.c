@@ -18,6 +18,30 @@
 enum { K_KIND = 0, K_METHOD = 1, K_ID = 2, K_BLOCK = 3, K_TENSORS = 4, K_CODE = 5, K_MSG = 6,
        K_META = 7 };
 
+int peer_tensor_rows(peer_tensor *t, const float *data, uint64_t rows, int nrow, const uint64_t *row)
+{
+    if (nrow < 1 || nrow >= PEER_WIRE_MAX_DIMS || !row)
+        return -EINVAL;
+    uint64_t shape[PEER_WIRE_MAX_DIMS];
+    shape[0] = rows;
+    memcpy(shape + 1, row, (size_t)nrow * sizeof *row);
+    return peer_tensor_f32(t, data, nrow + 1, shape);
+}
+
+int peer_tensor_is_rows(const peer_tensor *t, int nrow, const uint64_t *row, uint64_t max_rows,
+                        uint64_t *rows_out)
+{
+    if (!t || !row || t->dtype != PEER_DTYPE_F32 || t->ndim != nrow + 1 || t->shape[0] < 1 ||
+        t->shape[0] > max_rows)
+        return 0;
+    for (int i = 0; i < nrow; i++)
+        if (t->shape[i + 1] != row[i])
+            return 0;
+    if (rows_out)
+        *rows_out = t->shape[0];
+    return 1;
+}
+
 int peer_tensor_f32(peer_tensor *t, const float *data, int ndim, const uint64_t *shape)
 {
     if (!t || ndim < 0 || ndim > PEER_WIRE_MAX_DIMS || (ndim && !shape))

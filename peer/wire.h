@@ -94,6 +94,14 @@ static inline void peer_put_le64(void *p, uint64_t v)
  * Returns 0, or -EINVAL (too many dims) or -EOVERFLOW (size overflows). */
 int peer_tensor_f32(peer_tensor *t, const float *data, int ndim, const uint64_t *shape);
 
+/* A batch of rows: t = f32 data of shape (rows, row[0], .., row[nrow-1]),
+ * 1 <= nrow < PEER_WIRE_MAX_DIMS. Returns peer_tensor_f32's result. */
+int peer_tensor_rows(peer_tensor *t, const float *data, uint64_t rows, int nrow, const uint64_t *row);
+/* Whether t is f32 of shape (B, row[0], .., row[nrow-1]) with 1 <= B <=
+ * max_rows; then *rows_out = B. Returns 1 or 0. */
+int peer_tensor_is_rows(const peer_tensor *t, int nrow, const uint64_t *row, uint64_t max_rows,
+                        uint64_t *rows_out);
+
 /* Clears m and sets kind, method and id (block empty, no tensors). */
 void peer_msg_init(peer_msg *m, peer_kind kind, peer_method method, uint64_t id);
 

@@ -120,10 +120,13 @@ static void path_done(infer *in, unit *u)
     const float *z = u->buf[in->S & 1];
     int first = u->batch * in->cfg.batch;
     size_t row = (size_t)in->cfg.model->n_out;
-    for (int r = 0; r < u->rows; r++)
-        softmax_row(z + (size_t)r * row + (in->cfg.positions ? (size_t)in->cfg.positions[first + r] * (size_t)in->C : 0),
+    for (int r = 0; r < u->rows; r++) {
+        /* A language model's row is (seq, vocab): the position's logits. */
+        size_t at = in->cfg.positions ? (size_t)in->cfg.positions[first + r] * (size_t)in->C : 0;
+        softmax_row(z + (size_t)r * row + at,
                     in->probs + ((size_t)(first + r) * (size_t)in->cfg.replicas + (size_t)u->path) * (size_t)in->C,
                     in->C);
+    }
     in->lat[in->n_lat++] = (route_caller_now(in->caller) - u->t_start) * 1000.0;
     in->units_done++;
     if (++in->paths_done[u->batch] == in->cfg.replicas)
@@ -141,8 +144,13 @@ static int on_reply(void *arg, route_caller_call *c, const peer_msg *m)
     int served = peer_meta_versions_decode(m->meta, m->meta_len, vers, c->span);
     int last = c->stage + served - 1;
     route_stage *st = served >= 1 ? route_swarm_stage(route_caller_swarm(in->caller), last) : NULL;
-    if (!st || m->n_tensors != 1 || m->t[0].dtype != PEER_DTYPE_F32 || m->t[0].ndim != 2 ||
-        m->t[0].shape[0] != (uint64_t)u->rows || m->t[0].shape[1] != (uint64_t)st->out)
+    struct expert_block_config cfg;
+    uint64_t row[2], rows = 0;
+    int nrow = st ? expert_model_stage(in->cfg.model, last, &cfg) : -1;
+    if (nrow == 0)
+        nrow = expert_block_row_shape(&cfg, 1, row);
+    if (nrow < 1 || m->n_tensors != 1 || !peer_tensor_is_rows(&m->t[0], nrow, row, (uint64_t)u->rows, &rows) ||
+        rows != (uint64_t)u->rows)
         return -EBADMSG;
     memcpy(u->buf[(last + 1) & 1], m->t[0].data, (size_t)u->rows * (size_t)st->out * sizeof(float));
     for (int i = 0; i < served; i++) {
@@ -228,10 +236,13 @@ static int build(void *arg, route_caller_call *c, const route_holder *h, int pre
     c->span = span_of(in, c->stage, h->rep.id, route_caller_now(in->caller));
     m->meta_len = peer_meta_span_encode(meta_buf, c->span);
     m->meta = m->meta_len ? meta_buf : NULL;
-    uint64_t shape[2] = {(uint64_t)u->rows, (uint64_t)st->in};
+    struct expert_block_config cfg;
+    uint64_t row[2];
+    expert_model_stage(in->cfg.model, c->stage, &cfg);
+    int nrow = expert_block_row_shape(&cfg, 0, row);
     const float *x = c->stage == 0 ? in->cfg.inputs + (size_t)u->batch * (size_t)in->cfg.batch * (size_t)st->in
                                    : u->buf[c->stage & 1];
-    peer_tensor_f32(&m->t[0], x, 2, shape);
+    peer_tensor_rows(&m->t[0], x, (uint64_t)u->rows, nrow, row);
     m->n_tensors = 1;
     return 0;
 }

@@ -262,12 +262,14 @@ static int build(void *arg, route_caller_call *c, const route_holder *h, int pre
     const pend *p = c->user;
     const route_call *call = &p->call;
     (void)h;
-    uint64_t sin[2] = {(uint64_t)call->rows, (uint64_t)call->width_in};
-    uint64_t sout[2] = {(uint64_t)call->rows, (uint64_t)call->width_out};
-    peer_tensor_f32(&m->t[0], call->inputs, 2, sin);
+    struct expert_block_config cfg;
+    uint64_t rin[2], rout[2];
+    expert_model_stage(t->cfg.model, call->stage, &cfg);
+    int nin = expert_block_row_shape(&cfg, 0, rin), nout = expert_block_row_shape(&cfg, 1, rout);
+    peer_tensor_rows(&m->t[0], call->inputs, (uint64_t)call->rows, nin, rin);
     m->n_tensors = 1;
     if (call->kind == ROUTE_CALL_BACKWARD) {
-        peer_tensor_f32(&m->t[1], call->grad_outputs, 2, sout);
+        peer_tensor_rows(&m->t[1], call->grad_outputs, (uint64_t)call->rows, nout, rout);
         m->n_tensors = 2;
         if (preferred && t->fwd_version_known[call->slot][call->stage]) {
             m->meta = meta_buf;
@@ -300,8 +302,12 @@ static int on_reply(void *arg, route_caller_call *rc, const peer_msg *m)
     pend *p = rc->user;
     const route_call *c = &p->call;
     int width = c->kind == ROUTE_CALL_FORWARD ? c->width_out : c->width_in;
-    if (m->n_tensors != 1 || m->t[0].dtype != PEER_DTYPE_F32 || m->t[0].ndim != 2 ||
-        m->t[0].shape[0] != (uint64_t)c->rows || m->t[0].shape[1] != (uint64_t)width)
+    struct expert_block_config cfg;
+    uint64_t row[2], rows = 0;
+    expert_model_stage(t->cfg.model, c->stage, &cfg);
+    int nrow = expert_block_row_shape(&cfg, c->kind == ROUTE_CALL_FORWARD, row);
+    if (m->n_tensors != 1 || !peer_tensor_is_rows(&m->t[0], nrow, row, (uint64_t)c->rows, &rows) ||
+        rows != (uint64_t)c->rows)
         return -EBADMSG;
     memcpy(c->outputs, m->t[0].data, (size_t)c->rows * (size_t)width * sizeof(float));
     if (c->kind == ROUTE_CALL_BACKWARD)
