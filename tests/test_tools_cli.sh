@@ -32,7 +32,7 @@ expect() {
 contains() { grep -q -- "$1" "$tmp/out" || { fail "$2: output lacks '$1'"; sed 's/^/    /' "$tmp/out" >&2; }; }
 
 expect 0 "top help" -- "$S" --help
-for c in peer bootstrap monitor train infer keygen; do contains "  $c " "top help lists $c"; done
+for c in peer bootstrap monitor train infer generate keygen; do contains "  $c " "top help lists $c"; done
 expect 2 "no command" -- "$S"
 expect 2 "unknown command" -- "$S" frobnicate
 contains "unknown command 'frobnicate'" "unknown command message"
@@ -40,7 +40,7 @@ expect 2 "unknown top option" -- "$S" --frob
 expect 0 "version" -- "$S" --version
 contains "starling" "version text"
 
-for c in peer bootstrap monitor train infer keygen; do
+for c in peer bootstrap monitor train infer generate keygen; do
     expect 0 "$c --help" -- "$S" $c --help
     contains "Usage: starling $c" "$c help text"
     expect 2 "$c bad flag" -- "$S" $c --no-such-flag
@@ -110,6 +110,35 @@ expect 2 "peer --model-file and the same --model" -- "$S" peer --model cli-test.
 contains "model cli-test.v1 has only 2 stages" "peer --model NAME matching the file"
 expect 2 "train --model-file, no peers" -- "$S" train --model-file "$tmp/m.json"
 contains "--initial-peers LIST is required" "train goes past the model file"
+# A language model: its own flags, its data (a file's bytes, checked before
+# any network), and the commands it does not go with.
+P=127.0.0.1:1/0000000000000000000000000000000000000000
+expect 2 "train tiny-lm --epochs" -- "$S" train --initial-peers "$P" --model tiny-lm --epochs 2
+contains "--epochs does not apply to tiny-lm, a language model" "train LM epochs message"
+expect 2 "train fmnist --steps" -- "$S" train --initial-peers "$P" --steps 5
+contains "--steps does not apply to fmnist-mlp, a model of images" "train images steps message"
+expect 2 "train tiny-lm --sync 0" -- "$S" train --initial-peers "$P" --model tiny-lm --sync 0
+contains "a language model trains in synchronous steps" "train LM sync message"
+expect 1 "train tiny-lm missing corpus" -- "$S" train --initial-peers "$P" --model tiny-lm --data "$tmp/none.txt"
+contains "$tmp/none.txt: No such file or directory" "train LM missing corpus message"
+expect 1 "train tiny-lm corpus is a directory" -- "$S" train --initial-peers "$P" --model tiny-lm --data "$tmp"
+contains "is a directory" "train LM directory message"
+: >"$tmp/empty.txt"
+expect 1 "train tiny-lm empty corpus" -- "$S" train --initial-peers "$P" --model tiny-lm --data "$tmp/empty.txt"
+contains "$tmp/empty.txt: empty" "train LM empty corpus message"
+head -c 1000 /dev/urandom >"$tmp/short.txt"
+expect 1 "train tiny-lm short corpus" -- "$S" train --initial-peers "$P" --model tiny-lm --data "$tmp/short.txt"
+contains "too few for context 128" "train LM short corpus message"
+expect 2 "infer tiny-lm" -- "$S" infer --initial-peers "$P" --model tiny-lm --data test
+contains "tiny-lm is a language model: sample from it with 'starling generate'" "infer LM message"
+expect 2 "generate fmnist" -- "$S" generate --initial-peers "$P" --model fmnist-mlp
+contains "fmnist-mlp is not a language model" "generate images message"
+expect 2 "generate no peers" -- "$S" generate --prompt hi
+contains "--initial-peers LIST is required" "generate peers message"
+expect 2 "generate empty prompt" -- "$S" generate --initial-peers "$P" --prompt ""
+contains "--prompt must hold at least one byte" "generate prompt message"
+expect 2 "generate --temperature -1" -- "$S" generate --initial-peers "$P" --temperature -1
+expect 2 "generate --replicas 10" -- "$S" generate --initial-peers "$P" --replicas 10
 # dht put --value-hex: odd length, non-hex digits, over the value limit.
 n=0
 for v in "abc" "zz" "$(head -c 1538 /dev/zero | tr '\0' 'a')"; do

@@ -159,6 +159,9 @@ static int parse_infer_args(int argc, char **argv, infer_args *a, const struct e
         return cli_usage_error("infer", "--labels goes with --input");
     if (cli_model_select("infer", a->model, a->model_file, "fmnist-mlp", spec))
         return CLI_EXIT_USAGE;
+    if ((*spec)->task != EXPERT_TASK_CLASSES)
+        return cli_usage_error("infer", "%s is a language model: sample from it with 'starling generate'",
+                               (*spec)->name);
     if (!a->initial)
         return cli_usage_error("infer", "--initial-peers LIST is required");
     return -1;

@@ -7,9 +7,26 @@
 # stage on two peers), trains one epoch of Fashion-MNIST through it, prints
 # the test accuracy and a view of the swarm, and stops everything cleanly.
 #
+# tools/quickstart.sh --model tiny-lm: the same with the byte-level language
+# model tiny-lm instead: three peers that pick their stages themselves,
+# STEPS (default 150) optimizer steps on the fortunes corpus, the
+# validation bits per byte, and a sample of text generated through the
+# swarm at the end.
+#
 # Environment: EPOCHS (default 1), TRAIN_SAMPLES (default: all 60000),
-# KEEP=1 leaves the swarm's logs in the work directory.
+# STEPS (tiny-lm, default 150), KEEP=1 leaves the swarm's logs in the work
+# directory.
 set -u -o pipefail
+model=fmnist-mlp
+case "${1:-}" in
+    "") ;;
+    --model)
+        model=${2:-}
+        [ "$model" = fmnist-mlp ] || [ "$model" = tiny-lm ] ||
+            { echo "usage: tools/quickstart.sh [--model fmnist-mlp|tiny-lm]" >&2; exit 2; } ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "usage: tools/quickstart.sh [--model fmnist-mlp|tiny-lm]" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.." || exit 1
 . tools/deps.sh
 
@@ -37,6 +54,30 @@ wait_for() { # FILE REGEX SECONDS
     echo "error: timed out waiting for '$2' in $1" >&2; tail -5 "$1" >&2; return 1
 }
 
+# The language model's run: train, evaluate, generate, report.
+lm_quickstart() {
+    echo
+    echo "== training tiny-lm through the swarm (${STEPS:-150} steps on the fortunes corpus)"
+    "$S" train --initial-peers "$BS" --model tiny-lm --steps "${STEPS:-150}" --eval-every 50 --json \
+        --metrics-log "$work/train.jsonl" --plot "$PWD/starling-train.svg" >"$work/train.json"
+    rc=$?
+    [ -s "$work/train.json" ] && cat "$work/train.json"
+    [ "$rc" -eq 0 ] || { echo "error: training failed (exit $rc)" >&2; return 1; }
+    echo
+    echo "== a sample through the swarm (temperature 0.8)"
+    "$S" generate --initial-peers "$BS" --model tiny-lm --prompt "The " --tokens 200 ||
+        { echo "error: generation failed" >&2; return 1; }
+    echo
+    echo "== the swarm"
+    "$S" monitor --initial-peers "$BS" --model tiny-lm 2>&1 || true
+    stop_all
+    bpb=$(sed -n 's/.*"val_bpb":\([0-9.]*\).*/\1/p' "$work/train.json")
+    tps=$(sed -n 's/.*"tokens_per_s":\([0-9.]*\).*/\1/p' "$work/train.json")
+    echo
+    echo "Validation: $bpb bits/byte (uniform: 8)   ($tps training tokens/s)"
+    echo "Loss plot: $PWD/starling-train.svg"
+}
+
 echo
 echo "== starting a local swarm on 127.0.0.1 (logs in $work)"
 "$S" bootstrap --listen 127.0.0.1:0 >"$work/bootstrap.out" 2>"$work/bootstrap.err" &
@@ -44,13 +85,32 @@ pids="$pids $!"
 wait_for "$work/bootstrap.out" '/' 10 || exit 1
 BS=$(head -1 "$work/bootstrap.out")
 echo "   bootstrap node  $BS"
-start_peer() { # NAME BLOCKS
-    "$S" peer --initial-peers "$BS" --blocks "$2" --checkpoint-dir "$work/ckpt-$1" \
+start_peer() { # NAME BLOCKS|auto
+    blocks=(--blocks "$2")
+    [ "$2" = auto ] && blocks=(--model "$model")
+    "$S" peer --initial-peers "$BS" "${blocks[@]}" --checkpoint-dir "$work/ckpt-$1" \
         --metrics 127.0.0.1:0 >"$work/$1.out" 2>"$work/$1.err" &
     pids="$pids $!"
-    wait_for "$work/$1.err" 'online: announcing' 30 || exit 1
+    wait_for "$work/$1.err" 'online: announcing' 60 || exit 1
+    [ "$2" = auto ] && set -- "$1" "$(sed -n 's/.*chose stages \([0-9-]*\).*/\1/p' "$work/$1.err" | tail -1)"
     echo "   peer $1          stages $2  ($(sed -n 's/.*address //p' "$work/$1.out"))"
 }
+if [ "$model" = tiny-lm ]; then
+    # Each peer picks the stage nobody serves yet (--num-blocks: a third of
+    # the model): the next starts once the swarm shows this one online.
+    n=0
+    for p in a b c; do
+        start_peer "$p" auto
+        n=$((n + 1))
+        for _ in $(seq 1 100); do
+            [ "$("$S" monitor --initial-peers "$BS" --model tiny-lm --json 2>/dev/null |
+                grep -o '"state":"online"' | wc -l)" -ge "$n" ] && break
+            sleep 0.3
+        done
+    done
+    lm_quickstart
+    exit $?
+fi
 start_peer a 0-2
 start_peer b 3-5
 start_peer c 2,3
