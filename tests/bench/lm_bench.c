@@ -157,8 +157,7 @@ int main(int argc, char **argv)
     }
     /* train_lm.py's count: per token and layer 2·(3d² + d² + 2·d·hidden) + 4·T·d. */
     double tokens = (double)batch * seq;
-    double fl = tokens * layers *
-                (2.0 * (4.0 * d * (double)d + 2.0 * d * (double)hidden) + 4.0 * seq * (double)d);
+    double fl = expert_block_config_flops(&cfg, batch);
     int chunks = 5;
     double t_fwd = bench(run_fwd, &c, min_time, chunks);
     double t_fb = bench(run_fwd_bwd, &c, min_time, chunks);

@@ -17,6 +17,9 @@ min_time/5 s, the median per-iteration time. The model classes come from
 ../shared/bench/torch/train_lm.py, the timing loop from compute.py there.
 Last stdout line: one JSON object; "ratio" = our time / torch's time
 (< 1: we are faster), per shape and as a geometric mean.
+tests/bench/lm_bench_results.jsonl: one run on the 2-core VM (Haswell
+kernels, 1 thread, --min-time 1.0) while other work loaded it (load ~2.8),
+so its figures are indicative only.
 """
 import argparse
 import json
