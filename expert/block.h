@@ -255,7 +255,10 @@ int expert_block_forward_train(expert_block *b, expert_workspace *ws, float *out
                                const float *inp, int B, uint64_t *version_out);
 
 /* Floats per row that save_rows/load_rows move (0 for LINEAR: nothing to
- * keep; in + 2 for HEAD; in + 2 + 2·hidden for RESFFN). */
+ * keep; in + 2 for HEAD; in + 2 + 2·hidden for RESFFN; for the transformer
+ * kinds every decoder layer's views (seq·(8·dim + 2·hidden + heads·seq + 4)
+ * each), plus LMHEAD's final LN (seq·(2·dim + 2)); 0 for an EMBED without
+ * layers). */
 size_t expert_workspace_kept_floats(const expert_workspace *ws);
 
 /* Copies rows [row0, row0+rows) of the kept activations into dst
@@ -410,7 +413,7 @@ size_t expert_block_serialized_size(const expert_block *b, int with_optim);
  * Returns the bytes written, or -ENOSPC if cap is too small, -EINVAL. */
 long expert_block_serialize(expert_block *b, int with_optim, void *buf, size_t cap);
 /* Loads bytes from expert_block_serialize (e.g. a newcomer's download, or a
- * file), format 1 or 2: validates everything before touching the block,
+ * file), formats 1 to 3: validates everything before touching the block,
  * then installs the parameters as the file's weight version and, if
  * present, the optimizer state and step count; gradients are zeroed. Never
  * trusts the input: -EBADMSG (truncated, bad magic, bad checksum, malformed
