@@ -49,6 +49,19 @@ first=$(grep '"event":"eval"' "$T/lm.jsonl" | head -1 | sed -n 's/.*"val_bpb":\(
 awk "BEGIN { exit !($first > 7.0) }" || fail "first evaluation $first bits/byte: not near uniform"
 grep -c '"event":"eval"' "$T/lm.jsonl" | grep -qx 3 || fail "want 3 evaluations (steps 0, 30, 60)"
 grep -q '<polyline' "$T/lm.svg" || fail "no curve in the plot"
+# Generation through the swarm: 20 bytes, greedy (a majority of 2 paths)
+# and sampled, with the weight versions each stage served: every stage
+# stepped 60 times (a version per step).
+for mode in "--temperature 0 --replicas 2" "--temperature 0.8 --seed 5"; do
+    # shellcheck disable=SC2086
+    timeout 120 "$S" generate --initial-peers "$BS" --model-file "$T/micro-lm.json" --prompt "The " \
+        --tokens 20 --json $mode >"$T/gen.out" 2>"$T/gen.err" || { fail "generate $mode failed"; show "$T/gen.err"; }
+    n=$(json_field "$T/gen.out" tokens)
+    [ "$n" = 20 ] || fail "generate $mode: $n bytes, want 20"
+    grep -q '"versions":\[{"stage":0,"min":60,"max":60},{"stage":1,"min":60,"max":60},{"stage":2,"min":60,"max":60}\]' \
+        "$T/gen.out" || { fail "generate $mode: weight versions"; cat "$T/gen.out" >&2; }
+    head -c 300 "$T/gen.out" >&2; echo >&2
+done
 # Each peer took a stage of its own.
 for p in a b c; do grep -m1 'chose stages' "$T/$p.err" >&2; done
 "$S" monitor --initial-peers "$BS" --model-file "$T/micro-lm.json" --timeout 10 >"$T/mon.txt" 2>&1 ||
