@@ -1,15 +1,20 @@
-/* expert/block.c: blocks (linear, residual FFN, head) on the CPU backend:
- * flat parameter/gradient/optimizer arrays, double-buffered weights, the
- * recomputing backward and optimizer steps. Their bytes (the checkpoint
- * format) are expert/serialize.c's, through expert/block_internal.h. */
+/* expert/block.c: what every block kind shares, on the CPU backend:
+ * configs (kinds, checks, hash, tensor lists, row shapes, flops), flat
+ * parameter/gradient/optimizer arrays, per-thread workspaces,
+ * double-buffered weights with pinned snapshots, the generic forward and
+ * backward drivers (recomputing or from kept rows), optimizer steps, flat
+ * export/apply and the stage identity. Each kind's own forward and
+ * backward live in its file (dense, resffn, head, embed, decoder, lmhead;
+ * expert/kinds_internal.h), which block.c dispatches to. A block's bytes
+ * (the checkpoint format) are expert/serialize.c's, through
+ * expert/block_internal.h. */
 #include "expert/block.h"
 #include "expert/block_internal.h"
 #include "expert/guard.h"
+#include "expert/kinds_internal.h"
 #include "expert/model.h"
 #include "expert/pool.h"
 #include "expert/ops.h"
-#include "expert/seq_internal.h"
-#include "expert/simd.h"
 
 #include <errno.h>
 #include <math.h>
@@ -17,8 +22,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-#include <cblas.h>
 
 struct expert_block {
     struct expert_block_config cfg;
@@ -63,9 +66,9 @@ struct expert_block {
 struct expert_workspace {
     struct expert_block_config cfg;
     int max_batch;
-    float *buf;            /* the one allocation; views below */
-    float *ln, *mean, *rstd, *act, *dgelu, *dln;
-    struct expert__seq_ws *seq; /* the transformer kinds' views (expert/seq_internal.h) */
+    float *buf;            /* the one allocation; the views below point into it */
+    struct expert__vec_ws vec;  /* LINEAR, RESFFN, HEAD (expert/vecws.c) */
+    struct expert__seq_ws *seq; /* the transformer kinds' views (expert/seqws.c); NULL otherwise */
 };
 
 /* ------------------------------------------------------------ config -- */
@@ -456,29 +459,10 @@ expert_workspace *expert_workspace_create(const struct expert_block_config *cfg,
         }
         return ws;
     }
-    size_t B = (size_t)max_batch, in = (size_t)cfg->in, h = (size_t)cfg->hidden;
-    /* Each view rounded up to 16 floats so every one starts on a cache line. */
-#define R16(x) (((x) + 15) & ~(size_t)15)
-    size_t n_ln = 0, n_stat = 0, n_h = 0;
-    if (cfg->kind != EXPERT_BLOCK_LINEAR) {
-        n_ln = R16(B * in);
-        n_stat = R16(B);
-    }
-    if (cfg->kind == EXPERT_BLOCK_RESFFN)
-        n_h = R16(B * h);
-    ws->buf = alloc_floats(2 * n_ln + 2 * n_stat + 2 * n_h);
-#undef R16
-    if (!ws->buf) {
+    if (expert__vec_ws_init(&ws->vec, cfg, max_batch, &ws->buf) != 0) {
         free(ws);
         return NULL;
     }
-    float *p = ws->buf;
-    ws->ln = p;    p += n_ln;
-    ws->dln = p;   p += n_ln;
-    ws->mean = p;  p += n_stat;
-    ws->rstd = p;  p += n_stat;
-    ws->act = p;   p += n_h;
-    ws->dgelu = p;
     return ws;
 }
 
@@ -560,9 +544,6 @@ static const float *current_params(expert_block *b)
 
 /* ---------------------------------------------------- forward/backward -- */
 
-#define P(name_idx) (params + b->t[name_idx].offset)
-#define G(name_idx) (b->grads + b->t[name_idx].offset)
-
 static int check_call(const expert_block *b, const expert_workspace *ws, int B)
 {
     if (!ws || B < 1 || B > ws->max_batch)
@@ -570,25 +551,6 @@ static int check_call(const expert_block *b, const expert_workspace *ws, int B)
     if (memcmp(&ws->cfg, &b->cfg, sizeof b->cfg) != 0)
         return -EINVAL;
     return 0;
-}
-
-/* RESFFN forward into the workspace: ln = LN(x), act = gelu(ln·W1ᵀ + b1)
- * (and dgelu = gelu' when want_dgelu); out = x + act·W2ᵀ + b2 if out. */
-static void resffn_fwd(const expert_block *b, const float *params, expert_workspace *ws,
-                       float *out, const float *inp, int B, int want_dgelu)
-{
-    int d = b->cfg.in, h = b->cfg.hidden;
-    expert_layernorm_forward(ws->ln, ws->mean, ws->rstd, inp, P(0), P(1), B, d);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, B, h, d,
-                1.0f, ws->ln, d, P(2), d, 0.0f, ws->act, h);
-    expert_bias_gelu_forward(ws->act, want_dgelu ? ws->dgelu : NULL, ws->act, P(3), B, h);
-    if (out) {
-        /* out = x + b2 first, then sgemm accumulates W2·act onto it (beta=1):
-         * bias and residual cost one pass, fused with the GEMM's C read. */
-        expert_bias_forward(out, inp, P(5), B, d);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, B, d, h,
-                    1.0f, ws->act, h, P(4), h, 1.0f, out, d);
-    }
 }
 
 /* Returns 0, or -EINVAL for input a kind refuses (EMBED: a token that is
@@ -608,16 +570,13 @@ static int forward_params(const expert_block *b, const float *params, expert_wor
         expert__lmhead_forward(c, b->t, params, ws->seq, out, inp, B);
         break;
     case EXPERT_BLOCK_LINEAR:
-        if (out)
-            expert_linear_forward(out, inp, P(0), P(1), B, c->in, c->out);
+        expert__dense_forward(c, b->t, params, out, inp, B);
         break;
     case EXPERT_BLOCK_RESFFN:
-        resffn_fwd(b, params, ws, out, inp, B, want_dgelu);
+        expert__resffn_forward(c, b->t, params, &ws->vec, out, inp, B, want_dgelu);
         break;
     case EXPERT_BLOCK_HEAD:
-        expert_layernorm_forward(ws->ln, ws->mean, ws->rstd, inp, P(0), P(1), B, c->in);
-        if (out)
-            expert_linear_forward(out, ws->ln, P(2), P(3), B, c->in, c->out);
+        expert__head_forward(c, b->t, params, &ws->vec, out, inp, B);
         break;
     }
     return 0;
@@ -666,7 +625,6 @@ static int backward_params(expert_block *b, const float *params, expert_workspac
                            const float *inp, int B, int recompute)
 {
     const struct expert_block_config *c = &b->cfg;
-    int in = c->in, o = c->out, h = c->hidden;
     if (recompute) {
         int rc = forward_params(b, params, ws, out, inp, B, 1);
         if (rc != 0)
@@ -682,37 +640,14 @@ static int backward_params(expert_block *b, const float *params, expert_workspac
         expert__lmhead_backward(c, b->t, params, b->grads, ws->seq, dinp, dout, B);
         break;
     case EXPERT_BLOCK_LINEAR:
-        expert_linear_backward(dinp, G(0), G(1), dout, inp, P(0), B, in, o);
+        expert__dense_backward(c, b->t, params, b->grads, dinp, dout, inp, B);
         break;
-    case EXPERT_BLOCK_RESFFN: {
-        /* fc2: db2 += Σ dout; dW2 += doutᵀ·act; then dact = dout·W2 may
-         * overwrite act, which nothing reads any more. */
-        expert_bias_backward(G(5), dout, B, in);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, in, h, B,
-                    1.0f, dout, in, ws->act, h, 1.0f, G(4), h);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, B, h, in,
-                    1.0f, dout, in, P(4), h, 0.0f, ws->act, h);
-        /* GELU and b1 in one pass: dpre = dact·gelu'(pre), db1 += Σ dpre. */
-        expert_bias_gelu_backward(ws->act, G(3), ws->act, ws->dgelu, B, h);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, h, in, B,
-                    1.0f, ws->act, h, ws->ln, in, 1.0f, G(2), in);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, B, in, h,
-                    1.0f, ws->act, h, P(2), in, 0.0f, ws->dln, in);
-        /* LN's grads are needed even when dinp is not; ln is free now. */
-        float *dx = dinp ? dinp : ws->ln;
-        expert_layernorm_backward(dx, G(0), G(1), ws->dln, inp, P(0), ws->mean,
-                                  ws->rstd, B, in);
-        if (dinp)
-            expert_residual_forward(dinp, dinp, dout, (long)B * in);
+    case EXPERT_BLOCK_RESFFN:
+        expert__resffn_backward(c, b->t, params, b->grads, &ws->vec, dinp, dout, inp, B);
         break;
-    }
-    case EXPERT_BLOCK_HEAD: {
-        expert_linear_backward(ws->dln, G(2), G(3), dout, ws->ln, P(2), B, in, o);
-        float *dx = dinp ? dinp : ws->ln;
-        expert_layernorm_backward(dx, G(0), G(1), ws->dln, inp, P(0), ws->mean,
-                                  ws->rstd, B, in);
+    case EXPERT_BLOCK_HEAD:
+        expert__head_backward(c, b->t, params, b->grads, &ws->vec, dinp, dout, inp, B);
         break;
-    }
     }
     return 0;
 }
@@ -802,30 +737,17 @@ int expert_block_forward_train(expert_block *b, expert_workspace *ws, float *out
     return forward_current(b, ws, out, inp, B, 1, version_out);
 }
 
-#undef P
-#undef G
-
 /* The views of a workspace that a backward reads after the forward, in the
- * order rows are packed: for each its pointer and floats per row. LINEAR
- * keeps nothing (its backward reads only the input); HEAD keeps LN's output
- * and statistics; RESFFN also gelu(pre) and gelu'(pre). Returns the count. */
+ * order rows are packed: for each its pointer and floats per row (the
+ * kind's workspace file lists them: expert/vecws.c, expert/seqws.c).
+ * Returns the count. */
 #define KEPT_MAX EXPERT__SEQ_MAX_VIEWS
+_Static_assert(EXPERT__VEC_MAX_VIEWS <= KEPT_MAX, "KEPT_MAX holds every kind's kept views");
 static int kept_views(const expert_workspace *ws, float *v[KEPT_MAX], size_t w[KEPT_MAX])
 {
-    const struct expert_block_config *c = &ws->cfg;
-    int n = 0;
     if (ws->seq)
-        return expert__seq_kept_views(c, ws->seq, v, w);
-    if (c->kind == EXPERT_BLOCK_LINEAR)
-        return 0;
-    v[n] = ws->ln, w[n++] = (size_t)c->in;
-    v[n] = ws->mean, w[n++] = 1;
-    v[n] = ws->rstd, w[n++] = 1;
-    if (c->kind == EXPERT_BLOCK_RESFFN) {
-        v[n] = ws->act, w[n++] = (size_t)c->hidden;
-        v[n] = ws->dgelu, w[n++] = (size_t)c->hidden;
-    }
-    return n;
+        return expert__seq_kept_views(&ws->cfg, ws->seq, v, w);
+    return expert__vec_kept_views(&ws->cfg, &ws->vec, v, w);
 }
 
 size_t expert_workspace_kept_floats(const expert_workspace *ws)
