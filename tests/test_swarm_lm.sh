@@ -62,6 +62,16 @@ for mode in "--temperature 0 --replicas 2" "--temperature 0.8 --seed 5"; do
         "$T/gen.out" || { fail "generate $mode: weight versions"; cat "$T/gen.out" >&2; }
     head -c 300 "$T/gen.out" >&2; echo >&2
 done
+# --max-seconds bounds a run: it stops after the first step that ends past
+# the bound, evaluates, and says so.
+timeout 300 "$S" train --initial-peers "$BS" --model-file "$T/micro-lm.json" --data "$T/corpus.txt" \
+    --steps 1000000 --max-seconds 1 --eval-batches 1 --json --metrics-log "" --plot "" \
+    >"$T/short.out" 2>"$T/short.err" || { fail "train --max-seconds failed"; show "$T/short.err"; }
+early=$(json_field "$T/short.out" stopped_early)
+steps=$(json_field "$T/short.out" steps)
+echo "max-seconds run: $steps steps, stopped_early=$early"
+[ "$early" = true ] || fail "--max-seconds: stopped_early=$early"
+[ -n "$steps" ] && [ "$steps" -ge 1 ] && [ "$steps" -lt 1000000 ] || fail "--max-seconds: $steps steps"
 # Each peer took a stage of its own.
 for p in a b c; do grep -m1 'chose stages' "$T/$p.err" >&2; done
 "$S" monitor --initial-peers "$BS" --model-file "$T/micro-lm.json" --timeout 10 >"$T/mon.txt" 2>&1 ||
