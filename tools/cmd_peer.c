@@ -403,8 +403,9 @@ static int check_peer_opts(const peer_opts *o, run_ctx *r)
     if (r->dev.kind != PEER_DEVICE_CPU)
         return cli_fail("peer", "hosting blocks on %s is not available in this build yet; use --device cpu",
                         o->device);
-    if (cli_model_select("peer", o->model, o->model_file, "fmnist-mlp", &r->spec))
-        return CLI_EXIT_USAGE;
+    if ((rc = tools_model_select("peer", o->model, o->model_file, "fmnist-mlp", o->initial, o->swarm_key_file,
+                                 &r->spec)) != CLI_EXIT_OK)
+        return rc;
     if ((rc = check_blocks(o, r)) >= 0)
         return rc;
     /* A language model's rows are whole sequences: fewer per batch, and
