@@ -662,6 +662,14 @@ static void on_index(dht *d, int status, const dht_entry *e, size_t n, void *ud)
         fetch_end(f, -ECANCELED, NULL, NULL, 0, "the DHT closed during the fetch");
         return;
     }
+    /* The distinct descriptions listed for the name, the most listed
+     * first: a forger that lists many hashes under its identities does not
+     * push out the one every honest peer lists. */
+    struct seen {
+        uint8_t hash[PEER_MODELDESC_HASH_LEN], lister[DHT_ID_LEN];
+        int listers;
+    } seen[64];
+    int n_seen = 0;
     for (size_t k = 0; k < n; k++) {
         peer_model_record m;
         if (!e[k].is_signed || e[k].subkey_len != DHT_ID_LEN ||
@@ -671,25 +679,36 @@ static void on_index(dht *d, int status, const dht_entry *e, size_t n, void *ud)
         if (!m.has_desc)
             continue;
         int found = -1;
-        for (int j = 0; j < f->n && found < 0; j++)
-            if (!memcmp(f->c[j].hash, m.desc_hash, PEER_MODELDESC_HASH_LEN))
+        for (int j = 0; j < n_seen && found < 0; j++)
+            if (!memcmp(seen[j].hash, m.desc_hash, PEER_MODELDESC_HASH_LEN))
                 found = j;
         if (found >= 0) {
-            f->c[found].listers++;
-            continue;
+            seen[found].listers++;
+        } else if (n_seen < (int)(sizeof seen / sizeof seen[0])) {
+            memcpy(seen[n_seen].hash, m.desc_hash, PEER_MODELDESC_HASH_LEN);
+            memcpy(seen[n_seen].lister, e[k].subkey, DHT_ID_LEN);
+            seen[n_seen++].listers = 1;
+        } else {
+            f->more++;
         }
+    }
+    for (int j = 0; j < n_seen; j++) {
+        int best = -1;
+        for (int q = 0; q < n_seen; q++)
+            if (seen[q].listers > 0 && (best < 0 || seen[q].listers > seen[best].listers))
+                best = q;
         if (f->n >= PEER_MODELDESC_MAX_CANDIDATES) {
             f->more++;
             continue;
         }
         cand *c = &f->c[f->n];
-        memcpy(c->hash, m.desc_hash, PEER_MODELDESC_HASH_LEN);
-        memcpy(c->lister, e[k].subkey, DHT_ID_LEN);
-        c->listers = 1;
+        memcpy(c->hash, seen[best].hash, PEER_MODELDESC_HASH_LEN);
+        memcpy(c->lister, seen[best].lister, DHT_ID_LEN);
+        c->listers = seen[best].listers;
+        seen[best].listers = 0;
         c->as = peer_modeldesc_asm_create(c->hash);
-        if (!c->as)
-            continue;
-        f->n++;
+        if (c->as)
+            f->n++;
     }
     if (f->n == 0) {
         char line[256];

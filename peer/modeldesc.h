@@ -21,7 +21,8 @@
  * the hash in its optional field "d".
  *
  * A fetch reads the models index, takes the distinct hashes of the entries
- * naming the model, and for each reads its chunks: anyone's chunks will do,
+ * naming the model (the PEER_MODELDESC_MAX_CANDIDATES most listed), and
+ * for each reads its chunks: anyone's chunks will do,
  * since the content is checked, not the signer. The chunks are put together
  * per publisher (and, failing that, by majority per index) and accepted only
  * when the whole hashes to the advertised hash, parses strictly

@@ -10,6 +10,8 @@
 # and one for "renamed-lm" whose chunks are a valid description of another
 # model: `starling peer --model forged-lm` / `--model renamed-lm` refuse
 # with a sentence and exit 1. A name nobody publishes is an unknown model.
+# A third identity's valid but different description of micro-lm makes the
+# name ambiguous: refused, naming both; --model-file still works.
 # Every wait is for an event, bounded.
 . "$(dirname "$0")/swarm_lib.sh"
 FM=${FAKE_MODELDESC:?FAKE_MODELDESC must point at tests/fake_modeldesc}
@@ -142,4 +144,28 @@ grep -q "unknown model 'nobody-lm': no built-in model and no peer in the swarm p
 # The honest peers are unharmed.
 "$S" monitor --initial-peers "$BS" --model micro-lm --timeout 10 >"$T/mon3.txt" 2>&1 ||
     { fail "after the forgery, micro-lm is no longer covered"; show "$T/mon3.txt"; }
+
+# A conflict: a third identity lists under micro-lm a valid description of
+# another model of that name. Nobody chooses between them by name any more;
+# the file still works.
+"$S" keygen --out "$T/z.key" >"$T/z.id" 2>"$T/keygen.err" || { fail "keygen"; show "$T/keygen.err"; finish; }
+sed 's/test: byte GPT/another byte GPT/' "$T/micro-lm.json" >"$T/conflict.json"
+"$FM" publish micro-lm 3 "$T/conflict.json" "$T/conflict.json" >"$T/conflict.put" || { fail "fake_modeldesc publish"; finish; }
+while read -r k v; do
+    "$S" dht put "$k" "$v" --raw-key --value-hex --identity "$T/z.key" --ttl 900 --initial-peers "$BS" \
+        >>"$T/put.out" 2>>"$T/put.err" || { fail "the conflicting put failed"; show "$T/put.err"; }
+done <"$T/conflict.put"
+ok=0
+for i in $(seq 1 20); do
+    "$S" monitor --initial-peers "$BS" --model micro-lm --timeout 5 >"$T/conflict.txt" 2>&1
+    rc=$?
+    grep -q "2 different models are published under the name 'micro-lm' (descriptions .*): pass --model-file FILE" \
+        "$T/conflict.txt" && { ok=1; break; }
+    sleep 0.5
+done
+[ "$ok" = 1 ] || { fail "no conflict reported for two descriptions of micro-lm"; show "$T/conflict.txt"; }
+[ "$rc" -ne 0 ] || fail "monitor --model micro-lm exited 0 despite the conflict"
+cat "$T/conflict.txt" >&2
+"$S" monitor --initial-peers "$BS" --model-file "$T/micro-lm.json" --timeout 10 >"$T/mon4.txt" 2>&1 ||
+    { fail "with the file, micro-lm is not covered after the conflict"; show "$T/mon4.txt"; }
 finish
