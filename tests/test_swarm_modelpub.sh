@@ -4,7 +4,8 @@
 # peer B starts with `--model micro-lm` alone, fetches the description from
 # the DHT (and says so) and serves stage 1; a monitor given only the name
 # fetches it too and sees both peers online on every stage with the same
-# stage hashes (none of another model version). Then a forger with its own
+# stage hashes (none of another model version), and a trainer given only
+# the name trains 2 steps through them. Then a forger with its own
 # identity publishes, with `starling dht put` and tests/fake_modeldesc.c, a
 # models index entry for "forged-lm" whose chunks do not hash to its "d",
 # and one for "renamed-lm" whose chunks are a valid description of another
@@ -86,6 +87,16 @@ grep -q '"covered":false' "$T/mon.json" && { fail "a stage is not covered"; show
 "$S" monitor --initial-peers "$BS" --model-file "$T/micro-lm.json" --json --timeout 10 >"$T/mon2.json" 2>"$T/mon2.err" ||
     { fail "monitor --model-file does not see every stage covered"; show "$T/mon2.json" "$T/mon2.err"; }
 grep -q '"wrong_version_holders":[1-9]' "$T/mon2.json" && fail "with the file, a holder runs another version"
+
+# A trainer that knows only the name trains through both peers.
+cat "$(dirname "$0")"/../docs/*.md >"$T/corpus.txt"
+timeout 200 "$S" train --initial-peers "$BS" --model micro-lm --data "$T/corpus.txt" --steps 2 --eval-every 2 \
+    --eval-batches 1 --json --metrics-log "$T/train.jsonl" --plot "" >"$T/train.out" 2>"$T/train.err"
+rc=$?
+[ "$rc" -eq 0 ] || { fail "train --model micro-lm exited $rc"; show "$T/train.err"; }
+grep -q "model micro-lm: description $H8 fetched from the swarm" "$T/train.err" ||
+    { fail "the trainer does not say it fetched the description"; show "$T/train.err"; }
+[ "$(json_field "$T/train.out" steps)" = 2 ] || { fail "the trainer did not run 2 steps"; show "$T/train.out"; }
 
 # The forgers: two identities, since one identity has one entry in the
 # models index.
