@@ -425,7 +425,7 @@ struct expert_model_spec *peer_modeldesc_asm_finish(peer_modeldesc_asm *a, const
     }
     if (tried)
         seterr(err, errlen, "%s%s", first_err, tried > 1 ? " (and every other copy too)" : "");
-    else if (missing >= 0 && a->nv[0] > 0)
+    else if (missing >= 0 && peer_modeldesc_asm_want(a) > 0)
         seterr(err, errlen, "description %s: chunk %d not found", h8, missing);
     else
         seterr(err, errlen, "description %s: no chunk found", h8);

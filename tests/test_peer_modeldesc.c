@@ -382,6 +382,14 @@ static void test_wrong_content(void **state)
     assert_null(peer_modeldesc_asm_finish(as, "big-model", 0, NULL, err, sizeof err));
     assert_non_null(strstr(err, "chunk 1 not found"));
     peer_modeldesc_asm_free(as);
+    as = peer_modeldesc_asm_create(d.hash);
+    for (int i = 1; i < d.n_chunks; i++) {
+        vl = peer_modeldesc_chunk_encode(d.json, d.len, i, val, sizeof val);
+        assert_int_equal(peer_modeldesc_asm_add(as, SIGNER_A, i, val, (size_t)vl, err, sizeof err), 0);
+    }
+    assert_null(peer_modeldesc_asm_finish(as, "big-model", 0, NULL, err, sizeof err));
+    assert_non_null(strstr(err, "chunk 0 not found"));
+    peer_modeldesc_asm_free(as);
 
     /* Too many different contents of one chunk: the extra ones ignored. */
     as = peer_modeldesc_asm_create(d.hash);
