@@ -122,8 +122,9 @@ static int parse_generate_args(int argc, char **argv, gen_args *a, const struct 
     }
     if (cli_no_positional("generate", argc, argv))
         return CLI_EXIT_USAGE;
-    if (cli_model_select("generate", a->model, a->model_file, "tiny-lm", spec))
-        return CLI_EXIT_USAGE;
+    int rc = tools_model_select("generate", a->model, a->model_file, "tiny-lm", a->initial, a->swarm, spec);
+    if (rc != CLI_EXIT_OK)
+        return rc;
     if ((*spec)->task != EXPERT_TASK_BYTES)
         return cli_usage_error("generate", "%s is not a language model: use 'starling infer'", (*spec)->name);
     if (!a->initial)

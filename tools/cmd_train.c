@@ -401,8 +401,9 @@ static int parse_train_args(int argc, char **argv, train_args *a, const struct e
     }
     if (cli_no_positional("train", argc, argv))
         return CLI_EXIT_USAGE;
-    if (cli_model_select("train", a->model, a->model_file, "fmnist-mlp", spec))
-        return CLI_EXIT_USAGE;
+    int rc = tools_model_select("train", a->model, a->model_file, "fmnist-mlp", a->initial, a->swarm, spec);
+    if (rc != CLI_EXIT_OK)
+        return rc;
     if (!a->initial)
         return cli_usage_error("train", "--initial-peers LIST is required");
     return fill_defaults(a, *spec);
