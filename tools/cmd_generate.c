@@ -128,6 +128,9 @@ static int parse_generate_args(int argc, char **argv, gen_args *a, const struct 
         return rc;
     if ((*spec)->task != EXPERT_TASK_BYTES)
         return cli_usage_error("generate", "%s is not a language model: use 'starling infer'", (*spec)->name);
+    if ((*spec)->vocab != 256)
+        return cli_usage_error("generate", "%s has a vocabulary of %d tokens: generate speaks bytes (256)",
+                               (*spec)->name, (*spec)->vocab);
     if (!a->initial)
         return cli_usage_error("generate", "--initial-peers LIST is required");
     if (!a->prompt[0])
