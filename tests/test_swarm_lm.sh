@@ -1,25 +1,11 @@
 #!/bin/sh
-# A 3-peer loopback swarm trains a small byte-level language model (a model
-# file: d 64, 2 decoder layers, context 32) on a text corpus for a bounded
+# A 3-peer loopback swarm trains a small byte-level language model (the
+# model file tests/ref/micro-lm.json: d 64, 2 decoder layers, context 32) on a text corpus for a bounded
 # number of steps; its validation loss falls well below the uniform 8
 # bits/byte. Three peers started with --num-blocks left at its default
 # cover the model's three stages between them.
 . "$(dirname "$0")/swarm_lib.sh"
-cat >"$T/micro-lm.json" <<'JSON'
-{
-  "format": "starling.model.v1",
-  "name": "micro-lm",
-  "description": "test: byte GPT, d 64, 2 layers, 4 heads, context 32",
-  "task": { "kind": "bytes", "context": 32, "vocab": 256 },
-  "batch": 16,
-  "max_batch": 16,
-  "stages": [
-    { "kind": "embed", "dim": 64, "heads": 4, "hidden": 256, "layers": 1 },
-    { "kind": "decoder", "dim": 64, "heads": 4, "hidden": 256, "layers": 1 },
-    { "kind": "lm_head", "dim": 64, "heads": 4, "hidden": 256, "layers": 0 }
-  ]
-}
-JSON
+cp "$(dirname "$0")/ref/micro-lm.json" "$T/micro-lm.json"
 # The corpus: this repository's own text (docs and sources), ~100 KB or
 # more, so the test needs no package; the last 10% is validation.
 cat "$(dirname "$0")"/../docs/*.md "$(dirname "$0")"/../expert/*.c >"$T/corpus.txt"
