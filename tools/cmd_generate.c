@@ -259,6 +259,7 @@ static void report(const gen_args *a, const struct expert_model_spec *spec, cons
     } else {
         putchar('\n');
     }
+    fflush(stdout); /* before the report on stderr, when both go to one file */
     fprintf(stderr, "starling generate: %zu bytes in %.2f s (%.1f bytes/s, %.0f ms each), %ld retries\n",
             gen, g->elapsed, bps, gen ? g->elapsed * 1000.0 / (double)gen : 0.0, g->retries);
     for (int s = 0; s < spec->n_stages; s++)
