@@ -674,7 +674,7 @@ static int backward_params(expert_block *b, const float *params, expert_workspac
     }
     switch (c->kind) {
     case EXPERT_BLOCK_EMBED:
-        return expert__embed_backward(c, b->t, params, b->grads, ws->seq, dout, inp, B);
+        return expert__embed_backward(c, b->t, params, b->grads, ws->seq, dinp, dout, inp, B);
     case EXPERT_BLOCK_DECODER:
         expert__decoder_backward(c, b->t, params, b->grads, ws->seq, dinp, dout, B);
         break;

@@ -99,7 +99,7 @@ int expert__embed_forward(const struct expert_block_config *c, const struct expe
                           const float *inp, int B);
 int expert__embed_backward(const struct expert_block_config *c, const struct expert_tensor_info *t,
                            const float *params, float *grads, struct expert__seq_ws *ws,
-                           const float *dout, const float *inp, int B);
+                           float *dinp, const float *dout, const float *inp, int B);
 void expert__decoder_forward(const struct expert_block_config *c, const struct expert_tensor_info *t,
                              const float *params, struct expert__seq_ws *ws, float *out,
                              const float *inp, int B);

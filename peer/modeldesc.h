@@ -26,9 +26,10 @@
  * since the content is checked, not the signer. The chunks are put together
  * per publisher (and, failing that, by majority per index) and accepted only
  * when the whole hashes to the advertised hash, parses strictly
- * (expert_model_parse), names the model asked for, has the number of stages
- * the index entry says, and is canonical (expert_model_to_json of the parsed
- * spec gives the same bytes). Descriptions that fail are refused with a
+ * (expert_model_parse), names the model asked for and is canonical
+ * (expert_model_to_json of the parsed spec gives the same bytes). The index
+ * entries' stage counts are not compared: anyone who lists a hash sets its
+ * "n", and the hash already pins the description. Descriptions that fail are refused with a
  * sentence naming the publisher; two different descriptions that pass for
  * one name are a conflict (the user must pass --model-file).
  *

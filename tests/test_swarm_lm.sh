@@ -49,9 +49,10 @@ for mode in "--temperature 0 --replicas 2" "--temperature 0.8 --seed 5"; do
     head -c 300 "$T/gen.out" >&2; echo >&2
 done
 # --max-seconds bounds a run: it stops after the first step that ends past
-# the bound, evaluates, and says so.
+# the bound, evaluates, and says so; also when every step ends a stretch
+# between evaluations (--eval-every 1).
 timeout 300 "$S" train --initial-peers "$BS" --model-file "$T/micro-lm.json" --data "$T/corpus.txt" \
-    --steps 1000000 --max-seconds 1 --eval-batches 1 --json --metrics-log "" --plot "" \
+    --steps 1000000 --max-seconds 1 --eval-every 1 --eval-batches 1 --json --metrics-log "" --plot "" \
     >"$T/short.out" 2>"$T/short.err" || { fail "train --max-seconds failed"; show "$T/short.err"; }
 early=$(json_field "$T/short.out" stopped_early)
 steps=$(json_field "$T/short.out" steps)

@@ -163,9 +163,14 @@ static uint64_t splitmix64(uint64_t *s)
  * p^(1/t), renormalised, which is softmax(logits / t). */
 static int sample(const float *p, int V, double t, uint64_t *rng)
 {
-    double w[256], sum = 0;
+    double w[256], sum = 0, top = -HUGE_VAL;
+    for (int c = 0; c < V; c++)
+        if (p[c] > 0 && log((double)p[c]) > top)
+            top = log((double)p[c]);
+    /* Relative to the most likely byte, so no weight underflows to zero
+     * at low temperatures (that one's weight is 1). */
     for (int c = 0; c < V; c++) {
-        w[c] = p[c] > 0 ? exp(log((double)p[c]) / t) : 0.0;
+        w[c] = p[c] > 0 ? exp((log((double)p[c]) - top) / t) : 0.0;
         sum += w[c];
     }
     double u = (double)(splitmix64(rng) >> 11) * (1.0 / 9007199254740992.0) * sum;
