@@ -1,14 +1,16 @@
-/* expert/block.c: blocks (linear, residual FFN, head) on the CPU backend:
- * flat parameter/gradient/optimizer arrays, double-buffered weights, the
- * recomputing backward and optimizer steps. Their bytes (the checkpoint
- * format) are expert/serialize.c's, through expert/block_internal.h. */
+/* expert/block.c: what every block kind shares, on the CPU backend:
+ * configs, flat parameter/gradient/optimizer arrays, double-buffered
+ * weights, workspaces, the recomputing backward and optimizer steps. Each
+ * kind's forward and backward is its own file (expert/kinds_internal.h).
+ * Their bytes (the checkpoint format) are expert/serialize.c's, through
+ * expert/block_internal.h. */
 #include "expert/block.h"
 #include "expert/block_internal.h"
 #include "expert/guard.h"
 #include "expert/model.h"
 #include "expert/pool.h"
 #include "expert/ops.h"
-#include "expert/seq_internal.h"
+#include "expert/kinds_internal.h"
 #include "expert/simd.h"
 
 #include <errno.h>
@@ -18,7 +20,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <cblas.h>
 
 struct expert_block {
     struct expert_block_config cfg;
@@ -64,8 +65,8 @@ struct expert_workspace {
     struct expert_block_config cfg;
     int max_batch;
     float *buf;            /* the one allocation; views below */
-    float *ln, *mean, *rstd, *act, *dgelu, *dln;
-    struct expert__seq_ws *seq; /* the transformer kinds' views (expert/seq_internal.h) */
+    struct expert__ffn_ws ffn;  /* LINEAR, RESFFN, HEAD (expert/kinds_internal.h) */
+    struct expert__seq_ws *seq; /* the transformer kinds' views */
 };
 
 /* ------------------------------------------------------------ config -- */
@@ -473,12 +474,12 @@ expert_workspace *expert_workspace_create(const struct expert_block_config *cfg,
         return NULL;
     }
     float *p = ws->buf;
-    ws->ln = p;    p += n_ln;
-    ws->dln = p;   p += n_ln;
-    ws->mean = p;  p += n_stat;
-    ws->rstd = p;  p += n_stat;
-    ws->act = p;   p += n_h;
-    ws->dgelu = p;
+    ws->ffn.ln = p;    p += n_ln;
+    ws->ffn.dln = p;   p += n_ln;
+    ws->ffn.mean = p;  p += n_stat;
+    ws->ffn.rstd = p;  p += n_stat;
+    ws->ffn.act = p;   p += n_h;
+    ws->ffn.dgelu = p;
     return ws;
 }
 
@@ -560,8 +561,6 @@ static const float *current_params(expert_block *b)
 
 /* ---------------------------------------------------- forward/backward -- */
 
-#define P(name_idx) (params + b->t[name_idx].offset)
-#define G(name_idx) (b->grads + b->t[name_idx].offset)
 
 static int check_call(const expert_block *b, const expert_workspace *ws, int B)
 {
@@ -570,25 +569,6 @@ static int check_call(const expert_block *b, const expert_workspace *ws, int B)
     if (memcmp(&ws->cfg, &b->cfg, sizeof b->cfg) != 0)
         return -EINVAL;
     return 0;
-}
-
-/* RESFFN forward into the workspace: ln = LN(x), act = gelu(ln·W1ᵀ + b1)
- * (and dgelu = gelu' when want_dgelu); out = x + act·W2ᵀ + b2 if out. */
-static void resffn_fwd(const expert_block *b, const float *params, expert_workspace *ws,
-                       float *out, const float *inp, int B, int want_dgelu)
-{
-    int d = b->cfg.in, h = b->cfg.hidden;
-    expert_layernorm_forward(ws->ln, ws->mean, ws->rstd, inp, P(0), P(1), B, d);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, B, h, d,
-                1.0f, ws->ln, d, P(2), d, 0.0f, ws->act, h);
-    expert_bias_gelu_forward(ws->act, want_dgelu ? ws->dgelu : NULL, ws->act, P(3), B, h);
-    if (out) {
-        /* out = x + b2 first, then sgemm accumulates W2·act onto it (beta=1):
-         * bias and residual cost one pass, fused with the GEMM's C read. */
-        expert_bias_forward(out, inp, P(5), B, d);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, B, d, h,
-                    1.0f, ws->act, h, P(4), h, 1.0f, out, d);
-    }
 }
 
 /* Returns 0, or -EINVAL for input a kind refuses (EMBED: a token that is
@@ -608,16 +588,13 @@ static int forward_params(const expert_block *b, const float *params, expert_wor
         expert__lmhead_forward(c, b->t, params, ws->seq, out, inp, B);
         break;
     case EXPERT_BLOCK_LINEAR:
-        if (out)
-            expert_linear_forward(out, inp, P(0), P(1), B, c->in, c->out);
+        expert__dense_forward(c, b->t, params, out, inp, B);
         break;
     case EXPERT_BLOCK_RESFFN:
-        resffn_fwd(b, params, ws, out, inp, B, want_dgelu);
+        expert__resffn_forward(c, b->t, params, &ws->ffn, out, inp, B, want_dgelu);
         break;
     case EXPERT_BLOCK_HEAD:
-        expert_layernorm_forward(ws->ln, ws->mean, ws->rstd, inp, P(0), P(1), B, c->in);
-        if (out)
-            expert_linear_forward(out, ws->ln, P(2), P(3), B, c->in, c->out);
+        expert__head_forward(c, b->t, params, &ws->ffn, out, inp, B);
         break;
     }
     return 0;
@@ -666,7 +643,6 @@ static int backward_params(expert_block *b, const float *params, expert_workspac
                            const float *inp, int B, int recompute)
 {
     const struct expert_block_config *c = &b->cfg;
-    int in = c->in, o = c->out, h = c->hidden;
     if (recompute) {
         int rc = forward_params(b, params, ws, out, inp, B, 1);
         if (rc != 0)
@@ -682,37 +658,14 @@ static int backward_params(expert_block *b, const float *params, expert_workspac
         expert__lmhead_backward(c, b->t, params, b->grads, ws->seq, dinp, dout, B);
         break;
     case EXPERT_BLOCK_LINEAR:
-        expert_linear_backward(dinp, G(0), G(1), dout, inp, P(0), B, in, o);
+        expert__dense_backward(c, b->t, params, b->grads, dinp, dout, inp, B);
         break;
-    case EXPERT_BLOCK_RESFFN: {
-        /* fc2: db2 += Σ dout; dW2 += doutᵀ·act; then dact = dout·W2 may
-         * overwrite act, which nothing reads any more. */
-        expert_bias_backward(G(5), dout, B, in);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, in, h, B,
-                    1.0f, dout, in, ws->act, h, 1.0f, G(4), h);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, B, h, in,
-                    1.0f, dout, in, P(4), h, 0.0f, ws->act, h);
-        /* GELU and b1 in one pass: dpre = dact·gelu'(pre), db1 += Σ dpre. */
-        expert_bias_gelu_backward(ws->act, G(3), ws->act, ws->dgelu, B, h);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, h, in, B,
-                    1.0f, ws->act, h, ws->ln, in, 1.0f, G(2), in);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, B, in, h,
-                    1.0f, ws->act, h, P(2), in, 0.0f, ws->dln, in);
-        /* LN's grads are needed even when dinp is not; ln is free now. */
-        float *dx = dinp ? dinp : ws->ln;
-        expert_layernorm_backward(dx, G(0), G(1), ws->dln, inp, P(0), ws->mean,
-                                  ws->rstd, B, in);
-        if (dinp)
-            expert_residual_forward(dinp, dinp, dout, (long)B * in);
+    case EXPERT_BLOCK_RESFFN:
+        expert__resffn_backward(c, b->t, params, b->grads, &ws->ffn, dinp, dout, inp, B);
         break;
-    }
-    case EXPERT_BLOCK_HEAD: {
-        expert_linear_backward(ws->dln, G(2), G(3), dout, ws->ln, P(2), B, in, o);
-        float *dx = dinp ? dinp : ws->ln;
-        expert_layernorm_backward(dx, G(0), G(1), ws->dln, inp, P(0), ws->mean,
-                                  ws->rstd, B, in);
+    case EXPERT_BLOCK_HEAD:
+        expert__head_backward(c, b->t, params, b->grads, &ws->ffn, dinp, dout, inp, B);
         break;
-    }
     }
     return 0;
 }
@@ -802,8 +755,6 @@ int expert_block_forward_train(expert_block *b, expert_workspace *ws, float *out
     return forward_current(b, ws, out, inp, B, 1, version_out);
 }
 
-#undef P
-#undef G
 
 /* The views of a workspace that a backward reads after the forward, in the
  * order rows are packed: for each its pointer and floats per row. LINEAR
@@ -818,12 +769,12 @@ static int kept_views(const expert_workspace *ws, float *v[KEPT_MAX], size_t w[K
         return expert__seq_kept_views(c, ws->seq, v, w);
     if (c->kind == EXPERT_BLOCK_LINEAR)
         return 0;
-    v[n] = ws->ln, w[n++] = (size_t)c->in;
-    v[n] = ws->mean, w[n++] = 1;
-    v[n] = ws->rstd, w[n++] = 1;
+    v[n] = ws->ffn.ln, w[n++] = (size_t)c->in;
+    v[n] = ws->ffn.mean, w[n++] = 1;
+    v[n] = ws->ffn.rstd, w[n++] = 1;
     if (c->kind == EXPERT_BLOCK_RESFFN) {
-        v[n] = ws->act, w[n++] = (size_t)c->hidden;
-        v[n] = ws->dgelu, w[n++] = (size_t)c->hidden;
+        v[n] = ws->ffn.act, w[n++] = (size_t)c->hidden;
+        v[n] = ws->ffn.dgelu, w[n++] = (size_t)c->hidden;
     }
     return n;
 }

@@ -13,7 +13,7 @@
  * ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b. Parameter grads +=, the input's
  * gradient =, as every op (expert/ops.h). */
 #include "expert/ops.h"
-#include "expert/seq_internal.h"
+#include "expert/kinds_internal.h"
 
 #include <string.h>
 

@@ -6,7 +6,7 @@
  *   out  (B, T, d)   = layers(x)   (x itself when the stage has none)
  * Tensors: tok_emb (vocab,d), pos_emb (T,d), then 12 per layer. */
 #include "expert/ops.h"
-#include "expert/seq_internal.h"
+#include "expert/kinds_internal.h"
 
 #include <errno.h>
 #include <math.h>

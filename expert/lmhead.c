@@ -8,7 +8,7 @@
  *                        position; the loss is the trainer's
  * Tensors: 12 per layer, then lnf_w, lnf_b (d), head_w (V,d), head_b (V). */
 #include "expert/ops.h"
-#include "expert/seq_internal.h"
+#include "expert/kinds_internal.h"
 
 #include <string.h>
 

@@ -1,6 +1,6 @@
 /* expert/seqws.c: the workspace layout of the transformer kinds (the
- * views of expert/seq_internal.h), one allocation per workspace. */
-#include "expert/seq_internal.h"
+ * views of expert/kinds_internal.h), one allocation per workspace. */
+#include "expert/kinds_internal.h"
 
 #include <errno.h>
 #include <stdlib.h>

@@ -1,5 +1,52 @@
-/* expert/seq_internal.h: what the transformer kinds' files share with
- * expert/block.c (internal; only expert/ includes it).
+/* expert/kinds_internal.h: what the block kinds' files share with
+ * expert/block.c, which dispatches to them (internal; only expert/ includes
+ * it). One file per kind, each with its _forward/_backward pair:
+ * expert/dense.c (LINEAR), resffn.c (RESFFN), head.c (HEAD), embed.c
+ * (EMBED), decoder.c (DECODER, and the decoder layer the transformer kinds
+ * share), lmhead.c (LMHEAD). Parameters and gradients come as flat arrays
+ * with the block's tensor list t (expert_block_config_tensors); gradients
+ * accumulate (+=), the input's gradient is written (=).
+ *
+ * ---- LINEAR, RESFFN, HEAD ----
+ *
+ * A row is one sample of width in; their workspace views, (B, width) each.
+ */
+#ifndef EXPERT_KINDS_INTERNAL_H
+#define EXPERT_KINDS_INTERNAL_H
+
+#include <stdint.h>
+
+#include "expert/block.h"
+
+struct expert__ffn_ws {
+    float *ln;           /* (B,in)     LN(x) (RESFFN, HEAD; kept) */
+    float *mean, *rstd;  /* (B)        its statistics (kept) */
+    float *act;          /* (B,hidden) gelu(ln·W1ᵀ + b1) (RESFFN; kept) */
+    float *dgelu;        /* (B,hidden) gelu'(pre) (RESFFN; kept) */
+    float *dln;          /* (B,in)     backward scratch */
+};
+
+/* want_dgelu: keep gelu' for a backward. out may be NULL (a backward's
+ * recompute that only needs the kept views). */
+void expert__dense_forward(const struct expert_block_config *c, const struct expert_tensor_info *t,
+                           const float *params, float *out, const float *inp, int B);
+void expert__dense_backward(const struct expert_block_config *c, const struct expert_tensor_info *t,
+                            const float *params, float *grads, float *dinp, const float *dout,
+                            const float *inp, int B);
+void expert__resffn_forward(const struct expert_block_config *c, const struct expert_tensor_info *t,
+                            const float *params, struct expert__ffn_ws *ws, float *out,
+                            const float *inp, int B, int want_dgelu);
+void expert__resffn_backward(const struct expert_block_config *c, const struct expert_tensor_info *t,
+                             const float *params, float *grads, struct expert__ffn_ws *ws,
+                             float *dinp, const float *dout, const float *inp, int B);
+void expert__head_forward(const struct expert_block_config *c, const struct expert_tensor_info *t,
+                          const float *params, struct expert__ffn_ws *ws, float *out,
+                          const float *inp, int B);
+void expert__head_backward(const struct expert_block_config *c, const struct expert_tensor_info *t,
+                           const float *params, float *grads, struct expert__ffn_ws *ws,
+                           float *dinp, const float *dout, const float *inp, int B);
+
+/* ---- EMBED, DECODER, LMHEAD ----
  *
  * A transformer stage's row is one sequence: T = cfg->seq positions of
  * width d = cfg->dim, so B rows are N = B·T positions, and every view below
@@ -7,17 +54,7 @@
  * workspace holds, per decoder layer, what its backward reads (the "kept"
  * views, saved and loaded by expert_workspace_save_rows/load_rows) and,
  * shared by the layers, the backward's scratch.
- *
- * The files: expert/decoder.c (one pre-LN decoder layer, and the DECODER
- * kind), expert/embed.c (the EMBED kind: embedding, then layers),
- * expert/lmhead.c (the LMHEAD kind: layers, then LN + head).
  */
-#ifndef EXPERT_SEQ_INTERNAL_H
-#define EXPERT_SEQ_INTERNAL_H
-
-#include <stdint.h>
-
-#include "expert/block.h"
 
 /* One decoder layer's kept activations (shapes per row, H = hidden,
  * NH = heads). */
