@@ -1,20 +1,17 @@
 /* expert/block.c: what every block kind shares, on the CPU backend:
- * configs (kinds, checks, hash, tensor lists, row shapes, flops), flat
- * parameter/gradient/optimizer arrays, per-thread workspaces,
- * double-buffered weights with pinned snapshots, the generic forward and
- * backward drivers (recomputing or from kept rows), optimizer steps, flat
- * export/apply and the stage identity. Each kind's own forward and
- * backward live in its file (dense, resffn, head, embed, decoder, lmhead;
- * expert/kinds_internal.h), which block.c dispatches to. A block's bytes
- * (the checkpoint format) are expert/serialize.c's, through
+ * configs, flat parameter/gradient/optimizer arrays, double-buffered
+ * weights, workspaces, the recomputing backward and optimizer steps. Each
+ * kind's forward and backward is its own file (expert/kinds_internal.h).
+ * Their bytes (the checkpoint format) are expert/serialize.c's, through
  * expert/block_internal.h. */
 #include "expert/block.h"
 #include "expert/block_internal.h"
 #include "expert/guard.h"
-#include "expert/kinds_internal.h"
 #include "expert/model.h"
 #include "expert/pool.h"
 #include "expert/ops.h"
+#include "expert/kinds_internal.h"
+#include "expert/simd.h"
 
 #include <errno.h>
 #include <math.h>
@@ -22,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
 
 struct expert_block {
     struct expert_block_config cfg;
@@ -66,9 +64,9 @@ struct expert_block {
 struct expert_workspace {
     struct expert_block_config cfg;
     int max_batch;
-    float *buf;            /* the one allocation; the views below point into it */
-    struct expert__vec_ws vec;  /* LINEAR, RESFFN, HEAD (expert/vecws.c) */
-    struct expert__seq_ws *seq; /* the transformer kinds' views (expert/seqws.c); NULL otherwise */
+    float *buf;            /* the one allocation; views below */
+    struct expert__ffn_ws ffn;  /* LINEAR, RESFFN, HEAD (expert/kinds_internal.h) */
+    struct expert__seq_ws *seq; /* the transformer kinds' views */
 };
 
 /* ------------------------------------------------------------ config -- */
@@ -459,10 +457,29 @@ expert_workspace *expert_workspace_create(const struct expert_block_config *cfg,
         }
         return ws;
     }
-    if (expert__vec_ws_init(&ws->vec, cfg, max_batch, &ws->buf) != 0) {
+    size_t B = (size_t)max_batch, in = (size_t)cfg->in, h = (size_t)cfg->hidden;
+    /* Each view rounded up to 16 floats so every one starts on a cache line. */
+#define R16(x) (((x) + 15) & ~(size_t)15)
+    size_t n_ln = 0, n_stat = 0, n_h = 0;
+    if (cfg->kind != EXPERT_BLOCK_LINEAR) {
+        n_ln = R16(B * in);
+        n_stat = R16(B);
+    }
+    if (cfg->kind == EXPERT_BLOCK_RESFFN)
+        n_h = R16(B * h);
+    ws->buf = alloc_floats(2 * n_ln + 2 * n_stat + 2 * n_h);
+#undef R16
+    if (!ws->buf) {
         free(ws);
         return NULL;
     }
+    float *p = ws->buf;
+    ws->ffn.ln = p;    p += n_ln;
+    ws->ffn.dln = p;   p += n_ln;
+    ws->ffn.mean = p;  p += n_stat;
+    ws->ffn.rstd = p;  p += n_stat;
+    ws->ffn.act = p;   p += n_h;
+    ws->ffn.dgelu = p;
     return ws;
 }
 
@@ -544,6 +561,7 @@ static const float *current_params(expert_block *b)
 
 /* ---------------------------------------------------- forward/backward -- */
 
+
 static int check_call(const expert_block *b, const expert_workspace *ws, int B)
 {
     if (!ws || B < 1 || B > ws->max_batch)
@@ -573,10 +591,10 @@ static int forward_params(const expert_block *b, const float *params, expert_wor
         expert__dense_forward(c, b->t, params, out, inp, B);
         break;
     case EXPERT_BLOCK_RESFFN:
-        expert__resffn_forward(c, b->t, params, &ws->vec, out, inp, B, want_dgelu);
+        expert__resffn_forward(c, b->t, params, &ws->ffn, out, inp, B, want_dgelu);
         break;
     case EXPERT_BLOCK_HEAD:
-        expert__head_forward(c, b->t, params, &ws->vec, out, inp, B);
+        expert__head_forward(c, b->t, params, &ws->ffn, out, inp, B);
         break;
     }
     return 0;
@@ -632,7 +650,7 @@ static int backward_params(expert_block *b, const float *params, expert_workspac
     }
     switch (c->kind) {
     case EXPERT_BLOCK_EMBED:
-        return expert__embed_backward(c, b->t, params, b->grads, ws->seq, dout, inp, B);
+        return expert__embed_backward(c, b->t, params, b->grads, ws->seq, dinp, dout, inp, B);
     case EXPERT_BLOCK_DECODER:
         expert__decoder_backward(c, b->t, params, b->grads, ws->seq, dinp, dout, B);
         break;
@@ -643,10 +661,10 @@ static int backward_params(expert_block *b, const float *params, expert_workspac
         expert__dense_backward(c, b->t, params, b->grads, dinp, dout, inp, B);
         break;
     case EXPERT_BLOCK_RESFFN:
-        expert__resffn_backward(c, b->t, params, b->grads, &ws->vec, dinp, dout, inp, B);
+        expert__resffn_backward(c, b->t, params, b->grads, &ws->ffn, dinp, dout, inp, B);
         break;
     case EXPERT_BLOCK_HEAD:
-        expert__head_backward(c, b->t, params, b->grads, &ws->vec, dinp, dout, inp, B);
+        expert__head_backward(c, b->t, params, b->grads, &ws->ffn, dinp, dout, inp, B);
         break;
     }
     return 0;
@@ -737,17 +755,28 @@ int expert_block_forward_train(expert_block *b, expert_workspace *ws, float *out
     return forward_current(b, ws, out, inp, B, 1, version_out);
 }
 
+
 /* The views of a workspace that a backward reads after the forward, in the
- * order rows are packed: for each its pointer and floats per row (the
- * kind's workspace file lists them: expert/vecws.c, expert/seqws.c).
- * Returns the count. */
+ * order rows are packed: for each its pointer and floats per row. LINEAR
+ * keeps nothing (its backward reads only the input); HEAD keeps LN's output
+ * and statistics; RESFFN also gelu(pre) and gelu'(pre). Returns the count. */
 #define KEPT_MAX EXPERT__SEQ_MAX_VIEWS
-_Static_assert(EXPERT__VEC_MAX_VIEWS <= KEPT_MAX, "KEPT_MAX holds every kind's kept views");
 static int kept_views(const expert_workspace *ws, float *v[KEPT_MAX], size_t w[KEPT_MAX])
 {
+    const struct expert_block_config *c = &ws->cfg;
+    int n = 0;
     if (ws->seq)
-        return expert__seq_kept_views(&ws->cfg, ws->seq, v, w);
-    return expert__vec_kept_views(&ws->cfg, &ws->vec, v, w);
+        return expert__seq_kept_views(c, ws->seq, v, w);
+    if (c->kind == EXPERT_BLOCK_LINEAR)
+        return 0;
+    v[n] = ws->ffn.ln, w[n++] = (size_t)c->in;
+    v[n] = ws->ffn.mean, w[n++] = 1;
+    v[n] = ws->ffn.rstd, w[n++] = 1;
+    if (c->kind == EXPERT_BLOCK_RESFFN) {
+        v[n] = ws->ffn.act, w[n++] = (size_t)c->hidden;
+        v[n] = ws->ffn.dgelu, w[n++] = (size_t)c->hidden;
+    }
+    return n;
 }
 
 size_t expert_workspace_kept_floats(const expert_workspace *ws)

@@ -155,6 +155,15 @@ uint64_t expert_block_config_hash(const struct expert_block_config *cfg);
  * the dims into dims[0..1] and returns their count (1 or 2), or -EINVAL. */
 int expert_block_row_shape(const struct expert_block_config *cfg, int out, uint64_t dims[2]);
 
+/* Checks what only the values can say about B rows of input inp: for
+ * EMBED every value must be a token, an integer in [0, vocab) (a forward
+ * or backward refuses the whole call otherwise); the other kinds take any
+ * floats. Returns 0, or -EINVAL with a sentence in why naming the first bad
+ * value's row and position. Servers check each client's request with it
+ * before joining requests into one batch. */
+int expert_block_input_check(const struct expert_block_config *cfg, const float *inp, int B,
+                             char *why, size_t why_len);
+
 /* Matmul FLOPs of one forward over B samples (2·m·n·k); fwd+bwd is 3×. */
 double expert_block_config_flops(const struct expert_block_config *cfg, int B);
 
@@ -212,7 +221,8 @@ int expert_block_forward_snapshot(expert_block *b, const struct expert_snapshot 
 
 /* Recomputes the forward on inp (B,in) with the current weights, then
  * back-propagates dout (B,out): dinp (B,in) = ∂/∂inp (=; may be NULL when
- * not needed, e.g. the first stage), parameter grads += ∂/∂params, and the
+ * not needed, e.g. the first stage; EMBED's token inputs have no gradient:
+ * it writes zeros), parameter grads += ∂/∂params, and the
  * accumulated sample count += B. dout is the gradient of a loss SUMMED over
  * samples; the step divides by the accumulated count. dinp must not alias
  * dout or inp. Returns 0, -EINVAL, -EOVERFLOW (over 2^30 samples pending). */

@@ -1,87 +1,60 @@
 /* expert/kinds_internal.h: what the block kinds' files share with
- * expert/block.c (internal; only expert/ includes it).
+ * expert/block.c, which dispatches to them (internal; only expert/ includes
+ * it). One file per kind, each with its _forward/_backward pair:
+ * expert/dense.c (LINEAR), resffn.c (RESFFN), head.c (HEAD), embed.c
+ * (EMBED), decoder.c (DECODER, and the decoder layer the transformer kinds
+ * share), lmhead.c (LMHEAD). Parameters and gradients come as flat arrays
+ * with the block's tensor list t (expert_block_config_tensors); gradients
+ * accumulate (+=), the input's gradient is written (=).
  *
- * One file per kind, each with its _forward/_backward pair and the shapes
- * in its header comment, over the ops of expert/ops.h; expert/block.c keeps
- * what every kind shares (configs, weights, snapshots, the generic
- * forward/backward drivers, steps) and dispatches to them. Every kind's
- * backward adds to the parameter gradients (+=, same offsets as params, the
- * block's tensor list t) and writes the input's gradient (=; dinp NULL: not
- * wanted), as every op does.
+ * ---- LINEAR, RESFFN, HEAD ----
  *
- * The vector kinds (a row is one vector of in floats):
- *   expert/dense.c    LINEAR   y = x·Wᵀ + b
- *   expert/resffn.c   RESFFN   y = x + gelu(LN(x)·W1ᵀ + b1)·W2ᵀ + b2
- *   expert/head.c     HEAD     y = LN(x)·Wᵀ + b
- *   expert/vecws.c    their workspace views (struct expert__vec_ws)
- *
- * The transformer kinds: a row is one sequence, T = cfg->seq positions of
- * width d = cfg->dim, so B rows are N = B·T positions, and every view below
- * is (B, per-row floats) with the positions of a row consecutive. The
- * workspace holds, per decoder layer, what its backward reads (the "kept"
- * views, saved and loaded by expert_workspace_save_rows/load_rows) and,
- * shared by the layers, the backward's scratch.
- *   expert/decoder.c  one pre-LN decoder layer, and the DECODER kind
- *   expert/embed.c    EMBED: embedding, then layers
- *   expert/lmhead.c   LMHEAD: layers, then LN + head
- *   expert/seqws.c    their workspace views (struct expert__seq_ws)
+ * A row is one sample of width in; their workspace views, (B, width) each.
  */
 #ifndef EXPERT_KINDS_INTERNAL_H
 #define EXPERT_KINDS_INTERNAL_H
 
-#include <stddef.h>
 #include <stdint.h>
 
 #include "expert/block.h"
 
-/* ================================================== the vector kinds == */
-
-/* The workspace of a LINEAR, RESFFN or HEAD block, every view (B, per-row
- * floats) for B rows (H = hidden). LINEAR uses none (its backward reads
- * only the input); HEAD ln, mean, rstd and dln; RESFFN all. */
-struct expert__vec_ws {
-    float *ln;           /* (in)      LN(x)                    kept */
-    float *mean, *rstd;  /* (1)       its mean and 1/std       kept */
-    float *act;          /* (H)       gelu(ln·W1ᵀ + b1)        kept */
-    float *dgelu;        /* (H)       gelu'(ln·W1ᵀ + b1)       kept */
-    float *dln;          /* (in)      the gradient of ln       scratch */
+struct expert__ffn_ws {
+    float *ln;           /* (B,in)     LN(x) (RESFFN, HEAD; kept) */
+    float *mean, *rstd;  /* (B)        its statistics (kept) */
+    float *act;          /* (B,hidden) gelu(ln·W1ᵀ + b1) (RESFFN; kept) */
+    float *dgelu;        /* (B,hidden) gelu'(pre) (RESFFN; kept) */
+    float *dln;          /* (B,in)     backward scratch */
 };
-#define EXPERT__VEC_MAX_VIEWS 5
 
-/* The kept views of ws in packing order (ln, mean, rstd, then RESFFN's act,
- * dgelu), their floats per row. Returns the count (LINEAR: 0). */
-int expert__vec_kept_views(const struct expert_block_config *c, const struct expert__vec_ws *ws,
-                           float **v, size_t *w);
-
-/* Allocates the views of a block of config c for max_batch rows out of one
- * buffer (*buf_out, the caller frees it). Returns 0 or -ENOMEM. */
-int expert__vec_ws_init(struct expert__vec_ws *ws, const struct expert_block_config *c,
-                        int max_batch, float **buf_out);
-
-/* out NULL: compute only what a backward reads (nothing for LINEAR). */
+/* want_dgelu: keep gelu' for a backward. out may be NULL (a backward's
+ * recompute that only needs the kept views). */
 void expert__dense_forward(const struct expert_block_config *c, const struct expert_tensor_info *t,
                            const float *params, float *out, const float *inp, int B);
 void expert__dense_backward(const struct expert_block_config *c, const struct expert_tensor_info *t,
                             const float *params, float *grads, float *dinp, const float *dout,
                             const float *inp, int B);
-/* want_dgelu: keep gelu' too (a backward will follow). */
 void expert__resffn_forward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                            const float *params, struct expert__vec_ws *ws, float *out,
+                            const float *params, struct expert__ffn_ws *ws, float *out,
                             const float *inp, int B, int want_dgelu);
-/* After a forward of inp with want_dgelu; overwrites act, and ln when
- * dinp is NULL. */
 void expert__resffn_backward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                             const float *params, float *grads, struct expert__vec_ws *ws,
+                             const float *params, float *grads, struct expert__ffn_ws *ws,
                              float *dinp, const float *dout, const float *inp, int B);
 void expert__head_forward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                          const float *params, struct expert__vec_ws *ws, float *out,
+                          const float *params, struct expert__ffn_ws *ws, float *out,
                           const float *inp, int B);
-/* After a forward of inp; overwrites ln when dinp is NULL. */
 void expert__head_backward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                           const float *params, float *grads, struct expert__vec_ws *ws,
+                           const float *params, float *grads, struct expert__ffn_ws *ws,
                            float *dinp, const float *dout, const float *inp, int B);
 
-/* ============================================= the transformer kinds == */
+/* ---- EMBED, DECODER, LMHEAD ----
+ *
+ * A transformer stage's row is one sequence: T = cfg->seq positions of
+ * width d = cfg->dim, so B rows are N = B·T positions, and every view below
+ * is (B, per-row floats) with the positions of a row consecutive. The
+ * workspace holds, per decoder layer, what its backward reads (the "kept"
+ * views, saved and loaded by expert_workspace_save_rows/load_rows) and,
+ * shared by the layers, the backward's scratch.
+ */
 
 /* One decoder layer's kept activations (shapes per row, H = hidden,
  * NH = heads). */
@@ -163,7 +136,7 @@ int expert__embed_forward(const struct expert_block_config *c, const struct expe
                           const float *inp, int B);
 int expert__embed_backward(const struct expert_block_config *c, const struct expert_tensor_info *t,
                            const float *params, float *grads, struct expert__seq_ws *ws,
-                           const float *dout, const float *inp, int B);
+                           float *dinp, const float *dout, const float *inp, int B);
 void expert__decoder_forward(const struct expert_block_config *c, const struct expert_tensor_info *t,
                              const float *params, struct expert__seq_ws *ws, float *out,
                              const float *inp, int B);

@@ -258,6 +258,32 @@ static int parse_task(struct ctx *c, const json_t *t, struct expert_model_spec *
     return -1;
 }
 
+/* Every size may be in range and their product still be more than any
+ * peer holds: a stage's parameters at most MAX_STAGE_PARAMS floats (4 GiB),
+ * and what one row keeps for its backward (a transformer stage: every
+ * layer's activations, attention maps included) at most MAX_ROW_KEPT. */
+#define MAX_STAGE_PARAMS ((size_t)1 << 30)
+#define MAX_ROW_KEPT ((double)(1 << 28))
+static int check_stage_size(struct ctx *c, const char *path, const struct expert_block_config *cfg)
+{
+    struct expert_tensor_info t[EXPERT_BLOCK_MAX_TENSORS];
+    size_t n = 0;
+    expert_block_config_tensors(cfg, t, &n);
+    if (n > MAX_STAGE_PARAMS) {
+        fail(c, path, "%zu parameters: over the %zu a stage may have (4 GiB)", n, MAX_STAGE_PARAMS);
+        return -1;
+    }
+    double T = cfg->seq, kept = 0;
+    if (expert_block_kind_is_seq(cfg->kind))
+        kept = cfg->layers * T * (8.0 * cfg->dim + 2.0 * cfg->hidden + (double)cfg->heads * T + 4);
+    if (kept > MAX_ROW_KEPT) {
+        fail(c, path, "one sequence keeps %.0f activations for its backward (layers x context x "
+             "(8 dim + 2 hidden + heads x context)): over the limit of %.0f", kept, MAX_ROW_KEPT);
+        return -1;
+    }
+    return 0;
+}
+
 /* One stage object (stages[i]) into *cfg; *repeat = its "repeat". */
 static int parse_stage(struct ctx *c, const json_t *s, int i, const struct expert_model_spec *m,
                        struct expert_block_config *cfg, int *repeat)
@@ -340,7 +366,7 @@ static int parse_stage(struct ctx *c, const json_t *s, int i, const struct exper
         fail(c, path, "not a valid %s block", kname);
         return -1;
     }
-    return 0;
+    return check_stage_size(c, path, cfg);
 }
 
 /* The key that sets a stage's input (or output) width, for messages. */

@@ -208,13 +208,18 @@ long peer_model_record_encode(const peer_model_record *m, uint8_t *buf, size_t c
         return -EINVAL;
     dht_mp_writer w;
     dht_mp_writer_init(&w, buf, cap);
-    msgpack_pack_map(&w.pk, 3);
+    msgpack_pack_map(&w.pk, m->has_desc ? 4 : 3);
     dht_mp_pack_cstr(&w.pk, "v");
     msgpack_pack_uint64(&w.pk, PEER_ANNOUNCE_VERSION);
     dht_mp_pack_cstr(&w.pk, "m");
     dht_mp_pack_cstr(&w.pk, m->model);
     dht_mp_pack_cstr(&w.pk, "n");
     msgpack_pack_uint64(&w.pk, (uint64_t)m->n_stages);
+    if (m->has_desc) {
+        dht_mp_pack_cstr(&w.pk, "d");
+        msgpack_pack_bin(&w.pk, sizeof m->desc_hash);
+        msgpack_pack_bin_body(&w.pk, m->desc_hash, sizeof m->desc_hash);
+    }
     return dht_mp_writer_finish(&w);
 }
 
@@ -231,6 +236,13 @@ static int model_field(dht_mp_reader *r, const char *key, void *outp, int *have)
             return -1;
         out->n_stages = (int)u;
         *have |= 4;
+    } else if (!strcmp(key, "d")) {
+        const uint8_t *d;
+        size_t len;
+        if (dht_mp_bin(r, &d, &len, sizeof out->desc_hash) || len != sizeof out->desc_hash)
+            return -1;
+        memcpy(out->desc_hash, d, len);
+        out->has_desc = 1;
     } else {
         return 1;
     }

@@ -34,7 +34,10 @@
  * Under the key BLAKE2b-160(PEER_MODELS_KEY) each peer also stores a signed
  * entry naming the model it serves, so a monitor can list the models of a
  * swarm without knowing their names:
- *     "v" u 1, "m" str model name (<= 48 bytes), "n" u number of stages.
+ *     "v" u 1, "m" str model name (<= 48 bytes), "n" u number of stages,
+ *     "d" bin 20: the hash of the model's description, published in chunks
+ *         under keys of its own (peer/modeldesc.h; optional: older peers
+ *         leave it out, older readers skip it).
  *
  * Group averaging stores its matchmaking entries in the same frame
  * (peer/averaging.h).
@@ -83,6 +86,8 @@ typedef struct peer_announce {
 typedef struct peer_model_record {
     char model[49];
     int n_stages;
+    int has_desc;              /* "d" present */
+    uint8_t desc_hash[20];     /* "d": the description hash (peer/modeldesc.h) */
 } peer_model_record;
 
 /* Encodes a into buf. Returns the length, -EINVAL (a string too long or

@@ -1,12 +1,15 @@
 /* peer/announcer.c: keeps this peer's announcements in the DHT: joining,
- * online and renewed, offline at stop (peer/announcer.h). */
+ * online and renewed, offline at stop, and the model's description
+ * (peer/announcer.h). */
 #include "peer/announcer.h"
 
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "expert/model.h"
 #include "peer/log.h"
+#include "peer/modeldesc.h"
 
 #define RETRY_MS 2000
 #define OFFLINE_TTL_S 15.0
@@ -16,6 +19,7 @@ struct peer_announcer {
     char model[49];
     char addr[65];
     char device[33];
+    peer_modeldesc desc;         /* the served model's description (json NULL: none) */
     uv_timer_t timer;            /* renewal */
     int online;                  /* renewing */
     int stopping;
@@ -118,11 +122,15 @@ static int announce_all(peer_announcer *an, peer_state state, dht_done_cb cb)
         memset(&m, 0, sizeof m);
         snprintf(m.model, sizeof m.model, "%s", an->model);
         m.n_stages = an->cfg.n_stages;
+        m.has_desc = an->desc.json != NULL;
+        memcpy(m.desc_hash, an->desc.hash, sizeof m.desc_hash);
         long n = peer_model_record_encode(&m, val, sizeof val);
+        uint64_t expires = now + (uint64_t)(an->cfg.ttl_s * 1000);
         dht_id_of_bytes(key, PEER_MODELS_KEY, strlen(PEER_MODELS_KEY));
-        if (n > 0 && dht_put(an->cfg.dht, key, NULL, 0, val, (size_t)n, now + (uint64_t)(an->cfg.ttl_s * 1000),
-                             1, cb, an) == 0)
+        if (n > 0 && dht_put(an->cfg.dht, key, NULL, 0, val, (size_t)n, expires, 1, cb, an) == 0)
             started++;
+        /* The description lives as long as some peer serves the model. */
+        started += peer_modeldesc_publish(an->cfg.dht, &an->desc, expires, cb, an);
     }
     return started;
 }
@@ -131,7 +139,7 @@ static int announce_all(peer_announcer *an, peer_state state, dht_done_cb cb)
  * tries again in 2 s instead of a whole period later. */
 static void announce_online(peer_announcer *an)
 {
-    int want = peer_service_n_blocks(an->cfg.svc) + 1;
+    int want = peer_service_n_blocks(an->cfg.svc) + 1 + an->desc.n_chunks;
     if (announce_all(an, PEER_STATE_ONLINE, on_put) < want) {
         uint64_t every = (uint64_t)(an->cfg.every_s * 1000);
         uv_timer_start(&an->timer, on_timer, RETRY_MS, every);
@@ -160,6 +168,11 @@ peer_announcer *peer_announcer_create(const peer_announcer_config *cfg)
     an->cfg.model = an->model;
     an->cfg.addr = an->addr;
     an->cfg.device = an->device;
+    const struct expert_model_spec *spec = expert_model_find(cfg->model);
+    int rc = spec ? peer_modeldesc_make(&an->desc, spec) : -ENOENT;
+    if (rc != 0)
+        say(an, "warning: model %s's description is not published (%s): peers and clients need its file",
+            an->model, rc == -EFBIG ? "more than 64 chunks" : strerror(-rc));
     uv_timer_init(cfg->loop, &an->timer);
     an->timer.data = an;
     return an;
@@ -199,6 +212,7 @@ static void on_closed(uv_handle_t *h)
     peer_announcer *an = h->data;
     void (*cb)(void *) = an->close_cb;
     void *arg = an->close_arg;
+    peer_modeldesc_clear(&an->desc);
     free(an);
     if (cb)
         cb(arg);

@@ -1,7 +1,9 @@
 /* peer/announcer.h: keeps this peer's announcements in the DHT.
  *
  * Each hosted block's announcement (peer/announce.h) is stored under the
- * block's key, signed, and the model's record under the models index. A
+ * block's key, signed, and the model's record under the models index, with
+ * the model's description (peer/modeldesc.h) in chunks of its own, renewed
+ * with the record, so that it lives as long as some peer serves it. A
  * joining block is announced once (peer_announcer_joining); once online
  * every block is announced online, expiring ttl_s ahead and renewed every
  * every_s, and a put the DHT refuses or does not store is tried again in

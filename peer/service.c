@@ -396,6 +396,12 @@ static void handle_compute(peer_service *s, svc_block *b, peer_rpc_request *req,
         peer_rpc_respond_error(req, EINVAL, why);
         return;
     }
+    /* Token values too, per client, before requests are joined: one bad
+     * request must not fail the others in its batch. */
+    if (expert_block_input_check(&b->cfg, msg->t[0].data, (int)rows, why, sizeof why) != 0) {
+        peer_rpc_respond_error(req, EINVAL, why);
+        return;
+    }
     if (!fwd && check_backward(s, b, msg, (int)rows, why, sizeof why) != 0) {
         peer_rpc_respond_error(req, ERANGE, why);
         return;
@@ -530,15 +536,19 @@ static void calibrate(svc_block *b, int max_batch)
     float *y = malloc((size_t)rows * (size_t)b->cfg.out * sizeof(float));
     float *gx = malloc((size_t)rows * (size_t)b->cfg.in * sizeof(float));
     if (tmp && ws && x && y && gx) {
+        /* Inputs the block accepts: tokens for an embed stage. */
+        int tokens = b->cfg.kind == EXPERT_BLOCK_EMBED;
         for (size_t i = 0; i < (size_t)rows * (size_t)b->cfg.in; i++)
-            x[i] = (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
-        expert_block_forward(tmp, ws, y, x, rows, NULL); /* warm-up */
+            x[i] = tokens ? (float)(i % (size_t)b->cfg.vocab)
+                          : (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
+        int rc = expert_block_forward(tmp, ws, y, x, rows, NULL); /* warm-up */
         double t0 = mono_s();
-        expert_block_forward(tmp, ws, y, x, rows, NULL);
+        rc |= expert_block_forward(tmp, ws, y, x, rows, NULL);
         double t1 = mono_s();
-        expert_block_backward(tmp, ws, gx, y, x, rows, NULL);
+        rc |= expert_block_backward(tmp, ws, gx, y, x, rows, NULL);
         double t2 = mono_s();
-        peer_batcher_set_speed(b->batcher, (t1 - t0) / rows, (t2 - t1) / rows);
+        if (rc == 0)
+            peer_batcher_set_speed(b->batcher, (t1 - t0) / rows, (t2 - t1) / rows);
     }
     free(x);
     free(y);

@@ -20,7 +20,7 @@ typedef struct slot {
     int forward_only;     /* evaluation: stop after the loss */
     double loss_sum;
     int correct;
-    uint8_t *labels;      /* (max_batch) */
+    uint8_t *labels;      /* (max_batch, labels_per_row) */
     float **acts;         /* acts[s] is (rows, widths[s]), s = 0..S */
     float *grad[2];       /* ping-pong (rows, max width) */
 } slot;

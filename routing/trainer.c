@@ -85,6 +85,8 @@ typedef struct trainer {
     int lpr;
     long draw_base;
     int stopping;                  /* max_seconds reached: evaluate, then finish */
+    double t_limit0;               /* when training started (after a language model's first
+                                      evaluation): the clock max_seconds counts on */
     uint64_t *offs;                /* (batch) window offsets */
     int32_t *tbuf;                 /* (batch, lpr) targets of a text batch */
 } trainer;
@@ -408,7 +410,7 @@ static void stage_rows(trainer *t, int rows)
  * passed? Then this epoch's training ends here. */
 static int out_of_time(trainer *t)
 {
-    if (t->cfg.max_seconds <= 0 || now_s(t) - t->t_start < t->cfg.max_seconds)
+    if (t->cfg.max_seconds <= 0 || now_s(t) - t->t_limit0 < t->cfg.max_seconds)
         return 0;
     t->n_train = t->cursor;
     t->stopping = 1;
@@ -481,6 +483,8 @@ static void advance_phase(trainer *t)
     if (t->ph == PH_TRAIN) {
         double ep_time = now_s(t) - t->t_epoch;
         t->train_time += ep_time;
+        if (t->epoch < t->cfg.epochs)
+            out_of_time(t); /* time ran out in this stretch's last step: evaluate, then stop */
         if (t->cfg.text && t->cfg.sync_samples > 0)
             t->res->steps += t->n_train / t->cfg.sync_samples;
         t->ph = PH_EVAL;
@@ -521,6 +525,8 @@ static void advance_phase(trainer *t)
     }
     t->epoch++;
     t->ph = PH_TRAIN;
+    if (t->epoch == 1)
+        t->t_limit0 = now_s(t); /* after a language model's first evaluation */
     if (t->cfg.text && t->epoch > 1) {
         /* The next stretch of steps, up to the next evaluation. */
         t->draw_base += t->n_train;
@@ -727,7 +733,7 @@ int route_train_run(uv_loop_t *loop, const route_train_config *cfg_in, route_tra
         t->ph = PH_EVAL;
     }
     shuffle(t);
-    t->t_start = t->t_epoch = now_s(t);
+    t->t_start = t->t_epoch = t->t_limit0 = now_s(t);
     rc = route_caller_run(t->caller);
     /* Not after the end's cancellations: those calls are not re-sent. */
     out->retries = (long)route_pipeline_retries(t->pipe);

@@ -607,6 +607,13 @@ static void test_bad_tokens(void **state)
         assert_int_equal(rc2, -EINVAL);
         assert_int_equal(rc3, -EINVAL);
         assert_int_equal(rc4, -EINVAL);
+        /* The check a server runs per request names the value and where. */
+        char why[160], want[64];
+        assert_int_equal(expert_block_input_check(&c, tok, 2, why, sizeof why), -EINVAL);
+        snprintf(want, sizeof want, "at row %d, position %d is not a token", pos / T, pos % T);
+        if (!strstr(why, want))
+            fprintf(stderr, "input check said \"%s\", want \"%s\"\n", why, want);
+        assert_non_null(strstr(why, want));
         assert_int_equal(expert_block_accumulated(b), 0);
         expert_block_copy_grads(b, g);
         for (size_t i = 0; i < np; i++)
@@ -617,9 +624,19 @@ static void test_bad_tokens(void **state)
             }
         tok[pos] = keep;
     }
+    assert_int_equal(expert_block_input_check(&c, tok, 2, NULL, 0), 0);
     assert_int_equal(expert_block_forward(b, ws, out, tok, 2, NULL), 0);
     assert_int_equal(expert_block_backward(b, ws, NULL, dout, tok, 2, NULL), 0);
     assert_int_equal(expert_block_accumulated(b), 2);
+    /* Tokens have no gradient, but a wanted dinp is written (zeros), never
+     * left as it was: a server sends it back. */
+    float *dinp = tx_alloc(2 * (size_t)T);
+    for (int i = 0; i < 2 * T; i++)
+        dinp[i] = NAN;
+    assert_int_equal(expert_block_backward(b, ws, dinp, dout, tok, 2, NULL), 0);
+    for (int i = 0; i < 2 * T; i++)
+        assert_true(dinp[i] == 0.0f);
+    free(dinp);
     free(tok);
     free(out);
     free(dout);

@@ -310,6 +310,14 @@ static void test_bad_files(void **state)
                "t.json: stages[0].heads: 3 does not divide dim 8");
     expect_bad(LM("{'kind':'embed','dim':8,'heads':16,'hidden':32}," DEC "," LMH),
                "stages[0].heads: 16 does not divide dim 8");
+    /* Sizes each in range whose product no peer could hold. */
+    expect_bad(HDR("lm") "'task':{'kind':'bytes','context':16,'vocab':32},'stages':["
+               "{'kind':'embed','dim':8,'heads':2,'hidden':32},"
+               "{'kind':'decoder','dim':16384,'heads':1,'hidden':65536,'layers':1}," LMH "]}",
+               "stages[1]: 3221438464 parameters: over the 1073741824 a stage may have");
+    expect_bad(HDR("lm") "'task':{'kind':'bytes','context':4096,'vocab':32},'stages':["
+               "{'kind':'embed','dim':512,'heads':512,'hidden':32,'layers':16}," LMH "]}",
+               "stages[0]: one sequence keeps");
     expect_bad(HDR("lm") "'task':{'kind':'bytes','context':4096,'vocab':4096},'stages':[" EMB "]}",
                "task.vocab: context*vocab = 16777216 logits per row is over the limit of 4194304");
     expect_bad(HDR("lm") "'task':{'kind':'bytes','context':4096,'vocab':256},'stages':["

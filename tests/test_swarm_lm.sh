@@ -1,25 +1,11 @@
 #!/bin/sh
-# A 3-peer loopback swarm trains a small byte-level language model (a model
-# file: d 64, 2 decoder layers, context 32) on a text corpus for a bounded
+# A 3-peer loopback swarm trains a small byte-level language model (the
+# model file tests/ref/micro-lm.json: d 64, 2 decoder layers, context 32) on a text corpus for a bounded
 # number of steps; its validation loss falls well below the uniform 8
 # bits/byte. Three peers started with --num-blocks left at its default
 # cover the model's three stages between them.
 . "$(dirname "$0")/swarm_lib.sh"
-cat >"$T/micro-lm.json" <<'JSON'
-{
-  "format": "starling.model.v1",
-  "name": "micro-lm",
-  "description": "test: byte GPT, d 64, 2 layers, 4 heads, context 32",
-  "task": { "kind": "bytes", "context": 32, "vocab": 256 },
-  "batch": 16,
-  "max_batch": 16,
-  "stages": [
-    { "kind": "embed", "dim": 64, "heads": 4, "hidden": 256, "layers": 1 },
-    { "kind": "decoder", "dim": 64, "heads": 4, "hidden": 256, "layers": 1 },
-    { "kind": "lm_head", "dim": 64, "heads": 4, "hidden": 256, "layers": 0 }
-  ]
-}
-JSON
+cp "$(dirname "$0")/ref/micro-lm.json" "$T/micro-lm.json"
 # The corpus: this repository's own text (docs and sources), ~100 KB or
 # more, so the test needs no package; the last 10% is validation.
 cat "$(dirname "$0")"/../docs/*.md "$(dirname "$0")"/../expert/*.c >"$T/corpus.txt"
@@ -62,6 +48,17 @@ for mode in "--temperature 0 --replicas 2" "--temperature 0.8 --seed 5"; do
         "$T/gen.out" || { fail "generate $mode: weight versions"; cat "$T/gen.out" >&2; }
     head -c 300 "$T/gen.out" >&2; echo >&2
 done
+# --max-seconds bounds a run: it stops after the first step that ends past
+# the bound, evaluates, and says so; also when every step ends a stretch
+# between evaluations (--eval-every 1).
+timeout 300 "$S" train --initial-peers "$BS" --model-file "$T/micro-lm.json" --data "$T/corpus.txt" \
+    --steps 1000000 --max-seconds 1 --eval-every 1 --eval-batches 1 --json --metrics-log "" --plot "" \
+    >"$T/short.out" 2>"$T/short.err" || { fail "train --max-seconds failed"; show "$T/short.err"; }
+early=$(json_field "$T/short.out" stopped_early)
+steps=$(json_field "$T/short.out" steps)
+echo "max-seconds run: $steps steps, stopped_early=$early"
+[ "$early" = true ] || fail "--max-seconds: stopped_early=$early"
+[ -n "$steps" ] && [ "$steps" -ge 1 ] && [ "$steps" -lt 1000000 ] || fail "--max-seconds: $steps steps"
 # Each peer took a stage of its own.
 for p in a b c; do grep -m1 'chose stages' "$T/$p.err" >&2; done
 "$S" monitor --initial-peers "$BS" --model-file "$T/micro-lm.json" --timeout 10 >"$T/mon.txt" 2>&1 ||

@@ -2,10 +2,14 @@
 
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <sodium.h>
 
+#include "expert/model.h"
+#include "expert/modelfile.h"
+#include "peer/modeldesc.h"
 #include "tools/cli.h"
 
 typedef struct join_wait {
@@ -170,4 +174,117 @@ void tools_client_close(tools_client *c)
         c->loop_ready = 0;
     }
     wipe(c);
+}
+
+/* ---- a model from the swarm ---- */
+
+/* Heap-allocated: when the wait times out the fetch goes on until the DHT
+ * closes (its callback then frees this). */
+typedef struct fetch_wait {
+    int done, abandoned, status;
+    struct expert_model_spec *spec;
+    uint8_t hash[PEER_MODELDESC_HASH_LEN];
+    size_t len;
+    char msg[2048];
+} fetch_wait;
+
+static void on_fetched(int status, struct expert_model_spec *spec, const uint8_t hash[PEER_MODELDESC_HASH_LEN],
+                       size_t json_len, const char *err, void *arg)
+{
+    fetch_wait *w = arg;
+    if (w->abandoned) {
+        expert_model_free(spec);
+        free(w);
+        return;
+    }
+    w->done = 1;
+    w->status = status;
+    w->spec = spec;
+    memcpy(w->hash, hash, sizeof w->hash);
+    w->len = json_len;
+    snprintf(w->msg, sizeof w->msg, "%s", err ? err : "");
+}
+
+static void on_fetch_timeout(uv_timer_t *t)
+{
+    *(int *)t->data = 1;
+}
+
+static void known_models(char *names, size_t cap)
+{
+    names[0] = '\0';
+    for (int i = 0; expert_model_at(i); i++)
+        snprintf(names + strlen(names), cap - strlen(names), "%s%s", i ? ", " : "", expert_model_at(i)->name);
+}
+
+int tools_client_fetch_model(tools_client *c, const char *cmd, const char *name, double timeout_s,
+                             const struct expert_model_spec **out)
+{
+    char names[512];
+    *out = NULL;
+    fetch_wait *w = calloc(1, sizeof *w);
+    if (!w)
+        return cli_fail(cmd, "out of memory");
+    int rc = peer_modeldesc_fetch(c->d, name, on_fetched, w);
+    if (rc != 0) {
+        free(w);
+        return cli_fail(cmd, "cannot look model '%s' up in the swarm: %s", name, strerror(-rc));
+    }
+    int timed_out = 0, timer_closed = 0;
+    uv_timer_t timer;
+    uv_timer_init(&c->loop, &timer);
+    timer.data = &timed_out;
+    uv_timer_start(&timer, on_fetch_timeout, (uint64_t)(timeout_s * 1000), 0);
+    while (!w->done && !timed_out)
+        uv_run(&c->loop, UV_RUN_ONCE);
+    timer.data = &timer_closed;
+    uv_close((uv_handle_t *)&timer, on_timer_closed);
+    while (!timer_closed)
+        uv_run(&c->loop, UV_RUN_ONCE);
+    if (!w->done) {
+        w->abandoned = 1; /* freed by its callback when the client closes */
+        return cli_fail(cmd, "model '%s': no answer from the swarm within %g s", name, timeout_s);
+    }
+    int status = w->status;
+    if (status != 0) {
+        known_models(names, sizeof names);
+        if (status == -ENOENT && !strncmp(w->msg, "no peer", 7))
+            rc = cli_fail(cmd, "unknown model '%s': no built-in model and no peer in the swarm publishes one by "
+                               "that name (known here: %s)", name, names);
+        else if (status == -ENOENT)
+            rc = cli_fail(cmd, "unknown model '%s': %s", name, w->msg);
+        else
+            rc = cli_fail(cmd, "%s", w->msg);
+        free(w);
+        return rc;
+    }
+    char hex[DHT_ID_HEX_LEN + 1], err[512];
+    dht_id_to_hex(hex, w->hash);
+    int n_stages = w->spec->n_stages;
+    size_t len = w->len;
+    struct expert_model_spec *spec = w->spec;
+    free(w);
+    if (expert_model_register(spec, err, sizeof err) < 0) /* takes spec */
+        return cli_fail(cmd, "model '%s' from the swarm: %s", name, err);
+    *out = expert_model_find(name);
+    if (!*out)
+        return cli_fail(cmd, "model '%s' from the swarm: not registered", name);
+    fprintf(stderr, "starling %s: model %s: description %.8s fetched from the swarm (%zu bytes, %d stage%s)\n",
+            cmd, name, hex, len, n_stages, n_stages == 1 ? "" : "s");
+    return CLI_EXIT_OK;
+}
+
+int tools_model_select(const char *cmd, const char *name, const char *file, const char *dflt, const char *initial,
+                       const char *swarm_key_file, const struct expert_model_spec **out)
+{
+    *out = NULL;
+    if (file || !name || !initial || expert_model_find(name) || expert_model_name_check(name) != 0)
+        return cli_model_select(cmd, name, file, dflt, out) ? CLI_EXIT_USAGE : CLI_EXIT_OK;
+    tools_client cl;
+    int rc = tools_client_open(&cl, cmd, initial, NULL, NULL, swarm_key_file, 15);
+    if (rc != CLI_EXIT_OK)
+        return rc;
+    rc = tools_client_fetch_model(&cl, cmd, name, 60, out);
+    tools_client_close(&cl);
+    return rc;
 }

@@ -1,4 +1,5 @@
-/* tools/client.h: joining a swarm as a light client (train, monitor, infer).
+/* tools/client.h: joining a swarm as a light client (train, monitor, infer),
+ * and taking a model's description from the swarm.
  *
  * A client runs its own DHT node on its own loop, marked client_only so
  * other nodes keep it out of their routing tables, and joins through the
@@ -44,5 +45,28 @@ int tools_join_error(const dht *d, int status, char *buf, size_t cap);
 
 /* Closes the DHT and the loop, wiping the keys. */
 void tools_client_close(tools_client *c);
+
+struct expert_model_spec;
+
+/* Fetches the description of the model called name from the swarm
+ * (peer/modeldesc.h) through an open client, running its loop until the
+ * fetch ends or timeout_s passes; registers the model
+ * (expert_model_register) and sets *out to it. Says where it came from on
+ * stderr ("starling CMD: model NAME: description HASH8 fetched from the
+ * swarm (N bytes, M stages)"). Returns CLI_EXIT_OK, or CLI_EXIT_FAIL with
+ * the reason said (nobody publishes it: "unknown model ..."; every
+ * description refused, naming the publisher; different models under one
+ * name; timeout). */
+int tools_client_fetch_model(tools_client *c, const char *cmd, const char *name, double timeout_s,
+                             const struct expert_model_spec **out);
+
+/* cli_model_select (tools/cli.h), and when NAME is neither built in nor
+ * registered, no FILE is given and initial (--initial-peers) is: joins as a
+ * short-lived light client (fresh identity, swarm_key_file) and fetches the
+ * model from the swarm (tools_client_fetch_model). Returns 0 with *out set,
+ * CLI_EXIT_USAGE (bad flags, said) or CLI_EXIT_FAIL (cannot join, or the
+ * model cannot be had from the swarm: said why). */
+int tools_model_select(const char *cmd, const char *name, const char *file, const char *dflt, const char *initial,
+                       const char *swarm_key_file, const struct expert_model_spec **out);
 
 #endif

@@ -27,7 +27,8 @@ static const char generate_help[] =
     "\n"
     "Options:\n"
     "  --initial-peers LIST   DHT addresses to join through (required)\n"
-    "  --model NAME           a language model (default tiny-lm)\n"
+    "  --model NAME           a language model (default tiny-lm): a built-in, or one\n"
+    "                         a peer of the swarm publishes (fetched and checked)\n"
     "  --model-file FILE      a language model described in a model file (docs/models.md)\n"
     "  --prompt TEXT          the start of the text, as UTF-8 bytes (default \"\\n\")\n"
     "  --tokens N             bytes to generate (default 200)\n"
@@ -122,10 +123,14 @@ static int parse_generate_args(int argc, char **argv, gen_args *a, const struct 
     }
     if (cli_no_positional("generate", argc, argv))
         return CLI_EXIT_USAGE;
-    if (cli_model_select("generate", a->model, a->model_file, "tiny-lm", spec))
-        return CLI_EXIT_USAGE;
+    int rc = tools_model_select("generate", a->model, a->model_file, "tiny-lm", a->initial, a->swarm, spec);
+    if (rc != CLI_EXIT_OK)
+        return rc;
     if ((*spec)->task != EXPERT_TASK_BYTES)
         return cli_usage_error("generate", "%s is not a language model: use 'starling infer'", (*spec)->name);
+    if ((*spec)->vocab != 256)
+        return cli_usage_error("generate", "%s has a vocabulary of %d tokens: generate speaks bytes (256)",
+                               (*spec)->name, (*spec)->vocab);
     if (!a->initial)
         return cli_usage_error("generate", "--initial-peers LIST is required");
     if (!a->prompt[0])
@@ -158,9 +163,14 @@ static uint64_t splitmix64(uint64_t *s)
  * p^(1/t), renormalised, which is softmax(logits / t). */
 static int sample(const float *p, int V, double t, uint64_t *rng)
 {
-    double w[256], sum = 0;
+    double w[256], sum = 0, top = -HUGE_VAL;
+    for (int c = 0; c < V; c++)
+        if (p[c] > 0 && log((double)p[c]) > top)
+            top = log((double)p[c]);
+    /* Relative to the most likely byte, so no weight underflows to zero
+     * at low temperatures (that one's weight is 1). */
     for (int c = 0; c < V; c++) {
-        w[c] = p[c] > 0 ? exp(log((double)p[c]) / t) : 0.0;
+        w[c] = p[c] > 0 ? exp((log((double)p[c]) - top) / t) : 0.0;
         sum += w[c];
     }
     double u = (double)(splitmix64(rng) >> 11) * (1.0 / 9007199254740992.0) * sum;
@@ -254,6 +264,7 @@ static void report(const gen_args *a, const struct expert_model_spec *spec, cons
     } else {
         putchar('\n');
     }
+    fflush(stdout); /* before the report on stderr, when both go to one file */
     fprintf(stderr, "starling generate: %zu bytes in %.2f s (%.1f bytes/s, %.0f ms each), %ld retries\n",
             gen, g->elapsed, bps, gen ? g->elapsed * 1000.0 / (double)gen : 0.0, g->retries);
     for (int s = 0; s < spec->n_stages; s++)

@@ -24,7 +24,8 @@ static const char infer_help[] =
     "\n"
     "Options:\n"
     "  --initial-peers LIST   DHT addresses to join through (required)\n"
-    "  --model NAME           model (default fmnist-mlp)\n"
+    "  --model NAME           model (default fmnist-mlp): a built-in, or one a peer of\n"
+    "                         the swarm publishes (fetched and checked)\n"
     "  --model-file FILE      the model a model file describes (docs/models.md)\n"
     "  --data test            the Fashion-MNIST test set (labels known)\n"
     "  --data-dir DIR         where Fashion-MNIST is (default: the Debian package's)\n"
@@ -157,8 +158,9 @@ static int parse_infer_args(int argc, char **argv, infer_args *a, const struct e
         return cli_usage_error("infer", "--data takes 'test' (the Fashion-MNIST test set), not '%s'", a->data);
     if (a->labels && !a->input)
         return cli_usage_error("infer", "--labels goes with --input");
-    if (cli_model_select("infer", a->model, a->model_file, "fmnist-mlp", spec))
-        return CLI_EXIT_USAGE;
+    int rc = tools_model_select("infer", a->model, a->model_file, "fmnist-mlp", a->initial, a->swarm, spec);
+    if (rc != CLI_EXIT_OK)
+        return rc;
     if ((*spec)->task != EXPERT_TASK_CLASSES)
         return cli_usage_error("infer", "%s is a language model: sample from it with 'starling generate'",
                                (*spec)->name);

@@ -451,7 +451,7 @@ int cmd_monitor(int argc, char **argv)
         return CLI_EXIT_USAGE;
     view v;
     memset(&v, 0, sizeof v);
-    if (cli_model_select("monitor", model, model_file, NULL, &v.specs[0]))
+    if (tools_model_select("monitor", model, model_file, NULL, initial, swarm, &v.specs[0]))
         return CLI_EXIT_USAGE;
     if (v.specs[0]) {
         model = v.specs[0]->name;

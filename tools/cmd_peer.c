@@ -42,9 +42,10 @@ static const char peer_help[] =
     "                         (holder-equivalents: throughput / fastest holder's)\n"
     "  --initial-peers LIST   DHT peers to join through (from 'starling bootstrap');\n"
     "                         without it this peer starts a new swarm\n"
-    "  --model NAME           model to serve (default fmnist-mlp)\n"
+    "  --model NAME           model to serve (default fmnist-mlp): a built-in, or one\n"
+    "                         whose description the swarm's peers publish\n"
     "  --model-file FILE      serve the model a model file describes (docs/models.md);\n"
-    "                         every peer and client of the model needs the same file\n"
+    "                         others may then join with --model NAME alone\n"
     "  --listen HOST:PORT     address to listen on (default 127.0.0.1:0, any free port)\n"
     "  --announce HOST        address other machines reach this peer at (needed when\n"
     "                         --listen is 0.0.0.0 or [::])\n"
@@ -403,8 +404,9 @@ static int check_peer_opts(const peer_opts *o, run_ctx *r)
     if (r->dev.kind != PEER_DEVICE_CPU)
         return cli_fail("peer", "hosting blocks on %s is not available in this build yet; use --device cpu",
                         o->device);
-    if (cli_model_select("peer", o->model, o->model_file, "fmnist-mlp", &r->spec))
-        return CLI_EXIT_USAGE;
+    if ((rc = tools_model_select("peer", o->model, o->model_file, "fmnist-mlp", o->initial, o->swarm_key_file,
+                                 &r->spec)) != CLI_EXIT_OK)
+        return rc;
     if ((rc = check_blocks(o, r)) >= 0)
         return rc;
     /* A language model's rows are whole sequences: fewer per batch, and

@@ -34,7 +34,8 @@ static const char train_help[] =
     "\n"
     "Options:\n"
     "  --initial-peers LIST   DHT addresses to join through (required)\n"
-    "  --model NAME           model to train (default fmnist-mlp)\n"
+    "  --model NAME           model to train (default fmnist-mlp): a built-in, or one\n"
+    "                         a peer of the swarm publishes (fetched and checked)\n"
     "  --model-file FILE      train the model a model file describes (docs/models.md)\n"
     "  --epochs N             passes over the training set (default 1)\n"
     "  --batch B              samples per micro-batch (default 64)\n"
@@ -401,8 +402,9 @@ static int parse_train_args(int argc, char **argv, train_args *a, const struct e
     }
     if (cli_no_positional("train", argc, argv))
         return CLI_EXIT_USAGE;
-    if (cli_model_select("train", a->model, a->model_file, "fmnist-mlp", spec))
-        return CLI_EXIT_USAGE;
+    int rc = tools_model_select("train", a->model, a->model_file, "fmnist-mlp", a->initial, a->swarm, spec);
+    if (rc != CLI_EXIT_OK)
+        return rc;
     if (!a->initial)
         return cli_usage_error("train", "--initial-peers LIST is required");
     return fill_defaults(a, *spec);
