@@ -1,8 +1,13 @@
 /* expert/block.c: what every block kind shares, on the CPU backend:
- * configs, flat parameter/gradient/optimizer arrays, double-buffered
- * weights, workspaces, the recomputing backward and optimizer steps. Each
- * kind's forward and backward is its own file (expert/kinds_internal.h).
- * Their bytes (the checkpoint format) are expert/serialize.c's, through
+ * configs (kinds, checks, hash, tensor lists, row shapes, flops), flat
+ * parameter/gradient/optimizer arrays, per-thread workspaces,
+ * double-buffered weights with pinned snapshots, the generic forward and
+ * backward drivers (recomputing or from kept rows), optimizer steps, flat
+ * export/apply and the stage identity. Each kind's own forward and
+ * backward is its own file (dense, resffn, head, embed, decoder, lmhead),
+ * and its workspace views are laid out by ffnws.c or seqws.c, all behind
+ * expert/kinds_internal.h; block.c dispatches to them. A block's bytes
+ * (the checkpoint format) are expert/serialize.c's, through
  * expert/block_internal.h. */
 #include "expert/block.h"
 #include "expert/block_internal.h"
@@ -11,7 +16,6 @@
 #include "expert/pool.h"
 #include "expert/ops.h"
 #include "expert/kinds_internal.h"
-#include "expert/simd.h"
 
 #include <errno.h>
 #include <math.h>
@@ -19,7 +23,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
 
 struct expert_block {
     struct expert_block_config cfg;
@@ -65,8 +68,8 @@ struct expert_workspace {
     struct expert_block_config cfg;
     int max_batch;
     float *buf;            /* the one allocation; views below */
-    struct expert__ffn_ws ffn;  /* LINEAR, RESFFN, HEAD (expert/kinds_internal.h) */
-    struct expert__seq_ws *seq; /* the transformer kinds' views */
+    struct expert__ffn_ws ffn;  /* LINEAR, RESFFN, HEAD (expert/ffnws.c) */
+    struct expert__seq_ws *seq; /* the transformer kinds' views (expert/seqws.c); NULL otherwise */
 };
 
 /* ------------------------------------------------------------ config -- */
@@ -457,29 +460,10 @@ expert_workspace *expert_workspace_create(const struct expert_block_config *cfg,
         }
         return ws;
     }
-    size_t B = (size_t)max_batch, in = (size_t)cfg->in, h = (size_t)cfg->hidden;
-    /* Each view rounded up to 16 floats so every one starts on a cache line. */
-#define R16(x) (((x) + 15) & ~(size_t)15)
-    size_t n_ln = 0, n_stat = 0, n_h = 0;
-    if (cfg->kind != EXPERT_BLOCK_LINEAR) {
-        n_ln = R16(B * in);
-        n_stat = R16(B);
-    }
-    if (cfg->kind == EXPERT_BLOCK_RESFFN)
-        n_h = R16(B * h);
-    ws->buf = alloc_floats(2 * n_ln + 2 * n_stat + 2 * n_h);
-#undef R16
-    if (!ws->buf) {
+    if (expert__ffn_ws_init(&ws->ffn, cfg, max_batch, &ws->buf) != 0) {
         free(ws);
         return NULL;
     }
-    float *p = ws->buf;
-    ws->ffn.ln = p;    p += n_ln;
-    ws->ffn.dln = p;   p += n_ln;
-    ws->ffn.mean = p;  p += n_stat;
-    ws->ffn.rstd = p;  p += n_stat;
-    ws->ffn.act = p;   p += n_h;
-    ws->ffn.dgelu = p;
     return ws;
 }
 
@@ -560,7 +544,6 @@ static const float *current_params(expert_block *b)
 }
 
 /* ---------------------------------------------------- forward/backward -- */
-
 
 static int check_call(const expert_block *b, const expert_workspace *ws, int B)
 {
@@ -755,28 +738,17 @@ int expert_block_forward_train(expert_block *b, expert_workspace *ws, float *out
     return forward_current(b, ws, out, inp, B, 1, version_out);
 }
 
-
 /* The views of a workspace that a backward reads after the forward, in the
- * order rows are packed: for each its pointer and floats per row. LINEAR
- * keeps nothing (its backward reads only the input); HEAD keeps LN's output
- * and statistics; RESFFN also gelu(pre) and gelu'(pre). Returns the count. */
+ * order rows are packed: for each its pointer and floats per row (the
+ * kind's workspace file lists them: expert/ffnws.c, expert/seqws.c).
+ * Returns the count. */
 #define KEPT_MAX EXPERT__SEQ_MAX_VIEWS
+_Static_assert(EXPERT__FFN_MAX_VIEWS <= KEPT_MAX, "KEPT_MAX holds every kind's kept views");
 static int kept_views(const expert_workspace *ws, float *v[KEPT_MAX], size_t w[KEPT_MAX])
 {
-    const struct expert_block_config *c = &ws->cfg;
-    int n = 0;
     if (ws->seq)
-        return expert__seq_kept_views(c, ws->seq, v, w);
-    if (c->kind == EXPERT_BLOCK_LINEAR)
-        return 0;
-    v[n] = ws->ffn.ln, w[n++] = (size_t)c->in;
-    v[n] = ws->ffn.mean, w[n++] = 1;
-    v[n] = ws->ffn.rstd, w[n++] = 1;
-    if (c->kind == EXPERT_BLOCK_RESFFN) {
-        v[n] = ws->ffn.act, w[n++] = (size_t)c->hidden;
-        v[n] = ws->ffn.dgelu, w[n++] = (size_t)c->hidden;
-    }
-    return n;
+        return expert__seq_kept_views(&ws->cfg, ws->seq, v, w);
+    return expert__ffn_kept_views(&ws->cfg, &ws->ffn, v, w);
 }
 
 size_t expert_workspace_kept_floats(const expert_workspace *ws)

@@ -9,11 +9,13 @@
  *
  * ---- LINEAR, RESFFN, HEAD ----
  *
- * A row is one sample of width in; their workspace views, (B, width) each.
+ * A row is one sample of width in; their workspace views, (B, width) each,
+ * are laid out by expert/ffnws.c (the transformer kinds': expert/seqws.c).
  */
 #ifndef EXPERT_KINDS_INTERNAL_H
 #define EXPERT_KINDS_INTERNAL_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "expert/block.h"
@@ -25,6 +27,19 @@ struct expert__ffn_ws {
     float *dgelu;        /* (B,hidden) gelu'(pre) (RESFFN; kept) */
     float *dln;          /* (B,in)     backward scratch */
 };
+#define EXPERT__FFN_MAX_VIEWS 5
+
+/* The kept views of ws in packing order (ln, mean, rstd, then RESFFN's act,
+ * dgelu), their floats per row. Returns the count (LINEAR: 0, it keeps
+ * nothing; HEAD: 3; RESFFN: 5). */
+int expert__ffn_kept_views(const struct expert_block_config *c, const struct expert__ffn_ws *ws,
+                           float **v, size_t *w);
+
+/* Allocates the views of a block of config c for max_batch rows out of one
+ * buffer (*buf_out, the caller frees it; never NULL, even for LINEAR, which
+ * has no view). Returns 0 or -ENOMEM. */
+int expert__ffn_ws_init(struct expert__ffn_ws *ws, const struct expert_block_config *c,
+                        int max_batch, float **buf_out);
 
 /* want_dgelu: keep gelu' for a backward. out may be NULL (a backward's
  * recompute that only needs the kept views). */
