@@ -55,13 +55,19 @@ grep -q 'accepted a backward that holder [0-9a-f]\{8\} refused; backing off' "$T
 # accuracy check. It does not average: a round with a's stage 4, which
 # happens when training is slow, would move its weights.)
 start_peer z 4 --lr 1e-12 --frozen-steps 2 --announce-every 2 --average-every 0
-timeout 300 "$S" train --initial-peers "$BS" --train-samples 2048 --test-samples 100 --json --timeout 5 \
-    --metrics-log "" --plot "" >"$T/t3.out" 2>"$T/t3.err"
-rc=$?
-[ "$rc" -eq 0 ] || { fail "train (frozen replica) exited $rc"; show "$T/t3.err"; }
+# z needs two optimizer steps of its own (2 x 128 samples): the replicas
+# share stage 4 at random in proportion to their measured speed, so one run
+# may leave z short of that on a loaded machine. Train until z says it is
+# frozen (the event), at most 5 runs.
+for run in 1 2 3 4 5; do
+    timeout 300 "$S" train --initial-peers "$BS" --train-samples 2048 --test-samples 100 --json --timeout 5 \
+        --metrics-log "" --plot "" >"$T/t3.out" 2>"$T/t3.err"
+    rc=$?
+    [ "$rc" -eq 0 ] || { fail "train (frozen replica, run $run) exited $rc"; show "$T/t3.err"; break; }
+    grep -q 'block fmnist-mlp.4: weights have not moved in [0-9]* steps' "$T/z.err" && break
+done
 grep -q 'block fmnist-mlp.4: weights have not moved in [0-9]* steps' "$T/z.err" ||
-    { fail "the frozen replica did not log it"; show "$T/z.err"; }
-
+    { fail "the frozen replica did not log it after $run runs"; show "$T/z.err"; }
 # 4. The monitor shows both, from the announcements (every 2 s here).
 id_of() { sed -n 's#.*address .*/\([0-9a-f]\{40\}\)$#\1#p' "$T/$1.out" | tail -1; }
 ZID=$(id_of z)
