@@ -19,6 +19,7 @@
 #include "expert/block.h"
 #include "expert/ops.h"
 #include "expert/optim.h"
+#include "expert/model.h"
 
 #define MAX_STAGES 4
 
@@ -646,6 +647,81 @@ static void test_bad_tokens(void **state)
     fix_free(&fx);
 }
 
+/* A flat weight file of the whole model (train_lm.py's --save-init
+ * layout): every stage loads its slice; a file of the wrong size, a
+ * non-finite value in a stage's slice, a missing file, a directory and a
+ * block of another stage are refused with a sentence, the block unchanged. */
+static void test_flat_weights(void **state)
+{
+    (void)state;
+    struct lm_fix fx;
+    fix_load(&fx);
+    struct expert_block_config st[3] = { stage_config(&fx, EXPERT_BLOCK_EMBED, 0),
+                                         stage_config(&fx, EXPERT_BLOCK_DECODER, fx.layers),
+                                         stage_config(&fx, EXPERT_BLOCK_LMHEAD, 0) };
+    struct expert_model_spec m = { "flat-test", "", 3, st, st[0].in, st[2].out, EXPERT_TASK_BYTES,
+                                   fx.T, fx.V, 0, 0 };
+    char dir[256], path[512], msg[256];
+    test_tmpdir(dir, sizeof dir, "flat");
+    snprintf(path, sizeof path, "%s/init.bin", dir);
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(fx.params, sizeof(float), fx.np, f), fx.np);
+    fclose(f);
+    size_t off = 0;
+    for (int i = 0; i < 3; i++) {
+        expert_block *b = expert_block_create(&st[i], 9);
+        assert_non_null(b);
+        size_t n = expert_block_nparams(b);
+        assert_int_equal(expert_block_load_flat(b, &m, i, path, msg, sizeof msg), 0);
+        struct expert_snapshot sn;
+        expert_block_snapshot_acquire(b, &sn);
+        assert_memory_equal(sn.params, fx.params + off, n * sizeof(float));
+        expert_block_snapshot_release(b, &sn);
+        /* Another stage's block: a mismatch, not a load. */
+        assert_int_equal(expert_block_load_flat(b, &m, (i + 1) % 3, path, msg, sizeof msg), -EINVAL);
+        off += n;
+        expert_block_destroy(&b);
+    }
+    assert_int_equal(off, fx.np);
+    expert_block *b = expert_block_create(&st[1], 9);
+    uint64_t v0 = expert_block_version(b);
+    /* One value short. */
+    assert_int_equal(truncate(path, (off_t)((fx.np - 1) * sizeof(float))), 0);
+    assert_int_equal(expert_block_load_flat(b, &m, 1, path, msg, sizeof msg), -EBADMSG);
+    assert_non_null(strstr(msg, "must hold exactly"));
+    assert_non_null(strstr(msg, path));
+    /* A NaN inside stage 1's slice. */
+    size_t at = expert_block_nparams(b) / 2;
+    struct expert_tensor_info t0[EXPERT_BLOCK_MAX_TENSORS];
+    size_t n0 = 0;
+    expert_block_config_tensors(&st[0], t0, &n0);
+    float *bad = malloc(fx.np * sizeof *bad);
+    assert_non_null(bad);
+    memcpy(bad, fx.params, fx.np * sizeof *bad);
+    bad[n0 + at] = NAN;
+    f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(bad, sizeof(float), fx.np, f), fx.np);
+    fclose(f);
+    assert_int_equal(expert_block_load_flat(b, &m, 1, path, msg, sizeof msg), -EBADMSG);
+    assert_non_null(strstr(msg, "not finite"));
+    /* The NaN is in stage 1's slice only: stage 0 still loads its own. */
+    expert_block *b0 = expert_block_create(&st[0], 9);
+    assert_int_equal(expert_block_load_flat(b0, &m, 0, path, msg, sizeof msg), 0);
+    expert_block_destroy(&b0);
+    /* No file, a directory. */
+    snprintf(path, sizeof path, "%s/none.bin", dir);
+    assert_true(expert_block_load_flat(b, &m, 1, path, msg, sizeof msg) < 0);
+    assert_non_null(strstr(msg, "cannot open"));
+    assert_int_equal(expert_block_load_flat(b, &m, 1, dir, msg, sizeof msg), -EBADMSG);
+    assert_true(expert_block_version(b) == v0); /* nothing was installed */
+    free(bad);
+    expert_block_destroy(&b);
+    test_rmtree(dir);
+    fix_free(&fx);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -656,6 +732,7 @@ int main(void)
         cmocka_unit_test(test_split_d),
         cmocka_unit_test(test_split_e),
         cmocka_unit_test(test_bad_tokens),
+        cmocka_unit_test(test_flat_weights),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     fprintf(stderr, "worst errors against torch and between paths: abs %.3g, rel %.3g\n",
