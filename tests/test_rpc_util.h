@@ -42,6 +42,9 @@ static inline peer_rpc_client *test_rpc_connect(uv_loop_t *loop, const dht_ident
     memset(&cc, 0, sizeof cc);
     cc.self = self;
     cc.expect_id = expect_id;
+    /* The wait below is the bound, not the client's 5 s default: a
+     * sanitizer build beside other work once needed longer. */
+    cc.connect_timeout_ms = 20000;
     peer_rpc_client *cl = peer_rpc_client_create(loop, &cc);
     assert_non_null(cl);
     struct sockaddr_in sa;
