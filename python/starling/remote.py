@@ -2,7 +2,6 @@
 torch.nn.Module."""
 import collections
 import ctypes
-import errno
 import weakref
 
 import torch

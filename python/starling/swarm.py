@@ -232,7 +232,7 @@ class Swarm:
     def holders(self, model, stage):
         """The holders of stage `stage` of `model` (UnknownModelError for a
         model nobody knows, InvalidArgumentError, a ValueError, for a stage
-        out of range).""""
+        out of range)."""
         if not isinstance(stage, int) or isinstance(stage, bool):
             raise TypeError("stage must be an int, not %s" % type(stage).__name__)
         m = _enc(model, "model")

@@ -4,7 +4,6 @@ loss; a replica SIGKILLed mid-loop is retried on the other one."""
 import os
 import signal
 
-import pytest
 import torch
 
 from conftest import load_example, open_swarm
