@@ -143,6 +143,10 @@ class RemoteStages(torch.nn.Module):
         self.out_shape = tuple(info["stages"][last]["out_shape"])
         self.last_served = []
 
+    def __getstate__(self):
+        raise TypeError("a RemoteStages holds a live handle on its swarm: it cannot be pickled or copied; "
+                        "open another one on the swarm")
+
     def extra_repr(self):
         return "model=%r, stages=%d..%d, in_width=%d, out_width=%d" % (
             self.model, self.first, self.last, self.in_width, self.out_width)

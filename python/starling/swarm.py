@@ -96,7 +96,10 @@ def _stage_tensors(info, stage):
             key = "%d.%s" % (i, name)
         else:
             key = name
-        out.append((key, int(t["offset"]), [int(d) for d in t["shape"]]))
+        shape = [int(d) for d in t["shape"]]
+        if len(shape) == 2 and shape[1] == 1:
+            shape = shape[:1]  # vectors ([n, 1] in the list): 1-D, as torch has them
+        out.append((key, int(t["offset"]), shape))
     return int(st["params"]), out
 
 
@@ -278,8 +281,10 @@ class Swarm:
         tensors list says. When a name repeats in the stage (a decoder stage
         of several layers), each occurrence is keyed "<i>.<name>", i counting
         that name's occurrences from 0 (layer i); names that occur once keep
-        their plain name. The tensors are views of one flat float32 tensor
-        in the stage's parameter order."""
+        their plain name. Matrices are (rows, cols) as torch's Linear.weight
+        (out, in); vectors (biases, LayerNorm's weight and bias: [n, 1] in
+        model_info) are 1-D. The tensors are views of one flat float32
+        tensor in the stage's parameter order."""
         return self._call(lambda p: _init_params(p, model, stage, _model_info(p, model)))
 
     def stages(self, model, stages):
