@@ -527,6 +527,12 @@ static void on_timer(uv_timer_t *t)
     pump(t->data);
 }
 
+void route_caller_pump(route_caller *r)
+{
+    if (r && r->timer_started)
+        pump(r);
+}
+
 static void on_timer_closed(uv_handle_t *h)
 {
     route_caller *r = h->data;
@@ -589,20 +595,38 @@ route_caller *route_caller_create(uv_loop_t *loop, const route_caller_config *cf
     return r;
 }
 
-int route_caller_run(route_caller *r)
+int route_caller_start(route_caller *r)
 {
     if (!r || r->timer_started)
         return -EINVAL;
-    if (r->finishing) /* finished before it ran: nothing to run */
-        return r->rc;
+    if (r->finishing) /* finished before it ran: nothing to start */
+        return 0;
     uv_update_time(r->loop);
     route_errlog_init(&r->errs, ROUTE_ERRLOG_PERIOD_S, route_caller_now(r));
     uv_timer_init(r->loop, &r->timer);
     r->timer.data = r;
     r->timer_started = 1;
     uv_timer_start(&r->timer, on_timer, 0, ROUTE_CALLER_PUMP_MS);
+    return 0;
+}
+
+int route_caller_closed(const route_caller *r)
+{
+    return r->finishing && (!r->timer_started || r->timer_closed) && route_conns_open(r->conns) == 0;
+}
+
+int route_caller_rc(const route_caller *r)
+{
+    return r->rc;
+}
+
+int route_caller_run(route_caller *r)
+{
+    int rc = route_caller_start(r);
+    if (rc != 0)
+        return rc;
     /* The DHT keeps the loop alive, so run until our own handles are closed. */
-    while (!(r->finishing && r->timer_closed && route_conns_open(r->conns) == 0))
+    while (!route_caller_closed(r))
         uv_run(r->loop, UV_RUN_ONCE);
     return r->rc;
 }

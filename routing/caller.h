@@ -162,6 +162,19 @@ route_caller *route_caller_create(uv_loop_t *loop, const route_caller_config *cf
  * holder for max_wait_s; cfg.error says which). Call it once. */
 int route_caller_run(route_caller *r);
 
+/* For a client whose own thread runs the loop (a language binding with
+ * several callers on one loop): starts the pump timer and returns at once
+ * (0, or -EINVAL when already started). route_caller_closed is 1 once
+ * route_caller_finish was called and every handle of the caller has
+ * closed; route_caller_rc is the rc given to route_caller_finish. */
+int route_caller_start(route_caller *r);
+int route_caller_closed(const route_caller *r);
+int route_caller_rc(const route_caller *r);
+
+/* Pumps now (the client queued work and wants it sent without waiting for
+ * the next ROUTE_CALLER_PUMP_MS tick). Loop thread, outside the hooks. */
+void route_caller_pump(route_caller *r);
+
 /* Ends the run with rc: the last summary line, then every connection is
  * closed; the calls still out fail with -ECANCELED (on_failed, while
  * route_caller_finishing is 1). Later calls do nothing. */
