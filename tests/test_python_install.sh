@@ -9,7 +9,8 @@ PY=/usr/bin/python3
 "$PY" -c 'import torch, pytest, ensurepip' 2>/dev/null ||
     { echo "skip: $PY lacks torch, pytest or venv (apt-get install python3-torch python3-pytest python3-venv)"; exit 77; }
 : "${STARLING_LIBRARY:?}" "${STARLING_SOURCE_ROOT:?}"
-BUILD=$(cd "$(dirname "$STARLING_LIBRARY")/.." && pwd) || exit 1
+BUILT=$STARLING_LIBRARY
+BUILD=$(cd "$(dirname "$BUILT")/.." && pwd) || exit 1
 T=$(mktemp -d "${TMPDIR:-/tmp}/starling-pyinstall-XXXXXX") || exit 1
 trap 'rm -rf "$T"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
@@ -34,7 +35,7 @@ file=$(echo "$out" | head -1 | cut -d' ' -f1)
 lib=$(echo "$out" | head -1 | cut -d' ' -f2)
 case "$file" in "$T/venv/"*) ;; *) fail "starling imported from $file, not the venv" ;; esac
 [ "$lib" = "$(dirname "$file")/libstarling.so" ] || fail "library $lib is not the packaged copy"
-cmp -s "$lib" "$STARLING_LIBRARY" || fail "the packaged library differs from the build's"
+cmp -s "$lib" "$BUILT" || fail "the packaged library differs from the build's"
 echo "$out" | tail -1 | grep -qx '0.1.0' || fail "version"
 "$T/venv/bin/python" -m pip show starling | grep -q '^Version: 0.1.0' || fail "pip show: version"
 echo ok

@@ -63,6 +63,10 @@ class LocalSwarm:
         self.env.pop("STARLING_LIBRARY", None)
         if env:
             self.env.update(env)
+        # setpriv --pdeathsig KILL (util-linux): a process whose parent dies
+        # (a crashed test, a killed example) dies too instead of lingering.
+        sp = shutil.which("setpriv")
+        self._prefix = [sp, "--pdeathsig", "KILL", "--"] if sp else []
         self.procs = {}       # name -> Popen
         self.ids = {}         # name -> node ID (hex)
         self.initial_peers = None
@@ -73,7 +77,7 @@ class LocalSwarm:
         out = open(os.path.join(self.dir, name + ".out"), "w")
         err = open(os.path.join(self.dir, name + ".err"), "w")
         try:
-            p = subprocess.Popen([self.binary] + args, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+            p = subprocess.Popen(self._prefix + [self.binary] + args, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                  env=self.env)
         finally:
             out.close()

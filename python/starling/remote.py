@@ -12,13 +12,13 @@ from .swarm import Swarm, _enc
 
 __all__ = ["RemoteStages", "Served"]
 
-MAX_ROWS = 4096  # rows per C call (starling_stage_forward's limit); larger batches are cut
+MAX_ROWS = 4096  # starling_stage_forward's limit; the model's max_batch (the peers' largest request) is lower
 
 Served = collections.namedtuple("Served", ["holder", "weight_version", "attempts"])
 Served.__doc__ = """Who served one stage of the last forward: the holder's node ID (40 hex
 digits), the weight version it computed on (None when it did not say) and
-the calls it took (1: no retry). With a batch of more than 4096 rows, the
-last chunk's."""
+the calls it took (1: no retry). With a batch cut into several calls (more
+rows than .max_rows), the last call's."""
 
 
 def _parse_stages(stages, n_stages, model):
@@ -141,6 +141,9 @@ class RemoteStages(torch.nn.Module):
         self.out_width = self.widths[-1][1]
         self.in_shape = tuple(info["stages"][first]["in_shape"])
         self.out_shape = tuple(info["stages"][last]["out_shape"])
+        # Rows per C call: the peers' largest request (the model's max_batch;
+        # the library refuses more); a larger batch is cut into calls.
+        self.max_rows = max(1, min(MAX_ROWS, int(info.get("max_batch") or 256)))
         self.last_served = []
 
     def __getstate__(self):
@@ -223,8 +226,8 @@ class RemoteStages(torch.nn.Module):
                 win, wout = self.widths[k]
                 y = torch.empty((B, wout), dtype=torch.float32)
                 chunks = []
-                for r0 in range(0, B, MAX_ROWS):
-                    rows = min(MAX_ROWS, B - r0)
+                for r0 in range(0, B, self.max_rows):
+                    rows = min(self.max_rows, B - r0)
                     sv = _lib.Served()
                     err = _lib.errbuf()
                     rc = _lib.lib.starling_stage_forward(ptr, stage, _rows_ptr(cur, r0, win), rows,
@@ -248,8 +251,8 @@ class RemoteStages(torch.nn.Module):
         B = x.shape[0]
         ptr = self._enter()
         try:
-            for i, r0 in enumerate(range(0, B, MAX_ROWS)):
-                rows = min(MAX_ROWS, B - r0)
+            for i, r0 in enumerate(range(0, B, self.max_rows)):
+                rows = min(self.max_rows, B - r0)
                 err = _lib.errbuf()
                 rc = _lib.lib.starling_stage_backward(ptr, stage, _rows_ptr(x, r0, win), _rows_ptr(dy, r0, wout),
                                                       rows, _rows_ptr(dx, r0, win) if dx is not None else None,

@@ -59,6 +59,13 @@ def test_forward_equals_local_copy(remote, ref_params):
     with torch.no_grad():
         y2 = remote(x.view(5, 16, 32))
     assert torch.allclose(y2.double(), want, rtol=1e-5, atol=1e-5)
+    # A batch larger than the peers' largest request is cut into calls.
+    assert remote.max_rows == 256
+    xb = torch.randn(600, 512)
+    remote.eval()
+    yb = remote(xb)
+    wb = reference(xb.double(), ref_params)
+    assert torch.allclose(yb.double(), wb, rtol=1e-5, atol=1e-5), (yb.double() - wb).abs().max()
 
 
 def test_backward_dx_equals_autograd(remote, ref_params):
