@@ -41,7 +41,7 @@ def free_udp_port():
         return u.getsockname()[1]
 
 
-def test_errors_leave_nothing_behind(pair_swarm):
+def test_errors_leave_nothing_behind(pair_swarm, tmp_path):
     # Warm up what starts threads once per process (torch's pools, BLAS).
     torch.randn(64, 64) @ torch.randn(64, 64)
     with open_swarm(pair_swarm) as s:
@@ -105,6 +105,18 @@ def test_errors_leave_nothing_behind(pair_swarm):
         starling.Swarm("127.0.0.1:%d" % free_udp_port(), join_timeout=2.0)
     assert time.monotonic() - t0 < 2.0 + 3.0
     assert ei.value.errno in (errno.EHOSTUNREACH, errno.EADDRNOTAVAIL) and ei.value.message
+    # Under a swarm key the open swarm does not use: SwarmKeyError; a key
+    # file that is not there: StarlingError (EIO).
+    key = tmp_path / "swarm.key"
+    fd = os.open(key, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, b"ab" * 32 + b"\n")
+    os.close(fd)
+    with pytest.raises(starling.SwarmKeyError) as ei:
+        starling.Swarm(pair_swarm.initial_peers, swarm_key=key, join_timeout=5.0)
+    assert ei.value.errno == errno.EKEYREJECTED and "swarm key" in ei.value.message
+    with pytest.raises(starling.StarlingError) as ei:
+        starling.Swarm(pair_swarm.initial_peers, swarm_key=tmp_path / "missing.key", join_timeout=5.0)
+    assert ei.value.errno == errno.EIO
     # Malformed lists and options: before or from the library.
     for bad in ("", "not an address", "127.0.0.1"):
         with pytest.raises(ValueError):
