@@ -343,16 +343,11 @@ static void on_rpc_reply(void *arg, int status, const peer_msg *m)
         uint8_t holder[DHT_ID_LEN];
         memcpy(holder, c->holder, DHT_ID_LEN);
         double rtt = route_caller_now(r) - c->t_sent;
-        /* Cleared before the hook, never after it: a client that accepts
-         * the reply may free or reuse c inside the hook (libstarling's
-         * call records live on the API caller's stack, which returns as
-         * soon as the hook wakes it). */
-        c->sent = 0;
         int served = r->cfg.hooks.on_reply(r->cfg.arg, c, m);
         if (served < 0) {
-            c->sent = 1; /* rejected: still ours until on_failed reports it */
             call_failed(r, c, served, -served, "a reply of the wrong shape", 1, 0);
         } else {
+            c->sent = 0;
             call_done(r, stage, holder, rows, rtt, served > 0 ? served : 1);
         }
     }

@@ -110,9 +110,7 @@ typedef struct route_caller_hooks {
      * than one stage. Returns 0, or -errno to skip h. Required. */
     int (*build)(void *arg, route_caller_call *c, const route_holder *h, int preferred, peer_msg *m,
                  uint8_t *meta_buf);
-    /* A reply arrived for sent call c (c->sent already 0: the caller
-     * touches c no more once the hook accepts the reply, so the client
-     * may free or reuse c inside it). m and its
+    /* A reply arrived for sent call c (c->sent still 1). m and its
      * tensors are valid for the duration of the hook only. Returns the
      * number of stages it served (>= 1: accepted; the round trip divided
      * by it is the replica's latency sample), or a negative errno to reject
