@@ -33,6 +33,9 @@ typedef struct call_job {
     const starling_served *served_in;
     starling_served *served_out;
     int attempts, rejects, refusals, last_status;
+    int listed;                      /* on st->calls: capi_done not called yet */
+    int replied;                     /* answered: ended at the next pump or poll, once the
+                                        caller no longer touches rpc */
     double t0;
     struct call_job *prev, *next;    /* st->calls */
 } call_job;
@@ -55,6 +58,7 @@ struct starling_stages {
     char caller_err[320];
     char last_note[320];             /* the caller's latest log line */
     call_job *calls;                 /* loop thread: calls not yet finished */
+    uint64_t removals;               /* calls taken off that list so far */
     capi_job *close_job;             /* loop thread: a close waiting for the caller */
     atomic_uint_least64_t n_calls, n_retries;
 };
@@ -88,6 +92,10 @@ void capi_stages_free(starling_stages *st)
 
 static void list_remove(starling_stages *st, call_job *c)
 {
+    if (!c->listed)
+        return;
+    c->listed = 0;
+    st->removals++;
     if (c->prev)
         c->prev->next = c->next;
     else
@@ -97,8 +105,11 @@ static void list_remove(starling_stages *st, call_job *c)
     c->prev = c->next = NULL;
 }
 
+/* Ends c (once: after capi_done its memory is its thread's again). */
 static void fail_call(starling_stages *st, call_job *c, int rc)
 {
+    if (!c->listed)
+        return;
     list_remove(st, c);
     capi_done(&c->job, rc);
 }
@@ -109,10 +120,23 @@ static const char *stage_label(starling_stages *st, int stage, char *buf, size_t
     return buf;
 }
 
+/* Ends the answered calls. Not from on_reply itself: the caller still
+ * writes the call's fields after that hook returns, and once capi_done
+ * runs, its memory is the waiting thread's again. */
+static void complete_replied(starling_stages *st)
+{
+    for (call_job *c = st->calls, *nx; c; c = nx) {
+        nx = c->next;
+        if (c->replied)
+            fail_call(st, c, 0);
+    }
+}
+
 /* A caller that ended: the calls it was not sending fail with its reason;
  * once its handles are closed it is freed. A close waiting for it ends. */
 static int poll_stages(starling_stages *st)
 {
+    complete_replied(st);
     if (st->caller && route_caller_finishing(st->caller)) {
         int rc = route_caller_rc(st->caller);
         if (rc >= 0)
@@ -161,26 +185,37 @@ void capi_stages_poll(starling_swarm *s)
 
 /* ---- the caller's hooks ---- */
 
+/* Sends every call not out yet. A send can end other calls (a dropped
+ * connection reports its calls, and the caller pumps again from there), so
+ * the scan starts over whenever a call left the list: each restart follows
+ * a removal, so it ends. */
 static void hook_pump(void *arg)
 {
     starling_stages *st = arg;
-    double now = route_caller_now(st->caller);
-    for (call_job *c = st->calls, *nx; c; c = nx) {
-        nx = c->next;
-        if (c->rpc.sent) /* a parked call is sent again: the caller unparks it */
+    route_caller *r = st->caller;
+    double now = route_caller_now(r);
+    complete_replied(st);
+restart:
+    for (call_job *c = st->calls; c; c = c->next) {
+        if (c->rpc.sent || c->replied)
             continue;
-        if (now - c->t0 > st->s->opt.max_wait_s) {
+        uint64_t removals = st->removals;
+        /* a parked call waits for its connection (bounded by the call
+         * timeout); it is sent again from here when that comes up */
+        if (!c->rpc.parked && now - c->t0 > st->s->opt.max_wait_s) {
             char l[96];
             capi_err(c->job.err, c->job.err_len, -ETIMEDOUT,
                      "%s: no holder answered within %g s (%d attempt%s)%s%s", stage_label(st, c->rpc.stage, l, sizeof l),
                      st->s->opt.max_wait_s, c->attempts, c->attempts == 1 ? "" : "s", st->last_note[0] ? "; last: " : "",
                      st->last_note);
             fail_call(st, c, -ETIMEDOUT);
-            continue;
+            goto restart;
         }
-        route_caller_send(st->caller, &c->rpc);
-        if (!st->caller || route_caller_finishing(st->caller))
+        route_caller_send(r, &c->rpc);
+        if (st->caller != r || route_caller_finishing(r))
             return;
+        if (st->removals != removals)
+            goto restart;
     }
 }
 
@@ -244,8 +279,7 @@ static int hook_on_reply(void *arg, route_caller_call *rc, const peer_msg *m)
         sv->weight_version = sv->version_known ? v : 0;
         sv->attempts = c->attempts;
     }
-    list_remove(st, c);
-    capi_done(&c->job, 0);
+    c->replied = 1;
     return 1;
 }
 
@@ -336,26 +370,28 @@ static void call_start(capi_job *j)
 {
     call_job *c = (call_job *)j;
     starling_stages *st = c->st;
-    if (st->close_job)
-        {
+    if (st->close_job) {
         capi_done(j, capi_err(j->err, j->err_len, -ECANCELED, "the stages handle is closing"));
         return;
     }
     if (st->caller && route_caller_finishing(st->caller))
-        poll_stages(st); /* an ended caller is replaced once closed */
-    if (st->caller && route_caller_finishing(st->caller))
-        {
-        capi_done(j, capi_err(j->err, j->err_len, -EAGAIN, "the previous call engine is still closing; "
-                                                                  "try again"));
-        return;
+        poll_stages(st); /* an ended caller is replaced */
+    if (st->caller && route_caller_finishing(st->caller)) {
+        if (st->old) {
+            capi_done(j, capi_err(j->err, j->err_len, -EAGAIN, "the call engine is still being replaced after "
+                                                                "a failure; try again"));
+            return;
+        }
+        st->old = st->caller; /* its hooks still report its calls: they use rc->caller */
+        st->caller = NULL;
     }
     int rc = ensure_caller(st, j->err, j->err_len);
-    if (rc != 0)
-        {
+    if (rc != 0) {
         capi_done(j, rc);
         return;
     }
     c->t0 = route_caller_now(st->caller);
+    c->listed = 1;
     c->next = st->calls;
     if (st->calls)
         st->calls->prev = c;
@@ -440,13 +476,11 @@ static void open_found(void *arg, int rc, const struct expert_model_spec *m)
 {
     open_job *o = arg;
     capi_job *j = &o->job;
-    if (rc != 0)
-        {
+    if (rc != 0) {
         capi_done(j, rc);
         return;
     }
-    if (o->first < 0 || o->last < o->first || o->last >= m->n_stages)
-        {
+    if (o->first < 0 || o->last < o->first || o->last >= m->n_stages) {
         capi_done(j, capi_err(j->err, j->err_len, -EINVAL,
                                      "stages %d..%d are out of range: model '%s' has stages 0..%d", o->first, o->last,
                                      m->name, m->n_stages - 1));
@@ -458,10 +492,8 @@ static void open_found(void *arg, int rc, const struct expert_model_spec *m)
         st->shapes = calloc((size_t)n, sizeof *st->shapes);
     if (!st || !st->shapes) {
         free(st);
-        {
         capi_done(j, capi_err(j->err, j->err_len, -ENOMEM, "out of memory"));
         return;
-    }
     }
     st->s = j->s;
     st->model = m;

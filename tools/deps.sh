@@ -9,6 +9,10 @@ STARLING_PKGS="meson ninja-build pkg-config gcc libc6-dev libuv1-dev libsodium-d
 libmsgpack-dev uthash-dev libopenblas-dev zlib1g-dev libcmocka-dev libjansson-dev \
 dataset-fashion-mnist fortunes fortunes-min python3 iproute2 procps libssl-dev"
 
+# What the tests need beyond the build: the Python package's tests
+# (python/: ctypes over libstarling, PyTorch and pytest from Debian).
+STARLING_TEST_PKGS="python3-torch python3-pytest python3-venv python3-pip python3-setuptools"
+
 # starling_install_deps [extra packages...]
 starling_install_deps() {
     missing=""

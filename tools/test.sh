@@ -24,7 +24,8 @@ for a in "$@"; do
     esac
 done
 
-starling_install_deps || exit 1
+# shellcheck disable=SC2086
+starling_install_deps $STARLING_TEST_PKGS || exit 1
 
 passed=0 failed=0 skipped=0
 # run_suite BUILDDIR TIMEOUT_MULTIPLIER MESON_OPTIONS...
