@@ -142,3 +142,15 @@ def test_weight_version_increments(remote):
     assert all(b >= a + 2 for a, b in zip(v0, v)), (v0, v)
     c = remote.counters
     assert c["calls"] > 0 and c["retries"] == 0
+
+
+def test_many_backward_passes(remote):
+    """Many small autograd round trips in a row (a library that touched a
+    finished call's record corrupted the calling thread's stack, which
+    torch's autograd engine then crashed on, within a few iterations)."""
+    remote.train()
+    torch.manual_seed(4)
+    for i in range(150):
+        x = torch.randn(2, 512, requires_grad=bool(i % 2))
+        remote(x).sum().backward()
+        assert x.grad is None or torch.isfinite(x.grad).all()
