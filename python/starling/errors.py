@@ -31,10 +31,17 @@ class StarlingError(Exception):
     """
 
     def __init__(self, errno, message):
-        self.errno = int(errno)
-        self.message = message or _os.strerror(self.errno)
-        name = _errno.errorcode.get(self.errno, str(self.errno))
-        super().__init__("%s [%s]" % (self.message, name))
+        errno = int(errno)
+        message = message or _os.strerror(errno)
+        name = _errno.errorcode.get(errno, str(errno))
+        super().__init__("%s [%s]" % (message, name))
+        # After the base's __init__: OSError's (StarlingTimeoutError is a
+        # TimeoutError) would reset errno.
+        self.errno = errno
+        self.message = message
+
+    def __reduce__(self):  # pickles (e.g. across multiprocessing) as (errno, message)
+        return (self.__class__, (self.errno, self.message))
 
 
 class UnknownModelError(StarlingError):

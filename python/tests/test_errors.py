@@ -99,6 +99,26 @@ def test_errors_leave_nothing_behind(pair_swarm, tmp_path):
         s.models()
     s.close()
 
+    # A stage nobody holds: StarlingTimeoutError (a TimeoutError) after
+    # max_wait; closing the swarm from another thread while a call waits
+    # there waits for it to end.
+    with open_swarm(pair_swarm, max_wait=1.5) as s:
+        rs0 = starling.RemoteStages(s, "fmnist-mlp", 0)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError) as ei:
+            rs0(torch.zeros(1, 784))
+        assert isinstance(ei.value, starling.StarlingTimeoutError) and ei.value.errno == errno.ETIMEDOUT
+        assert 1.0 < time.monotonic() - t0 < 10
+        out = []
+        th = threading.Thread(target=lambda: out.append(pytest.raises(starling.StarlingError, rs0,
+                                                                      torch.zeros(1, 784))))
+        th.start()
+        time.sleep(0.3)
+        s.close()
+        th.join(30)
+        assert not th.is_alive() and len(out) == 1
+    assert rs0.closed
+
     # Nobody at the initial peer: UnreachableError within the join timeout.
     t0 = time.monotonic()
     with pytest.raises(starling.UnreachableError) as ei:

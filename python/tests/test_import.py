@@ -36,3 +36,23 @@ def test_without_torch_the_swarm_api_still_imports():
     env = dict(os.environ, PYTHONPATH=PYDIR)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def test_errno_mapping():
+    import errno
+    import pickle
+    from starling.errors import error_from_code
+    want = {errno.ENOENT: starling.UnknownModelError, errno.EHOSTUNREACH: starling.UnreachableError,
+            errno.EADDRNOTAVAIL: starling.UnreachableError, errno.EKEYREJECTED: starling.SwarmKeyError,
+            errno.ETIMEDOUT: starling.StarlingTimeoutError, errno.ECANCELED: starling.ClosedError,
+            errno.ERANGE: starling.RefusedError, errno.EINVAL: starling.InvalidArgumentError,
+            errno.EIO: starling.StarlingError}
+    for code, cls in want.items():
+        e = error_from_code(-code, b"the sentence\0garbage after the NUL")
+        assert type(e) is cls and isinstance(e, starling.StarlingError)
+        assert e.errno == code and e.message == "the sentence"
+        assert str(e) == "the sentence [%s]" % errno.errorcode[code]
+        f = pickle.loads(pickle.dumps(e))
+        assert type(f) is cls and f.errno == code and str(f) == str(e)
+    assert isinstance(error_from_code(-errno.ETIMEDOUT, b""), TimeoutError)
+    assert isinstance(error_from_code(-errno.EINVAL, b""), ValueError)
