@@ -207,27 +207,15 @@ static void loop_main(void *arg)
 
 /* ---- joining (on the calling thread, before the loop thread starts) ---- */
 
-typedef struct join_wait {
-    int done, status, timed_out;
-} join_wait;
-
-static void on_join(dht *d, int status, void *ud)
+/* Frees s once its loop has nothing left open. */
+static void free_swarm(starling_swarm *s)
 {
-    (void)d;
-    join_wait *w = ud;
-    w->done = 1;
-    w->status = status;
-}
-
-static void on_join_timeout(uv_timer_t *t)
-{
-    join_wait *w = t->data;
-    w->timed_out = 1;
-}
-
-static void on_timer_closed(uv_handle_t *h)
-{
-    *(int *)h->data = 1;
+    uv_loop_close(&s->loop);
+    pthread_mutex_destroy(&s->lock);
+    pthread_cond_destroy(&s->cond);
+    sodium_memzero(&s->ident, sizeof s->ident);
+    sodium_memzero(s->swarm_key, sizeof s->swarm_key);
+    free(s);
 }
 
 /* Closes what open made, on the calling thread (the loop thread never ran). */
@@ -244,40 +232,21 @@ static void destroy_unstarted(starling_swarm *s)
             uv_run(&s->loop, UV_RUN_ONCE);
     }
     uv_run(&s->loop, UV_RUN_NOWAIT);
-    uv_loop_close(&s->loop);
-    pthread_mutex_destroy(&s->lock);
-    pthread_cond_destroy(&s->cond);
-    sodium_memzero(&s->ident, sizeof s->ident);
-    sodium_memzero(s->swarm_key, sizeof s->swarm_key);
-    free(s);
+    free_swarm(s);
 }
 
 static int join(starling_swarm *s, const char *initial, dht_peer_addr *peers, int np, char *err, size_t err_len)
 {
-    join_wait w = {0, 0, 0};
-    int rc = dht_join(s->d, peers, (size_t)np, on_join, &w);
-    if (rc != 0)
-        return capi_err(err, err_len, rc, "cannot join: %s", strerror(-rc));
-    uv_timer_t timer;
-    int timer_closed = 0;
-    uv_timer_init(&s->loop, &timer);
-    timer.data = &w;
-    uv_timer_start(&timer, on_join_timeout, (uint64_t)(s->opt.join_timeout_s * 1000), 0);
-    while (!w.done && !w.timed_out)
-        uv_run(&s->loop, UV_RUN_ONCE);
-    timer.data = &timer_closed;
-    uv_close((uv_handle_t *)&timer, on_timer_closed);
-    while (!timer_closed)
-        uv_run(&s->loop, UV_RUN_ONCE);
-    if (w.done && w.status == -EADDRINUSE)
-        w.status = 0; /* a twin client hurts nobody: it stays out of routing tables */
-    if (w.done && (w.status == -EADDRNOTAVAIL || w.status == -EKEYREJECTED)) {
+    int rc = dht_join_wait(s->d, peers, (size_t)np, s->opt.join_timeout_s);
+    if (rc == -EADDRINUSE)
+        rc = 0; /* a twin client hurts nobody: it stays out of routing tables */
+    if (rc == -EADDRNOTAVAIL || rc == -EKEYREJECTED) {
         char msg[256];
-        dht_join_strerror(s->d, w.status, msg, sizeof msg);
-        return capi_err(err, err_len, w.status, "%s%s", msg,
-                        w.status == -EKEYREJECTED ? ": check the swarm key" : ": check the node ID in initial_peers");
+        dht_join_strerror(s->d, rc, msg, sizeof msg);
+        return capi_err(err, err_len, rc, "%s%s", msg,
+                        rc == -EKEYREJECTED ? ": check the swarm key" : ": check the node ID in initial_peers");
     }
-    if (!w.done || w.status < 0)
+    if (rc < 0)
         return capi_err(err, err_len, -EHOSTUNREACH, "cannot reach any initial peer (%s) within %g s; %s", initial,
                         s->opt.join_timeout_s,
                         s->has_swarm_key ? "check the address and that the swarm key matches"
@@ -320,9 +289,7 @@ int starling_swarm_open(starling_swarm **out, const char *initial, const starlin
         if (dht_addr_parse_listen(&la, listen) != 0)
             return capi_err(err, err_len, -EINVAL, "listen '%s' is not a numeric HOST:PORT", listen);
     } else {
-        int lo = peers[0].addr.family == 4 && peers[0].addr.ip[0] == 127;
-        int lo6 = peers[0].addr.family == 6 && !memcmp(peers[0].addr.ip, "\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\1", 16);
-        listen = peers[0].addr.family == 6 ? (lo6 ? "[::1]:0" : "[::]:0") : (lo ? "127.0.0.1:0" : "0.0.0.0:0");
+        listen = dht_client_listen(&peers[0]);
     }
 
     starling_swarm *s = calloc(1, sizeof *s);
@@ -405,12 +372,7 @@ void starling_swarm_close(starling_swarm *s)
         s->stages = capi_stages_next(st);
         capi_stages_free(st);
     }
-    uv_loop_close(&s->loop);
-    pthread_mutex_destroy(&s->lock);
-    pthread_cond_destroy(&s->cond);
-    sodium_memzero(&s->ident, sizeof s->ident);
-    sodium_memzero(s->swarm_key, sizeof s->swarm_key);
-    free(s);
+    free_swarm(s);
 }
 
 void starling_swarm_node_id(const starling_swarm *s, char hex[41])

@@ -107,6 +107,19 @@ const uint8_t *dht_self_id(const dht *d);
  * many operations under way); then cb never runs. */
 int dht_join(dht *d, const dht_peer_addr *peers, size_t n_peers, dht_done_cb cb, void *ud);
 
+/* For a process that runs the loop itself before it hands it over (the
+ * light clients: tools/client.c, capi/): dht_join, then runs d's loop on
+ * the calling thread until the join ends or timeout_s passes. Returns the
+ * join's status (0 or -errno as dht_done_cb's, -EADDRINUSE included) or
+ * -ETIMEDOUT; a failure to start the join is returned as is. Loop thread
+ * only; nothing else may run the loop meanwhile. */
+int dht_join_wait(dht *d, const dht_peer_addr *peers, size_t n_peers, double timeout_s);
+
+/* The local address a client should listen on to reach `first` (the first
+ * initial peer): "127.0.0.1:0" / "[::1]:0" for loopback, else "0.0.0.0:0"
+ * / "[::]:0" (any port, same address family). Static string. */
+const char *dht_client_listen(const dht_peer_addr *first);
+
 /* The detail of the latest join that ended with -EADDRNOTAVAIL,
  * -EKEYREJECTED or -EADDRINUSE: the address concerned and the IDs (see
  * dht_join_diag in dht/node.h). Returns out->status, 0 if none has. */

@@ -326,6 +326,56 @@ int dht_join(dht *d, const dht_peer_addr *peers, size_t n_peers, dht_done_cb cb,
     return rc;
 }
 
+typedef struct join_wait {
+    int done, status, timed_out, timer_closed;
+} join_wait;
+
+static void on_join_done(dht *d, int status, void *ud)
+{
+    (void)d;
+    join_wait *w = ud;
+    w->done = 1;
+    w->status = status;
+}
+
+static void on_join_timeout(uv_timer_t *t)
+{
+    join_wait *w = t->data;
+    w->timed_out = 1;
+}
+
+static void on_join_timer_closed(uv_handle_t *h)
+{
+    join_wait *w = h->data;
+    w->timer_closed = 1;
+}
+
+int dht_join_wait(dht *d, const dht_peer_addr *peers, size_t n_peers, double timeout_s)
+{
+    join_wait w = {0, 0, 0, 0};
+    int rc = dht_join(d, peers, n_peers, on_join_done, &w);
+    if (rc != 0)
+        return rc;
+    uv_timer_t timer;
+    uv_timer_init(d->loop, &timer);
+    timer.data = &w;
+    uv_timer_start(&timer, on_join_timeout, (uint64_t)(timeout_s * 1000), 0);
+    while (!w.done && !w.timed_out)
+        uv_run(d->loop, UV_RUN_ONCE);
+    uv_close((uv_handle_t *)&timer, on_join_timer_closed);
+    while (!w.timer_closed) /* w lives on this stack frame */
+        uv_run(d->loop, UV_RUN_ONCE);
+    return w.done ? w.status : -ETIMEDOUT;
+}
+
+const char *dht_client_listen(const dht_peer_addr *first)
+{
+    static const uint8_t lo6[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+    if (first->addr.family == 6)
+        return memcmp(first->addr.ip, lo6, 16) ? "[::]:0" : "[::1]:0";
+    return first->addr.ip[0] == 127 ? "127.0.0.1:0" : "0.0.0.0:0";
+}
+
 int dht_get_join_diag(const dht *d, dht_join_diag *out)
 {
     return dht_node_join_diag(d->node, out);

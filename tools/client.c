@@ -12,26 +12,6 @@
 #include "peer/modeldesc.h"
 #include "tools/cli.h"
 
-typedef struct join_wait {
-    int done;
-    int status;
-    int timed_out;
-} join_wait;
-
-static void on_join(dht *d, int status, void *ud)
-{
-    (void)d;
-    join_wait *w = ud;
-    w->done = 1;
-    w->status = status;
-}
-
-static void on_timeout(uv_timer_t *t)
-{
-    join_wait *w = t->data;
-    w->timed_out = 1;
-}
-
 static void on_timer_closed(uv_handle_t *h)
 {
     *(int *)h->data = 1;
@@ -62,10 +42,7 @@ int tools_client_open(tools_client *c, const char *cmd, const char *initial, con
         if (dht_addr_parse_listen(&la, listen) != 0)
             return cli_usage_error(cmd, "--listen '%s' is not a numeric HOST:PORT", listen);
     } else {
-        /* Loopback peers are reached from loopback; others from any address. */
-        int lo = peers[0].addr.family == 4 && peers[0].addr.ip[0] == 127;
-        int lo6 = peers[0].addr.family == 6 && !memcmp(peers[0].addr.ip, "\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\1", 16);
-        listen = peers[0].addr.family == 6 ? (lo6 ? "[::1]:0" : "[::]:0") : (lo ? "127.0.0.1:0" : "0.0.0.0:0");
+        listen = dht_client_listen(&peers[0]); /* loopback peers are reached from loopback */
     }
     dht_config_default(&cfg);
     cfg.client_only = 1;
@@ -102,37 +79,22 @@ int tools_client_open(tools_client *c, const char *cmd, const char *initial, con
         tools_client_close(c);
         return cli_fail(cmd, "cannot listen on %s: %s", listen, strerror(-rc));
     }
-    join_wait w = {0, 0, 0};
-    rc = dht_join(c->d, peers, (size_t)np, on_join, &w);
-    if (rc != 0) {
-        tools_client_close(c);
-        return cli_fail(cmd, "cannot join: %s", strerror(-rc));
-    }
-    int timer_closed = 0;
-    uv_timer_init(&c->loop, &c->join_timer);
-    c->join_timer.data = &w;
-    uv_timer_start(&c->join_timer, on_timeout, (uint64_t)(timeout_s * 1000), 0);
-    while (!w.done && !w.timed_out)
-        uv_run(&c->loop, UV_RUN_ONCE);
-    c->join_timer.data = &timer_closed;
-    uv_close((uv_handle_t *)&c->join_timer, on_timer_closed);
-    while (!timer_closed) /* w and the flag live on this stack frame */
-        uv_run(&c->loop, UV_RUN_ONCE);
-    if (w.done && w.status == -EADDRINUSE) {
+    rc = dht_join_wait(c->d, peers, (size_t)np, timeout_s);
+    if (rc == -EADDRINUSE) {
         /* The join worked; a client is kept out of routing tables, so a
          * twin hurts nobody, but the user may have meant another file. */
         char msg[256];
-        tools_join_error(c->d, w.status, msg, sizeof msg);
+        tools_join_error(c->d, rc, msg, sizeof msg);
         fprintf(stderr, "starling %s: warning: %s\n", cmd, msg);
-        w.status = 0;
+        rc = 0;
     }
-    if (w.done && (w.status == -EADDRNOTAVAIL || w.status == -EKEYREJECTED)) {
+    if (rc == -EADDRNOTAVAIL || rc == -EKEYREJECTED) {
         char msg[256];
-        tools_join_error(c->d, w.status, msg, sizeof msg);
+        tools_join_error(c->d, rc, msg, sizeof msg);
         tools_client_close(c);
         return cli_fail(cmd, "%s", msg);
     }
-    if (!w.done || w.status < 0) {
+    if (rc < 0) {
         tools_client_close(c);
         return cli_fail(cmd, "cannot reach any initial peer (%s)%s", initial,
                         c->has_swarm_key || swarm_key_file

@@ -21,7 +21,6 @@ typedef struct tools_client {
     int has_swarm_key;
     uint8_t swarm_key[32];
     int loop_ready;
-    uv_timer_t join_timer;      /* bounds the join */
 } tools_client;
 
 /* Loads the identity (or makes a fresh one) and the swarm key, starts the
