@@ -128,10 +128,14 @@ int starling_swarm_put(starling_swarm *s, const char *key, const void *value, si
 /* ---- models, locally ---- */
 
 /* A model's facts as a JSON object: {"name", "description", "task":
- * "classes"|"bytes", "stages": [{"index", "kind", "in_shape": [..],
- * "out_shape": [..], "params": N, "tensors": [{"name", "offset", "shape":
- * [rows, cols]}, ...]}, ...]}. in_shape/out_shape are one row's shape
- * (a token row's is [context]; a float row's [width] or [context, dim]).
+ * "classes"|"bytes", "max_batch": rows per call (starling_stages_max_rows),
+ * "seq", "vocab" (a language model's context and vocabulary; 0 otherwise),
+ * "stages": [{"index", "kind", "in_shape": [..], "out_shape": [..],
+ * "in_width", "out_width" (floats per row), "params": N, "tensors":
+ * [{"name", "offset", "shape": [rows, cols]}, ...]}, ...]}. A vector's
+ * shape is [n, 1]; names repeat for each layer of a multi-layer stage, in
+ * order. in_shape/out_shape are one row's shape (a token row's is
+ * [context]; a float row's [width] or [context, dim]).
  * s may be NULL (built-in and registered models only); with a swarm, a
  * model the swarm publishes is fetched. Returns 0 and *json, or -errno. */
 int starling_model_info(starling_swarm *s, const char *model, char **json, char *err, size_t err_len);
@@ -152,7 +156,8 @@ int starling_stage_init_params(starling_swarm *s, const char *model, int stage, 
 int starling_stages_open(starling_stages **out, starling_swarm *s, const char *model, int first, int last,
                          char *err, size_t err_len);
 
-/* Closes st: calls still waiting return -ECANCELED. NULL-safe. */
+/* Closes st: calls still waiting return -ECANCELED. NULL-safe. There is
+ * no way yet to cancel one waiting call without closing the handle. */
 void starling_stages_close(starling_stages *st);
 
 /* Who served a forward: passed back to the backward of the same rows so it
@@ -176,7 +181,8 @@ int starling_stages_widths(const starling_stages *st, int stage, int64_t *in_wid
  * for the backward); 0: an inference call (never changes weights, served
  * ahead of training work). served (may be NULL) receives who served it.
  * Failed calls are sent again to another replica until one answers or no
- * holder is reachable for max_wait_s. rows <= 4096. Returns 0 or -errno. */
+ * holder is reachable for max_wait_s. 1 <= rows <= starling_stages_max_rows.
+ * Returns 0 or -errno. */
 int starling_stage_forward(starling_stages *st, int stage, const float *x, int64_t rows, float *y, int training,
                            starling_served *served, char *err, size_t err_len);
 

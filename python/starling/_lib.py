@@ -98,6 +98,7 @@ def _declare(lib):
         "starling_stage_backward": (c_int, [c_void_p, c_int, c_void_p, c_void_p, c_int64, c_void_p, P(Served),
                                             c_char_p, c_size_t]),
         "starling_stages_counters": (None, [c_void_p, P(c_uint64), P(c_uint64)]),
+        "starling_stages_max_rows": (c_int, [c_void_p]),
     }
     missing = []
     for name, (res, args) in decl.items():

@@ -12,7 +12,6 @@ from .swarm import Swarm, _enc
 
 __all__ = ["RemoteStages", "Served"]
 
-MAX_ROWS = 4096  # starling_stage_forward's limit; the model's max_batch (the peers' largest request) is lower
 
 Served = collections.namedtuple("Served", ["holder", "weight_version", "attempts"])
 Served.__doc__ = """Who served one stage of the last forward: the holder's node ID (40 hex
@@ -141,9 +140,9 @@ class RemoteStages(torch.nn.Module):
         self.out_width = self.widths[-1][1]
         self.in_shape = tuple(info["stages"][first]["in_shape"])
         self.out_shape = tuple(info["stages"][last]["out_shape"])
-        # Rows per C call: the peers' largest request (the model's max_batch;
-        # the library refuses more); a larger batch is cut into calls.
-        self.max_rows = max(1, min(MAX_ROWS, int(info.get("max_batch") or 256)))
+        # Rows per C call: the peers' largest request (the library refuses
+        # more); a larger batch is cut into calls.
+        self.max_rows = _lib.lib.starling_stages_max_rows(out)
         self.last_served = []
 
     def __getstate__(self):
