@@ -203,3 +203,23 @@ class Guard:
         if ptr:
             fn(ptr)
         return True
+
+
+class Closable:
+    """What Swarm and RemoteStages share: close() runs the object's
+    finalizer (self._finalizer, a weakref.finalize), so it is idempotent
+    and also runs when the object is collected; `closed`; a context
+    manager."""
+
+    def close(self):
+        self._finalizer()
+
+    @property
+    def closed(self):
+        return self._guard.closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -84,7 +84,7 @@ class _RemoteFn(torch.autograd.Function):
         return None, dx, None
 
 
-class RemoteStages(torch.nn.Module):
+class RemoteStages(_lib.Closable, torch.nn.Module):
     """Stages `stages` of `model`, served by the swarm's peers, as a module.
 
     stages: a range or sequence of consecutive stage indices, (first, last)
@@ -157,17 +157,7 @@ class RemoteStages(torch.nn.Module):
     def close(self):
         """Closes the stages (waits for calls in flight). Idempotent; the
         swarm's close() closes them too."""
-        self._finalizer()
-
-    @property
-    def closed(self):
-        return self._guard.closed
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        _lib.Closable.close(self)
 
     @property
     def counters(self):

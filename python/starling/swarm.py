@@ -137,7 +137,7 @@ def _close_swarm(guard, stages_guards):
     guard.close(_lib.lib.starling_swarm_close)
 
 
-class Swarm:
+class Swarm(_lib.Closable):
     """A light DHT client joined to a swarm through initial_peers.
 
     initial_peers: "HOST:PORT[/NODEID]" as `starling bootstrap` and
@@ -194,17 +194,7 @@ class Swarm:
     def close(self):
         """Closes every RemoteStages opened on this swarm, leaves the DHT and
         stops the swarm's thread. Waits for calls in flight. Idempotent."""
-        self._finalizer()
-
-    @property
-    def closed(self):
-        return self._guard.closed
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        _lib.Closable.close(self)
 
     def __repr__(self):
         return "<starling.Swarm %s%s>" % (self._node_id[:8], " closed" if self.closed else "")
