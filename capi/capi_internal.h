@@ -50,6 +50,8 @@ struct starling_swarm {
     pthread_cond_t cond;          /* a job done */
     capi_job *queue, *queue_tail; /* under lock */
     int closing;                  /* under lock: no new jobs */
+    int waiters;                  /* under lock: threads inside capi_run (the close
+                                     frees the lock only once they all left) */
 
     /* loop thread only */
     int shutting, dht_closing, dht_closed, wake_closed;

@@ -15,7 +15,6 @@
 #include "peer/modeldesc.h"
 
 #define MAX_MODELS 64
-#define MAX_PUT_BYTES 1024
 
 /* ---- finding a model ---- */
 
@@ -365,8 +364,8 @@ int starling_swarm_put(starling_swarm *s, const char *key, const void *value, si
         return capi_err(err, err_len, -EINVAL, "no swarm handle");
     if (!value && len > 0)
         return capi_err(err, err_len, -EINVAL, "value is NULL");
-    if (len > MAX_PUT_BYTES)
-        return capi_err(err, err_len, -EINVAL, "value is %zu bytes; at most %d", len, MAX_PUT_BYTES);
+    if (len > DHT_MAX_VALUE)
+        return capi_err(err, err_len, -EINVAL, "value is %zu bytes; at most %d", len, (int)DHT_MAX_VALUE);
     if (!(ttl_s >= 1 && ttl_s <= 86400))
         return capi_err(err, err_len, -EINVAL, "ttl %g s is not in [1, 86400]", ttl_s);
     get_job g = {.job = {.start = put_start, .err = err, .err_len = err_len}, .value = value, .len = len,

@@ -59,6 +59,7 @@ struct starling_stages {
     char last_note[320];             /* the caller's latest log line */
     call_job *calls;                 /* loop thread: calls not yet finished */
     uint64_t removals;               /* calls taken off that list so far */
+    int pump_depth;                  /* hook_pump running (a send can pump again) */
     capi_job *close_job;             /* loop thread: a close waiting for the caller */
     atomic_uint_least64_t n_calls, n_retries;
 };
@@ -195,14 +196,16 @@ static void hook_pump(void *arg)
     route_caller *r = st->caller;
     double now = route_caller_now(r);
     complete_replied(st);
+    st->pump_depth++;
 restart:
     for (call_job *c = st->calls; c; c = c->next) {
         if (c->rpc.sent || c->replied)
             continue;
         uint64_t removals = st->removals;
         /* a parked call waits for its connection (bounded by the call
-         * timeout); it is sent again from here when that comes up */
-        if (!c->rpc.parked && now - c->t0 > st->s->opt.max_wait_s) {
+         * timeout); it is sent again from here when that comes up. Not
+         * in a nested pump: the outer one may be inside this call's send */
+        if (!c->rpc.parked && st->pump_depth == 1 && now - c->t0 > st->s->opt.max_wait_s) {
             char l[96];
             capi_err(c->job.err, c->job.err_len, -ETIMEDOUT,
                      "%s: no holder answered within %g s (%d attempt%s)%s%s", stage_label(st, c->rpc.stage, l, sizeof l),
@@ -213,10 +216,11 @@ restart:
         }
         route_caller_send(r, &c->rpc);
         if (st->caller != r || route_caller_finishing(r))
-            return;
+            break;
         if (st->removals != removals)
             goto restart;
     }
+    st->pump_depth--;
 }
 
 static int hook_prefer(void *arg, const route_caller_call *rc, const route_replica *reps, int n, double now,
@@ -344,7 +348,9 @@ static int ensure_caller(starling_stages *st, char *err, size_t err_len)
         .swarm_key = s->has_swarm_key ? s->swarm_key : NULL,
         .model = st->model,
         .call_timeout_s = s->opt.call_timeout_s,
-        .max_wait_s = s->opt.max_wait_s,
+        /* Each call keeps its own wait (hook_pump); the caller's would end
+         * every call when one stage has had no holder for that long. */
+        .max_wait_s = 1e9,
         .refresh_s = 10,
         .max_pending = 64,
         .rng_seed = s->rng | 1,

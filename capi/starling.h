@@ -118,7 +118,7 @@ int starling_swarm_holders(starling_swarm *s, const char *model, int stage, char
  * peers do (BLAKE2b-160 of its bytes, e.g. "fmnist-mlp.2"), or taken as is
  * when it is 40 hex digits prefixed "0x". get: a JSON array
  * [{"subkey": HEX, "value": HEX, "signed": bool, "expires_in_s": S}, ...];
- * returns the count and *json. put: stores value (len <= 1024 bytes) for
+ * returns the count and *json. put: stores value (len <= 768 bytes) for
  * ttl_s seconds (1..86400), signed with our identity (subkey = our node
  * ID); returns the number of nodes that stored it (>= 1). */
 int starling_swarm_get(starling_swarm *s, const char *key, char **json, char *err, size_t err_len);

@@ -72,16 +72,43 @@ void capi_buf_printf(capi_buf *b, const char *fmt, ...)
     }
 }
 
+/* Length of the valid UTF-8 sequence at c (1..4), or 0 when it is not one
+ * (stray continuation, overlong, surrogate, beyond U+10FFFF, truncated). */
+static int utf8_len(const unsigned char *c)
+{
+    int n = c[0] >= 0xf0 ? 4 : c[0] >= 0xe0 ? 3 : c[0] >= 0xc2 ? 2 : 0;
+    if (n == 0 || c[0] > 0xf4)
+        return 0;
+    for (int i = 1; i < n; i++)
+        if ((c[i] & 0xc0) != 0x80)
+            return 0;
+    if ((n == 3 && c[0] == 0xe0 && c[1] < 0xa0) || (n == 3 && c[0] == 0xed && c[1] >= 0xa0) ||
+        (n == 4 && c[0] == 0xf0 && c[1] < 0x90) || (n == 4 && c[0] == 0xf4 && c[1] >= 0x90))
+        return 0;
+    return n;
+}
+
+/* s as a JSON string. Peers' strings are bytes: a byte that is not part of
+ * valid UTF-8 becomes U+FFFD, so the document always decodes. */
 void capi_buf_json_str(capi_buf *b, const char *s)
 {
     capi_buf_printf(b, "\"");
     for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
-        if (*c == '"' || *c == '\\')
+        if (*c == '"' || *c == '\\') {
             capi_buf_printf(b, "\\%c", *c);
-        else if (*c < 0x20)
+        } else if (*c < 0x20 || *c == 0x7f) {
             capi_buf_printf(b, "\\u%04x", *c);
-        else
+        } else if (*c < 0x80) {
             capi_buf_printf(b, "%c", *c);
+        } else {
+            int n = utf8_len(c);
+            if (n == 0) {
+                capi_buf_printf(b, "\\ufffd");
+            } else {
+                capi_buf_printf(b, "%.*s", n, (const char *)c);
+                c += n - 1;
+            }
+        }
     }
     capi_buf_printf(b, "\"");
 }
@@ -111,6 +138,7 @@ int capi_run(starling_swarm *s, capi_job *j)
         pthread_mutex_unlock(&s->lock);
         return capi_err(j->err, j->err_len, -ECANCELED, "the swarm handle is closed");
     }
+    s->waiters++;
     if (s->queue_tail)
         s->queue_tail->next = j;
     else
@@ -119,8 +147,11 @@ int capi_run(starling_swarm *s, capi_job *j)
     uv_async_send(&s->wake);
     while (!j->done)
         pthread_cond_wait(&s->cond, &s->lock);
+    int rc = j->rc;
+    if (--s->waiters == 0 && s->closing)
+        pthread_cond_broadcast(&s->cond); /* starling_swarm_close waits for this */
     pthread_mutex_unlock(&s->lock);
-    return j->rc;
+    return rc;
 }
 
 void capi_done(capi_job *j, int rc)
@@ -158,8 +189,10 @@ static void on_wake_closed(uv_handle_t *h)
 static void shutdown_step(starling_swarm *s)
 {
     int busy = 0;
-    for (starling_stages *st = s->stages; st; st = capi_stages_next(st))
+    for (starling_stages *st = s->stages, *nx; st; st = nx) {
+        nx = capi_stages_next(st); /* the shutdown may unlink st */
         busy |= capi_stages_shutdown(st);
+    }
     if (busy)
         return;
     if (!s->dht_closing) {
@@ -366,6 +399,11 @@ void starling_swarm_close(starling_swarm *s)
     uv_async_send(&s->wake);
     pthread_mutex_unlock(&s->lock);
     uv_thread_join(&s->thread);
+    /* Threads woken with -ECANCELED still take the lock on their way out. */
+    pthread_mutex_lock(&s->lock);
+    while (s->waiters > 0)
+        pthread_cond_wait(&s->cond, &s->lock);
+    pthread_mutex_unlock(&s->lock);
     /* The loop thread freed nothing: the stages handles are ours now. */
     while (s->stages) {
         starling_stages *st = s->stages;

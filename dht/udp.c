@@ -326,46 +326,64 @@ int dht_join(dht *d, const dht_peer_addr *peers, size_t n_peers, dht_done_cb cb,
     return rc;
 }
 
+/* Heap memory: a join that outlives the wait (timeout) reports into it
+ * later, when it ends or the dht closes, and the callback frees it. */
 typedef struct join_wait {
-    int done, status, timed_out, timer_closed;
+    int done, status, abandoned;
 } join_wait;
 
 static void on_join_done(dht *d, int status, void *ud)
 {
     (void)d;
     join_wait *w = ud;
+    if (w->abandoned) {
+        free(w);
+        return;
+    }
     w->done = 1;
     w->status = status;
 }
 
+typedef struct join_timer {
+    uv_timer_t t;
+    int fired, closed;
+} join_timer;
+
 static void on_join_timeout(uv_timer_t *t)
 {
-    join_wait *w = t->data;
-    w->timed_out = 1;
+    ((join_timer *)t)->fired = 1;
 }
 
 static void on_join_timer_closed(uv_handle_t *h)
 {
-    join_wait *w = h->data;
-    w->timer_closed = 1;
+    ((join_timer *)h)->closed = 1;
 }
 
 int dht_join_wait(dht *d, const dht_peer_addr *peers, size_t n_peers, double timeout_s)
 {
-    join_wait w = {0, 0, 0, 0};
-    int rc = dht_join(d, peers, n_peers, on_join_done, &w);
-    if (rc != 0)
+    join_wait *w = calloc(1, sizeof *w);
+    if (!w)
+        return -ENOMEM;
+    int rc = dht_join(d, peers, n_peers, on_join_done, w);
+    if (rc != 0) {
+        free(w);
         return rc;
-    uv_timer_t timer;
-    uv_timer_init(d->loop, &timer);
-    timer.data = &w;
-    uv_timer_start(&timer, on_join_timeout, (uint64_t)(timeout_s * 1000), 0);
-    while (!w.done && !w.timed_out)
+    }
+    join_timer timer = {.fired = 0, .closed = 0};
+    uv_timer_init(d->loop, &timer.t);
+    uv_timer_start(&timer.t, on_join_timeout, (uint64_t)(timeout_s * 1000), 0);
+    while (!w->done && !timer.fired)
         uv_run(d->loop, UV_RUN_ONCE);
-    uv_close((uv_handle_t *)&timer, on_join_timer_closed);
-    while (!w.timer_closed) /* w lives on this stack frame */
+    uv_close((uv_handle_t *)&timer.t, on_join_timer_closed);
+    while (!timer.closed) /* the timer lives on this stack frame */
         uv_run(d->loop, UV_RUN_ONCE);
-    return w.done ? w.status : -ETIMEDOUT;
+    if (!w->done) {
+        w->abandoned = 1; /* the join's callback frees it */
+        return -ETIMEDOUT;
+    }
+    rc = w->status;
+    free(w);
+    return rc;
 }
 
 const char *dht_client_listen(const dht_peer_addr *first)

@@ -157,7 +157,7 @@ def take_string(ptr):
     if not ptr.value:
         return ""
     try:
-        return ctypes.string_at(ptr.value).decode("utf-8")
+        return ctypes.string_at(ptr.value).decode("utf-8", errors="replace")
     finally:
         lib.starling_free(ptr)
 

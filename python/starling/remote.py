@@ -53,6 +53,21 @@ def _rows_ptr(t, row, width):
     return t.data_ptr() + row * width * 4
 
 
+def _close_stages(swarm_guard, guard):
+    """Closes the stages' C handle while the swarm's is open (entered, so a
+    Swarm.close() on another thread waits); once the swarm is closed its
+    close has freed the stages' handle already."""
+    try:
+        swarm_guard.enter("the swarm")
+    except Exception:
+        guard.close(lambda ptr: None)
+        return
+    try:
+        guard.close(_lib.lib.starling_stages_close)
+    finally:
+        swarm_guard.leave()
+
+
 class _RemoteFn(torch.autograd.Function):
     """Forward through every stage (a training forward), backward from the
     last stage to the first with each stage's served."""
@@ -69,6 +84,9 @@ class _RemoteFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         rs = ctx.rs
+        if ctx.served is None:
+            raise RuntimeError("RemoteStages: backward through the same forward twice (retain_graph=True) is not "
+                               "supported: the peers took the first one's gradients already")
         (x,) = ctx.saved_tensors
         inputs = [x] + list(ctx.inner)
         dy = gy.to(torch.float32).contiguous()
@@ -119,30 +137,34 @@ class RemoteStages(_lib.Closable, torch.nn.Module):
         self.first, self.last = first, last
         self.info = info
         m = _enc(model, "model")
-        out = ctypes.c_void_p()
-        err = _lib.errbuf()
-        rc = swarm._call(lambda p: _lib.lib.starling_stages_open(ctypes.byref(out), p, m, first, last, err,
-                                                                 _lib.ERR_LEN))
-        if rc < 0:
-            raise error_from_code(rc, err.raw)
-        self._guard = _lib.Guard(out.value)
-        swarm._register(self._guard)
-        self._finalizer = weakref.finalize(self, self._guard.close, _lib.lib.starling_stages_close)
-        self.widths = []
-        for s in range(first, last + 1):
-            a, b = ctypes.c_int64(), ctypes.c_int64()
-            rc = _lib.lib.starling_stages_widths(out, s, ctypes.byref(a), ctypes.byref(b))
+
+        def open_stages(p):
+            # Open, read the shapes and register under the swarm's stages
+            # lock: a Swarm.close() on another thread then either sees the
+            # new handle (and closes it first) or runs before the open.
+            out = ctypes.c_void_p()
+            err = _lib.errbuf()
+            rc = _lib.lib.starling_stages_open(ctypes.byref(out), p, m, first, last, err, _lib.ERR_LEN)
             if rc < 0:
-                self.close()
-                raise error_from_code(rc, "stage %d: no widths" % s)
-            self.widths.append((a.value, b.value))
+                raise error_from_code(rc, err.raw)
+            widths = []
+            for s in range(first, last + 1):
+                a, b = ctypes.c_int64(), ctypes.c_int64()
+                _lib.lib.starling_stages_widths(out, s, ctypes.byref(a), ctypes.byref(b))
+                widths.append((a.value, b.value))
+            guard = _lib.Guard(out.value)
+            swarm._stages.add(guard)
+            # Rows per C call: the peers' largest request (the library
+            # refuses more); a larger batch is cut into calls.
+            return guard, widths, _lib.lib.starling_stages_max_rows(out)
+
+        with swarm._stages_lock:
+            self._guard, self.widths, self.max_rows = swarm._call(open_stages)
+        self._finalizer = weakref.finalize(self, _close_stages, swarm._guard, self._guard)
         self.in_width = self.widths[0][0]
         self.out_width = self.widths[-1][1]
         self.in_shape = tuple(info["stages"][first]["in_shape"])
         self.out_shape = tuple(info["stages"][last]["out_shape"])
-        # Rows per C call: the peers' largest request (the library refuses
-        # more); a larger batch is cut into calls.
-        self.max_rows = _lib.lib.starling_stages_max_rows(out)
         self.last_served = []
 
     def __getstate__(self):

@@ -130,11 +130,13 @@ def init_params(model, stage):
     return _init_params(None, model, stage, model_info(model))
 
 
-def _close_swarm(guard, stages_guards):
-    # The stages first (the C close would free them under our handles).
-    for g in list(stages_guards):
-        g.close(_lib.lib.starling_stages_close)
-    guard.close(_lib.lib.starling_swarm_close)
+def _close_swarm(guard, stages_guards, stages_lock):
+    # The stages first (the C close would free them under our handles);
+    # under the lock that opening a RemoteStages takes, so none is missed.
+    with stages_lock:
+        for g in list(stages_guards):
+            g.close(_lib.lib.starling_stages_close)
+        guard.close(_lib.lib.starling_swarm_close)
 
 
 class Swarm(_lib.Closable):
@@ -184,7 +186,7 @@ class Swarm(_lib.Closable):
         self._guard = _lib.Guard(ptr.value)
         self._stages = weakref.WeakSet()  # the Guards of RemoteStages opened on us
         self._stages_lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _close_swarm, self._guard, self._stages)
+        self._finalizer = weakref.finalize(self, _close_swarm, self._guard, self._stages, self._stages_lock)
         hexbuf = ctypes.create_string_buffer(41)
         _lib.lib.starling_swarm_node_id(ptr, hexbuf)
         self._node_id = hexbuf.value.decode()
@@ -206,9 +208,6 @@ class Swarm(_lib.Closable):
             return fn(ptr)
         finally:
             self._guard.leave()
-
-    def _register(self, guard):
-        self._stages.add(guard)
 
     # -- queries
     @property
@@ -242,15 +241,15 @@ class Swarm(_lib.Closable):
                        signed=bool(r["signed"]), expires_in_s=float(r["expires_in_s"])) for r in rows]
 
     def put(self, key, value, ttl=60.0):
-        """Stores value (bytes, at most 1024) under key for ttl seconds
+        """Stores value (bytes, at most 768: a DHT value) under key for ttl seconds
         (1..86400), signed with our identity; returns the number of nodes
         that stored it."""
         k = _enc(key, "key")
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise TypeError("value must be bytes, not %s" % type(value).__name__)
         value = bytes(value)
-        if len(value) > 1024:
-            raise ValueError("value is %d bytes; at most 1024" % len(value))
+        if len(value) > 768:
+            raise ValueError("value is %d bytes; at most 768" % len(value))
         if not isinstance(ttl, (int, float)) or not 1 <= ttl <= 86400:
             raise ValueError("ttl must be 1..86400 seconds, not %r" % (ttl,))
         err = _lib.errbuf()

@@ -67,7 +67,7 @@ def test_errors_leave_nothing_behind(pair_swarm, tmp_path):
             s.holders("fmnist-mlp", 6)
         assert isinstance(ei.value, starling.StarlingError) and ei.value.errno == errno.EINVAL
         with pytest.raises(ValueError):
-            s.put("k", b"x" * 1025)
+            s.put("k", b"x" * 769)
         with pytest.raises(TypeError):
             s.put("k", "not bytes")
 
