@@ -29,10 +29,12 @@
  * NUL-terminated when err_len > 0; err may be NULL):
  *   -EINVAL     a bad argument (NULL, stage out of range, rows < 1, ...)
  *   -ENOENT     unknown model (neither built in nor published in the swarm)
- *   -EHOSTUNREACH  no initial peer answered (starling_swarm_open)
+ *   -EHOSTUNREACH  no initial peer answered (starling_swarm_open); no DHT
+ *               node answered a query (models, holders, get, put)
  *   -EKEYREJECTED  the swarm is under another swarm key (or none)
- *   -ETIMEDOUT  a stage had no reachable holder within max_wait_s, or a
- *               query got no answer in time
+ *   -ETIMEDOUT  a stage had no reachable holder within max_wait_s
+ *   -EAGAIN     a stages handle is still replacing its call engine after
+ *               a failure (rare); call again
  *   -ECANCELED  the handle was closed while the call waited
  *   -ENOMEM, -EIO (a file could not be read), -EBADMSG (a reply or record
  *               that does not decode)
