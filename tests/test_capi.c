@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <dirent.h>
@@ -57,6 +58,8 @@ static pid_t spawn(const char *name, char *const argv[])
     snprintf(err, sizeof err, "%s/%s.err", dir, name);
     pid_t p = fork();
     if (p == 0) {
+        /* dies with the test, even when the test crashes before kill_all */
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
         int o = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0600), e = open(err, O_WRONLY | O_CREAT | O_TRUNC, 0600);
         dup2(o, 1);
         dup2(e, 2);
