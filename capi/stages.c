@@ -271,8 +271,8 @@ static int hook_on_reply(void *arg, route_caller_call *rc, const peer_msg *m)
         rows != (uint64_t)c->rows)
         return -EBADMSG;
     int64_t w = out_side ? sh->out_w : sh->in_w;
-    if (c->out)
-        memcpy(c->out, m->t[0].data, (size_t)c->rows * (size_t)w * sizeof(float));
+    if (c->out && peer_tensor_to_f32(&m->t[0], c->out, (size_t)c->rows * (size_t)w) != 0)
+        return -EBADMSG;
     c->attempts++;
     if (c->served_out) {
         starling_served *sv = c->served_out;

@@ -39,8 +39,9 @@ long peer_announce_encode(const peer_announce *a, uint8_t *buf, size_t cap)
     dht_mp_writer w;
     dht_mp_writer_init(&w, buf, cap < PEER_ANNOUNCE_MAX_BYTES ? cap : PEER_ANNOUNCE_MAX_BYTES);
     msgpack_packer *pk = &w.pk;
-    int lost = a->lost_from > a->lost_to, gr = a->grads_refused > 0, fz = a->frozen_steps > 0;
-    msgpack_pack_map(pk, 13 + 2 * lost + gr + fz);
+    int lost = a->lost_from > a->lost_to, gr = a->grads_refused > 0, fz = a->frozen_steps > 0,
+        wf = a->formats != 0;
+    msgpack_pack_map(pk, 13 + 2 * lost + gr + fz + wf);
     dht_mp_pack_cstr(pk, "v");
     msgpack_pack_uint64(pk, PEER_ANNOUNCE_VERSION);
     dht_mp_pack_cstr(pk, "b");
@@ -80,6 +81,10 @@ long peer_announce_encode(const peer_announce *a, uint8_t *buf, size_t cap)
     if (fz) {
         dht_mp_pack_cstr(pk, "fz");
         msgpack_pack_uint64(pk, a->frozen_steps);
+    }
+    if (wf) {
+        dht_mp_pack_cstr(pk, "wf");
+        msgpack_pack_uint64(pk, a->formats);
     }
     return dht_mp_writer_finish(&w);
 }
@@ -189,6 +194,11 @@ static int announce_field(dht_mp_reader *r, const char *key, void *outp, int *ha
     } else if (!strcmp(key, "fz")) {
         if (dht_mp_uint(r, &out->frozen_steps))
             return -1;
+    } else if (!strcmp(key, "wf")) {
+        uint64_t m;
+        if (dht_mp_uint(r, &m))
+            return -1;
+        out->formats = (uint32_t)(m & 0xFFFFFFFFu); /* bits of formats this reader does not know stay */
     } else {
         return 1;
     }

@@ -26,6 +26,9 @@
  *              gradients but changed no weight (optional; present only
  *              once N reaches the peer's threshold, 8 by default, so a
  *              reader flags the holder when "fz" is present)
+ *     "wf" u   tensor formats the holder accepts on the wire, bit f for
+ *              peer_fmt f (peer/tensorfmt.h: 1 f32, 2 f16, 4 bf16, 8 q8;
+ *              optional: absent means float32 only, as older peers)
  * It expires about a minute after it is written and is renewed every ~20 s,
  * so a peer that dies disappears within a minute. Unknown keys are skipped
  * (newer peers may add fields); missing required keys ("v", "b", "a", "st",
@@ -81,6 +84,8 @@ typedef struct peer_announce {
     uint64_t lost_from, lost_to;  /* lost_from > lost_to: state went back */
     uint64_t grads_refused;       /* "gr": 0 = not sent */
     uint64_t frozen_steps;        /* "fz": 0 = not frozen (not sent) */
+    uint32_t formats;             /* "wf": tensor formats accepted (peer_fmt_mask); 0 =
+                                     not sent: float32 only */
 } peer_announce;
 
 typedef struct peer_model_record {

@@ -99,6 +99,7 @@ static int announce_block(peer_announcer *an, int i, peer_state state, uint64_t 
     a.time_ms = dht_now_ms();
     a.grads_refused = info.refused_requests + info.refused_steps;
     a.frozen_steps = info.frozen ? info.still_steps : 0;
+    a.formats = peer_service_formats(an->cfg.svc);
     if (an->cfg.fill)
         an->cfg.fill(an->cfg.arg, i, &a);
     long n = peer_announce_encode(&a, val, sizeof val);

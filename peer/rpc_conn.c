@@ -451,9 +451,15 @@ int peer__conn_send(peer__conn *c, uint8_t *rec, size_t head_len, const peer_msg
     uint8_t *p = rec + PEER_CHANNEL_HDR_LEN;
     rc = seal_piece(&s, p, p, head_len);
     size_t off = head_len;
+    static const uint8_t zeros[4];
     for (int i = 0; m && rc == 0 && i < m->n_tensors; i++) {
-        rc = seal_piece(&s, p + off, m->t[i].data, m->t[i].nbytes);
-        off += m->t[i].nbytes;
+        size_t nb = m->t[i].nbytes, pad = (4 - (nb & 3)) & 3; /* each tensor ends 4-aligned */
+        rc = seal_piece(&s, p + off, m->t[i].data, nb);
+        off += nb;
+        if (rc == 0 && pad) {
+            rc = seal_piece(&s, p + off, zeros, pad);
+            off += pad;
+        }
     }
     if (rc == 0 && off != plain_len)
         rc = -EINVAL;

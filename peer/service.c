@@ -6,6 +6,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,6 +19,7 @@
 #include "peer/log.h"
 #include "peer/meta.h"
 #include "peer/rpc_server.h"
+#include "peer/tensorfmt.h"
 #include "peer/wire.h"
 
 typedef struct svc_block svc_block;
@@ -32,6 +34,12 @@ typedef struct svc_task {
     struct svc_task *prev;     /* infer span: the task of the stage before (its out is our input) */
     struct svc_task *next_free;
     float *out;                /* (max_batch, max(in, out)) */
+    float *in, *gout;          /* compressed requests: inputs and grad_outputs decoded
+                                  ((max_batch, in) and (max_batch, out); made on first use) */
+    void *enc;                 /* a compressed reply's bytes (made on first use) */
+    size_t enc_cap;
+    peer_dtype rdtype;         /* the reply's format, as the request asked */
+    int rblock;
 } svc_task;
 
 struct svc_block {
@@ -74,6 +82,11 @@ struct peer_service {
     int n_blocks;
     svc_block blocks[PEER_SERVICE_MAX_BLOCKS];
     peer_rpc_server *rpc;
+    peer_fmt_mask formats;     /* tensor formats accepted */
+    /* Tensor bytes of the compute methods by method (forward, backward,
+     * infer), format and direction (0 received, 1 sent); any thread. */
+    _Atomic uint64_t tensor_bytes[PEER_SERVICE_TRAFFIC_METHODS][PEER_FMT_COUNT][2];
+    _Atomic uint64_t sr_count;  /* stochastic rounding: one seed per gradient reply */
     struct svc_handler handlers[PEER_SERVICE_MAX_METHODS];
     int closing;
     void (*close_cb)(peer_service *, int, void *);
@@ -120,6 +133,9 @@ static void pool_free(svc_block *b)
     while (t) {
         svc_task *n = t->next_free;
         free(t->out);
+        free(t->in);
+        free(t->gout);
+        free(t->enc);
         free(t);
         t = n;
     }
@@ -141,6 +157,15 @@ static void task_fail(svc_task *t, int code, const char *why)
 {
     peer_rpc_respond_error(t->req, code, why);
     chain_put(t);
+}
+
+/* Counts n tensor bytes of a compute method in format dtype, received
+ * (dir 0) or sent (1). */
+static void traffic(peer_service *s, int method, peer_dtype dtype, int dir, size_t n)
+{
+    int m = method == PEER_METHOD_FORWARD ? 0 : method == PEER_METHOD_BACKWARD ? 1 : 2;
+    if ((unsigned)dtype < PEER_FMT_COUNT)
+        atomic_fetch_add_explicit(&s->tensor_bytes[m][dtype][dir], (uint64_t)n, memory_order_relaxed);
 }
 
 /* Answers t's request with its result (t is the request's last stage) or
@@ -177,12 +202,56 @@ static void task_reply(svc_task *t, int status)
     uint64_t row[2];
     int nrow = expert_block_row_shape(&b->cfg, t->method != PEER_METHOD_BACKWARD, row);
     reply.n_tensors = 1;
-    if (peer_tensor_rows(&reply.t[0], t->out, (uint64_t)pt->rows, nrow, row) != 0 ||
-        peer_rpc_respond(t->req, &reply) != 0) {
+    if (peer_tensor_rows(&reply.t[0], t->out, (uint64_t)pt->rows, nrow, row) != 0) {
+        task_fail(t, EIO, "compute failed");
+        return;
+    }
+    if (t->rdtype != PEER_DTYPE_F32) {
+        /* The reply in the format the client asked for. */
+        size_t nv = (size_t)peer_tensor_count(&reply.t[0]);
+        size_t need = peer_tensorfmt_size((peer_fmt)t->rdtype, t->rblock, nv);
+        if (need > t->enc_cap) {
+            free(t->enc);
+            size_t most = peer_tensorfmt_size((peer_fmt)t->rdtype, PEER_FMT_Q8_BLOCK_MIN,
+                                              (size_t)b->svc->cfg.max_batch *
+                                                  (size_t)(b->cfg.in > b->cfg.out ? b->cfg.in : b->cfg.out));
+            t->enc_cap = most > need ? most : need;
+            if (!(t->enc = malloc(t->enc_cap)))
+                t->enc_cap = 0;
+        }
+        /* Gradients (a backward's grad_inputs) with stochastic rounding:
+         * unbiased, like the trainer's grad_outputs; activations to nearest. */
+        uint64_t seed = atomic_fetch_add_explicit(&b->svc->sr_count, 1, memory_order_relaxed) * 0x9E3779B97F4A7C15ull;
+        long k = !t->enc ? -ENOMEM
+                 : t->method == PEER_METHOD_BACKWARD
+                     ? peer_tensorfmt_encode_sr((peer_fmt)t->rdtype, t->rblock, t->out, nv, seed, t->enc, t->enc_cap)
+                     : peer_tensorfmt_encode((peer_fmt)t->rdtype, t->rblock, t->out, nv, t->enc, t->enc_cap);
+        uint64_t shape[PEER_WIRE_MAX_DIMS];
+        memcpy(shape, reply.t[0].shape, sizeof shape);
+        if (k < 0 || peer_tensor_encoded(&reply.t[0], t->rdtype, t->rblock, t->enc, reply.t[0].ndim, shape) != 0) {
+            task_fail(t, k == -ENOMEM ? ENOMEM : EIO, k == -ENOMEM ? "out of memory" : "compute failed");
+            return;
+        }
+    }
+    traffic(b->svc, t->method, reply.t[0].dtype, 1, reply.t[0].nbytes);
+    if (peer_rpc_respond(t->req, &reply) != 0) {
         /* respond already answered the client (EIO) or dropped the
          * request; either way the request is gone. */
     }
     chain_put(t);
+}
+
+uint64_t peer_service_tensor_bytes(const peer_service *s, int method, int fmt, int dir)
+{
+    if (!s || method < 0 || method >= PEER_SERVICE_TRAFFIC_METHODS || fmt < 0 || fmt >= PEER_FMT_COUNT ||
+        dir < 0 || dir > 1)
+        return 0;
+    return atomic_load_explicit(&s->tensor_bytes[method][fmt][dir], memory_order_relaxed);
+}
+
+uint32_t peer_service_formats(const peer_service *s)
+{
+    return s ? s->formats : 0;
 }
 
 static svc_block *block_of_stage(peer_service *s, int index)
@@ -202,6 +271,8 @@ static svc_task *span_next(svc_task *t)
     if (!nt)
         return NULL;
     nt->req = t->req;
+    nt->rdtype = t->rdtype;
+    nt->rblock = t->rblock;
     nt->method = t->method;
     nt->span = t->span;
     nt->pos = t->pos + 1;
@@ -276,13 +347,14 @@ static void guard_log(peer_service *s, svc_block *b, const char *request_why)
  * per-sample norms within the bounds of this block's recent requests.
  * Refused before the request is queued, so nothing of it reaches the
  * gradients. Returns 0 or -ERANGE with a sentence in why. */
-static int check_backward(peer_service *s, svc_block *b, const peer_msg *msg, int rows, char *why, size_t len)
+static int check_backward(peer_service *s, svc_block *b, const float *in, const float *gout, int rows,
+                          char *why, size_t len)
 {
     double sqi, sqg;
     char what[160];
     /* Non-finite sums (an element NaN or Inf) fail the checks below. */
-    (void)expert_guard_sqnorm(msg->t[0].data, (size_t)rows * (size_t)b->cfg.in, &sqi);
-    (void)expert_guard_sqnorm(msg->t[1].data, (size_t)rows * (size_t)b->cfg.out, &sqg);
+    (void)expert_guard_sqnorm(in, (size_t)rows * (size_t)b->cfg.in, &sqi);
+    (void)expert_guard_sqnorm(gout, (size_t)rows * (size_t)b->cfg.out, &sqg);
     double ni = sqrt(sqi / rows), ng = sqrt(sqg / rows);
     int rc;
     if ((rc = expert_guard_check(&b->go_guard, &s->cfg.guard, ng, "per-sample grad_output", what,
@@ -377,6 +449,38 @@ static void infer_inline(peer_service *s, svc_task *t)
     }
 }
 
+/* Whether this peer accepts the formats of msg's tensors and of the reply
+ * it asks for; else answers EINVAL naming the ones it does. */
+static int formats_ok(peer_service *s, svc_block *b, peer_rpc_request *req, const peer_msg *msg)
+{
+    peer_dtype bad = msg->reply_dtype;
+    int ok = peer_fmt_mask_has(s->formats, (peer_fmt)bad);
+    for (int i = 0; ok && i < msg->n_tensors; i++)
+        if (!peer_fmt_mask_has(s->formats, (peer_fmt)msg->t[i].dtype))
+            ok = 0, bad = msg->t[i].dtype;
+    if (ok)
+        return 1;
+    char list[64], why[256];
+    if (peer_tensorfmt_mask_format(s->formats, list, sizeof list) < 0)
+        snprintf(list, sizeof list, "?");
+    snprintf(why, sizeof why, "%s: tensor format %s is not accepted by this peer (it accepts %s: starling peer "
+             "--wire-formats)", b->name, peer_tensorfmt_name((peer_fmt)bad), list);
+    peer_rpc_respond_error(req, EINVAL, why);
+    return 0;
+}
+
+/* Decodes the compressed tensor t into *buf (cap floats, allocated on first
+ * use) and points *out at it. Returns 0, -ENOMEM or -EBADMSG. */
+static int decoded(const peer_tensor *t, float **buf, size_t cap, const float **out)
+{
+    if (!*buf && !(*buf = malloc(cap * sizeof(float))))
+        return -ENOMEM;
+    int rc = peer_tensor_to_f32(t, *buf, cap);
+    if (rc == 0)
+        *out = *buf;
+    return rc == -ENOBUFS ? -EBADMSG : rc;
+}
+
 /* forward, backward and infer of hosted block b: checks the request, then
  * computes it inline or queues it on the block's batcher, whose worker
  * answers it. */
@@ -390,31 +494,54 @@ static void handle_compute(peer_service *s, svc_block *b, peer_rpc_request *req,
         char in_s[64], out_s[64];
         shape_text(in_s, sizeof in_s, &b->cfg, 0);
         shape_text(out_s, sizeof out_s, &b->cfg, 1);
-        snprintf(why, sizeof why, "%s of %s takes %s f32 tensor%s of shape %s%s%s with 1 <= B <= %d",
+        snprintf(why, sizeof why, "%s of %s takes %s tensor%s of shape %s%s%s with 1 <= B <= %d",
                  fwd ? "forward" : "backward", b->name, fwd ? "one" : "two", fwd ? "" : "s", in_s,
                  fwd ? "" : " and ", fwd ? "" : out_s, s->cfg.max_batch);
         peer_rpc_respond_error(req, EINVAL, why);
         return;
     }
-    /* Token values too, per client, before requests are joined: one bad
-     * request must not fail the others in its batch. */
-    if (expert_block_input_check(&b->cfg, msg->t[0].data, (int)rows, why, sizeof why) != 0) {
-        peer_rpc_respond_error(req, EINVAL, why);
-        return;
-    }
-    if (!fwd && check_backward(s, b, msg, (int)rows, why, sizeof why) != 0) {
-        peer_rpc_respond_error(req, ERANGE, why);
-        return;
-    }
-    int span = infer_span(s, b, req, msg);
-    if (span == 0)
+    if (!formats_ok(s, b, req, msg))
         return;
     svc_task *t = pool_get(b);
     if (!t) {
         peer_rpc_respond_error(req, EBUSY, "peer overloaded; try another replica");
         return;
     }
+    const float *in = msg->t[0].data, *gout = fwd ? NULL : msg->t[1].data;
+    int rc = 0;
+    if (msg->t[0].dtype != PEER_DTYPE_F32)
+        rc = decoded(&msg->t[0], &t->in, (size_t)s->cfg.max_batch * (size_t)b->cfg.in, &in);
+    if (rc == 0 && !fwd && msg->t[1].dtype != PEER_DTYPE_F32)
+        rc = decoded(&msg->t[1], &t->gout, (size_t)s->cfg.max_batch * (size_t)b->cfg.out, &gout);
+    for (int i = 0; i < msg->n_tensors; i++)
+        traffic(s, msg->method, msg->t[i].dtype, 0, msg->t[i].nbytes);
+    if (rc != 0) {
+        pool_put(b, t);
+        snprintf(why, sizeof why, "%s of %s: a %s tensor does not decode", fwd ? "forward" : "backward",
+                 b->name, rc == -ENOMEM ? "(out of memory)" : "compressed");
+        peer_rpc_respond_error(req, rc == -ENOMEM ? ENOMEM : EBADMSG, why);
+        return;
+    }
+    /* Token values too, per client, before requests are joined: one bad
+     * request must not fail the others in its batch. */
+    if (expert_block_input_check(&b->cfg, in, (int)rows, why, sizeof why) != 0) {
+        pool_put(b, t);
+        peer_rpc_respond_error(req, EINVAL, why);
+        return;
+    }
+    if (!fwd && check_backward(s, b, in, gout, (int)rows, why, sizeof why) != 0) {
+        pool_put(b, t);
+        peer_rpc_respond_error(req, ERANGE, why);
+        return;
+    }
+    int span = infer_span(s, b, req, msg);
+    if (span == 0) {
+        pool_put(b, t);
+        return;
+    }
     t->req = req;
+    t->rdtype = msg->reply_dtype;
+    t->rblock = msg->reply_block;
     t->method = msg->method;
     t->span = span;
     t->pos = 0;
@@ -424,8 +551,8 @@ static void handle_compute(peer_service *s, svc_block *b, peer_rpc_request *req,
                 : fwd                           ? PEER_TASK_FORWARD
                                                 : PEER_TASK_BACKWARD;
     t->t.rows = (int)rows;
-    t->t.inputs = msg->t[0].data;
-    t->t.grad_outputs = fwd ? NULL : msg->t[1].data;
+    t->t.inputs = in;
+    t->t.grad_outputs = gout;
     t->t.outputs = t->out;
     t->t.done = task_done;
     /* A backward may name the weight version its forward used, so the
@@ -437,7 +564,7 @@ static void handle_compute(peer_service *s, svc_block *b, peer_rpc_request *req,
         infer_inline(s, t);
         return;
     }
-    int rc = peer_batcher_submit(b->batcher, &t->t);
+    rc = peer_batcher_submit(b->batcher, &t->t);
     if (rc != 0) {
         pool_put(b, t);
         if (rc == -EAGAIN)
@@ -744,6 +871,8 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
     }
     s->loop = loop;
     s->cfg = *cfg;
+    s->formats = cfg->formats ? cfg->formats & PEER_FMT_MASK_ALL : PEER_FMT_MASK_ALL;
+    s->formats |= PEER_FMT_BIT(PEER_FMT_F32); /* every peer takes float32 */
     s->cfg.blocks = NULL; /* borrowed pointers are not kept */
     s->cfg.self = NULL;
     s->cfg.model = NULL;

@@ -89,6 +89,8 @@ typedef struct peer_service_config {
     int rpc_max_conns_per_ip;     /* per IPv4 address or IPv6 /64 (64) */
     int rpc_max_handshakes;       /* unfinished handshakes (64) */
     uint64_t rpc_idle_timeout_ms; /* established connection with nothing happening (120000) */
+    uint32_t formats;             /* tensor formats accepted from clients (peer_fmt_mask,
+                                     peer/tensorfmt.h); 0: all. float32 always */
     const char *checkpoint_dir;   /* NULL: no checkpoints */
     FILE *log;                    /* warnings and notes about checkpoints (stale temp
                                      files removed, a file that records no stage);
@@ -142,6 +144,14 @@ int peer_service_block_info(peer_service *s, int i, peer_block_info *info);
  * the limits, bytes held; peer_rpc_server_stats). s NULL: all zero. Loop
  * thread. */
 void peer_service_rpc_stats(const peer_service *s, peer_rpc_server_stats *out);
+
+/* Tensor bytes of the compute methods: method 0 forward, 1 backward, 2
+ * infer; fmt a peer_fmt; dir 0 received in requests, 1 sent in replies.
+ * Any thread. */
+#define PEER_SERVICE_TRAFFIC_METHODS 3
+uint64_t peer_service_tensor_bytes(const peer_service *s, int method, int fmt, int dir);
+/* The accepted formats (peer_fmt_mask). */
+uint32_t peer_service_formats(const peer_service *s);
 
 /* Installs serialized state (from a donor's PEER_METHOD_STATE download) into
  * hosted block i. Returns 0, -EINVAL, or expert_block_deserialize's error

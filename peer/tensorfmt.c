@@ -18,6 +18,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "peer/tensorfmt.h"
@@ -437,6 +438,82 @@ long peer_tensorfmt_encode(peer_fmt fmt, int block, const float *src, size_t n, 
         return rc;
     encode(fmt, block, src, n, dst);
     return (long)len;
+}
+
+/* A uniform value in [0, 1) from the 24 top bits of SplitMix64's output for
+ * (seed, i): counter-based, so any value's draw is independent of the
+ * others' and of the thread that encodes it. */
+static inline float sr_uniform(uint64_t seed, uint64_t i)
+{
+    uint64_t z = seed + (i + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)(z >> 40) * 0x1p-24f;
+}
+
+/* One Q8 block with stochastic rounding: code = floor(x / scale + u). */
+static void enc_q8_block_sr(const float *restrict x, size_t m, uint64_t seed, uint64_t first,
+                            uint8_t *restrict p)
+{
+    uint32_t amax_bits = absmax_bits(x, m);
+    int8_t *c = (int8_t *)(p + 4);
+    if (amax_bits >= 0x7F800000u || amax_bits == 0) {
+        enc_q8_block(x, m, p); /* NaN or zero scale: nothing to round */
+        return;
+    }
+    float amax = u2f(amax_bits), scale = amax / 127.0f;
+    scale = scale > Q8_SCALE_MAX ? Q8_SCALE_MAX : scale;
+    memcpy(p, &scale, 4);
+    double inv = 127.0 / (double)amax;
+    for (size_t i = 0; i < m; i++) {
+        double q = floor((double)x[i] * inv + (double)sr_uniform(seed, first + i));
+        c[i] = (int8_t)(q > 127.0 ? 127 : q < -127.0 ? -127 : (int)q);
+    }
+}
+
+long peer_tensorfmt_encode_sr(peer_fmt fmt, int block, const float *src, size_t n, uint64_t seed, void *dst,
+                              size_t cap)
+{
+    size_t len;
+    long rc = enc_check(fmt, block, src, n, dst, cap, &len);
+    if (rc)
+        return rc;
+    if (fmt != PEER_FMT_Q8) {
+        encode(fmt, block, src, n, dst);
+        return (long)len;
+    }
+    uint8_t *p = dst;
+    for (size_t i = 0; i < n; i += (size_t)block) {
+        size_t m = n - i < (size_t)block ? n - i : (size_t)block;
+        enc_q8_block_sr(src + i, m, seed, i, p);
+        p += 4 + m;
+    }
+    return (long)len;
+}
+
+int peer_tensorfmt_spec_parse(const char *spec, peer_fmt *fmt, int *block)
+{
+    if (!spec || !fmt || !block)
+        return -EINVAL;
+    const char *colon = strchr(spec, ':');
+    size_t len = colon ? (size_t)(colon - spec) : strlen(spec);
+    peer_fmt f;
+    if (parse_n(spec, len, &f))
+        return -EINVAL;
+    int b = f == PEER_FMT_Q8 ? PEER_FMT_Q8_BLOCK : 0;
+    if (colon) {
+        char *end;
+        errno = 0;
+        long v = strtol(colon + 1, &end, 10);
+        if (f != PEER_FMT_Q8 || errno || end == colon + 1 || *end || v < PEER_FMT_Q8_BLOCK_MIN ||
+            v > PEER_FMT_Q8_BLOCK_MAX || peer_tensorfmt_check(f, (int)v))
+            return -EINVAL;
+        b = (int)v;
+    }
+    *fmt = f;
+    *block = b;
+    return 0;
 }
 
 int peer_tensorfmt_decode(peer_fmt fmt, int block, const void *src, size_t len, size_t n,

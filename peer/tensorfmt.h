@@ -135,6 +135,24 @@ long peer_tensorfmt_encode(peer_fmt fmt, int block, const float *src, size_t n, 
 int peer_tensorfmt_decode(peer_fmt fmt, int block, const void *src, size_t len, size_t n,
                           float *dst);
 
+/* Encoding with stochastic rounding, for gradients that cross the wire once
+ * (a stage's grad_outputs and grad_inputs): Q8 codes are floor(x / scale +
+ * u) with u uniform in [0, 1) drawn from (seed, index) by SplitMix64, so
+ * each decoded value is an unbiased estimate of x (E = x up to 2^-24 of a
+ * step), where rounding to nearest shrinks every value below half a step
+ * to 0, the same way every time. Error up to one step (absmax/127) per
+ * value. Same layout and decoder as peer_tensorfmt_encode; F32, F16 and
+ * BF16 are encoded as there (their steps are small). Returns as
+ * peer_tensorfmt_encode. Deterministic for a given seed. */
+long peer_tensorfmt_encode_sr(peer_fmt fmt, int block, const float *src, size_t n, uint64_t seed, void *dst,
+                              size_t cap);
+
+/* Parses "FMT" or "q8:BLOCK" (a --wire-format value) into *fmt and *block
+ * (Q8's default block when not given, 0 for the others). Returns 0, or
+ * -EINVAL (unknown name, a block for another format than q8, a block that
+ * is not a power of two in [16, 4096]); the outputs are then unchanged. */
+int peer_tensorfmt_spec_parse(const char *spec, peer_fmt *fmt, int *block);
+
 /* Encoding with error feedback, for gradients. x is (n,), residual is (n,)
  * and holds what earlier calls could not send (zero it before the first
  * call). Encodes v = x + residual into dst like peer_tensorfmt_encode, then

@@ -10,13 +10,41 @@
 
 #include <msgpack.h>
 
+#include "peer/tensorfmt.h"
 #include "peer/wire.h"
 
 #define DEFAULT_MAX_FRAME (256u << 20)
 #define MAX_SKIP_DEPTH 8
 
 enum { K_KIND = 0, K_METHOD = 1, K_ID = 2, K_BLOCK = 3, K_TENSORS = 4, K_CODE = 5, K_MSG = 6,
-       K_META = 7 };
+       K_META = 7, K_RFMT = 8 };
+
+_Static_assert((int)PEER_DTYPE_F16 == (int)PEER_FMT_F16 && (int)PEER_DTYPE_BF16 == (int)PEER_FMT_BF16 &&
+                   (int)PEER_DTYPE_Q8 == (int)PEER_FMT_Q8 && PEER_FMT_COUNT == 4,
+               "wire dtypes are the tensor formats");
+
+static size_t pad4(size_t n)
+{
+    return (4 - (n & 3)) & 3;
+}
+
+/* 0 if (dtype, block) names a format with a valid block (0 unless q8). */
+static int check_fmt(uint64_t dtype, int64_t block)
+{
+    if (dtype >= PEER_FMT_COUNT)
+        return -EINVAL;
+    if (dtype != PEER_DTYPE_Q8)
+        return block == 0 ? 0 : -EINVAL;
+    return block > 0 && block <= PEER_FMT_Q8_BLOCK_MAX && peer_tensorfmt_check(PEER_FMT_Q8, (int)block) == 0
+               ? 0
+               : -EINVAL;
+}
+
+/* Encoded bytes of n values (n already bounded so 4n fits a size_t). */
+static size_t fmt_bytes(peer_dtype dtype, int block, uint64_t n)
+{
+    return n ? peer_tensorfmt_size((peer_fmt)dtype, block, (size_t)n) : 0;
+}
 
 int peer_tensor_rows(peer_tensor *t, const float *data, uint64_t rows, int nrow, const uint64_t *row)
 {
@@ -28,10 +56,28 @@ int peer_tensor_rows(peer_tensor *t, const float *data, uint64_t rows, int nrow,
     return peer_tensor_f32(t, data, nrow + 1, shape);
 }
 
+int peer_tensor_rows_as(peer_tensor *t, const float *data, uint64_t rows, int nrow, const uint64_t *row,
+                        peer_dtype dtype, int block, int sr, uint64_t sr_seed, void *scratch, size_t cap)
+{
+    int rc = peer_tensor_rows(t, data, rows, nrow, row);
+    if (rc || dtype == PEER_DTYPE_F32)
+        return rc;
+    if (check_fmt(dtype, block))
+        return -EINVAL;
+    size_t n = (size_t)peer_tensor_count(t);
+    long k = sr ? peer_tensorfmt_encode_sr((peer_fmt)dtype, block, data, n, sr_seed, scratch, cap)
+                : peer_tensorfmt_encode((peer_fmt)dtype, block, data, n, scratch, cap);
+    if (k < 0)
+        return (int)k;
+    uint64_t shape[PEER_WIRE_MAX_DIMS];
+    memcpy(shape, t->shape, sizeof shape);
+    return peer_tensor_encoded(t, dtype, block, scratch, t->ndim, shape);
+}
+
 int peer_tensor_is_rows(const peer_tensor *t, int nrow, const uint64_t *row, uint64_t max_rows,
                         uint64_t *rows_out)
 {
-    if (!t || !row || t->dtype != PEER_DTYPE_F32 || t->ndim != nrow + 1 || t->shape[0] < 1 ||
+    if (!t || !row || t->ndim != nrow + 1 || t->shape[0] < 1 ||
         t->shape[0] > max_rows)
         return 0;
     for (int i = 0; i < nrow; i++)
@@ -44,7 +90,39 @@ int peer_tensor_is_rows(const peer_tensor *t, int nrow, const uint64_t *row, uin
 
 int peer_tensor_f32(peer_tensor *t, const float *data, int ndim, const uint64_t *shape)
 {
-    if (!t || ndim < 0 || ndim > PEER_WIRE_MAX_DIMS || (ndim && !shape))
+    return peer_tensor_encoded(t, PEER_DTYPE_F32, 0, data, ndim, shape);
+}
+
+uint64_t peer_tensor_count(const peer_tensor *t)
+{
+    uint64_t n = 1;
+    for (int i = 0; t && i < t->ndim; i++)
+        n *= t->shape[i];
+    return t ? n : 0;
+}
+
+int peer_tensor_to_f32(const peer_tensor *t, float *dst, size_t cap)
+{
+    uint64_t n = peer_tensor_count(t);
+    if (!t || n > cap)
+        return -ENOBUFS;
+    if (t->dtype == PEER_DTYPE_F32) {
+        if (t->nbytes != n * 4)
+            return -EBADMSG;
+        if (n)
+            memcpy(dst, t->data, t->nbytes);
+        return 0;
+    }
+    if (n == 0)
+        return t->nbytes == 0 ? 0 : -EBADMSG;
+    int rc = peer_tensorfmt_decode((peer_fmt)t->dtype, t->block, t->data, t->nbytes, (size_t)n, dst);
+    return rc == -EINVAL ? -EBADMSG : rc;
+}
+
+int peer_tensor_encoded(peer_tensor *t, peer_dtype dtype, int block, const void *data, int ndim,
+                        const uint64_t *shape)
+{
+    if (!t || ndim < 0 || ndim > PEER_WIRE_MAX_DIMS || (ndim && !shape) || check_fmt(dtype, block))
         return -EINVAL;
     uint64_t n = 1;
     for (int i = 0; i < ndim; i++) {
@@ -55,12 +133,13 @@ int peer_tensor_f32(peer_tensor *t, const float *data, int ndim, const uint64_t 
     if (n > SIZE_MAX / 4)
         return -EOVERFLOW;
     memset(t, 0, sizeof *t);
-    t->dtype = PEER_DTYPE_F32;
+    t->dtype = dtype;
+    t->block = block;
     t->ndim = ndim;
     for (int i = 0; i < ndim; i++)
         t->shape[i] = shape[i];
     t->data = data;
-    t->nbytes = (size_t)n * 4;
+    t->nbytes = fmt_bytes(dtype, block, n);
     return 0;
 }
 
@@ -100,12 +179,13 @@ static long check_msg(const peer_msg *m, size_t *data_len)
     if (!m || m->n_tensors < 0 || m->n_tensors > PEER_WIRE_MAX_TENSORS ||
         strnlen(m->block, sizeof m->block) > PEER_WIRE_MAX_BLOCK ||
         strnlen(m->err_msg, sizeof m->err_msg) > PEER_WIRE_MAX_ERRMSG ||
-        m->meta_len > PEER_WIRE_MAX_META || (m->meta_len && !m->meta))
+        m->meta_len > PEER_WIRE_MAX_META || (m->meta_len && !m->meta) ||
+        check_fmt(m->reply_dtype, m->reply_block))
         return -EINVAL;
     size_t total = 0;
     for (int i = 0; i < m->n_tensors; i++) {
         const peer_tensor *t = &m->t[i];
-        if (t->dtype != PEER_DTYPE_F32 || t->ndim < 0 || t->ndim > PEER_WIRE_MAX_DIMS)
+        if (check_fmt(t->dtype, t->block) || t->ndim < 0 || t->ndim > PEER_WIRE_MAX_DIMS)
             return -EINVAL;
         uint64_t n = 1;
         for (int d = 0; d < t->ndim; d++) {
@@ -113,9 +193,10 @@ static long check_msg(const peer_msg *m, size_t *data_len)
                 return -EINVAL;
             n *= t->shape[d];
         }
-        if (n * 4 != t->nbytes || (t->nbytes && !t->data) || t->nbytes > SIZE_MAX - total)
+        if (n > SIZE_MAX / 4 || fmt_bytes(t->dtype, t->block, n) != t->nbytes || (t->nbytes && !t->data) ||
+            t->nbytes + 3 > SIZE_MAX - total)
             return -EINVAL;
-        total += t->nbytes;
+        total += t->nbytes + pad4(t->nbytes);
     }
     *data_len = total;
     return 0;
@@ -124,8 +205,9 @@ static long check_msg(const peer_msg *m, size_t *data_len)
 static void pack_header(msgpack_packer *pk, const peer_msg *m)
 {
     size_t blen = strlen(m->block), elen = strlen(m->err_msg);
+    int rfmt = m->kind == PEER_KIND_REQUEST && m->reply_dtype != PEER_DTYPE_F32;
     int n = 3 + (blen > 0) + (m->n_tensors > 0) + (m->kind == PEER_KIND_ERROR) * 2 +
-            (m->meta_len > 0);
+            (m->meta_len > 0) + rfmt;
     msgpack_pack_map(pk, (size_t)n);
     msgpack_pack_uint8(pk, K_KIND);
     msgpack_pack_uint8(pk, (uint8_t)m->kind);
@@ -143,11 +225,13 @@ static void pack_header(msgpack_packer *pk, const peer_msg *m)
         msgpack_pack_array(pk, (size_t)m->n_tensors);
         for (int i = 0; i < m->n_tensors; i++) {
             const peer_tensor *t = &m->t[i];
-            msgpack_pack_array(pk, 2);
+            msgpack_pack_array(pk, t->dtype == PEER_DTYPE_Q8 ? 3 : 2);
             msgpack_pack_uint8(pk, (uint8_t)t->dtype);
             msgpack_pack_array(pk, (size_t)t->ndim);
             for (int d = 0; d < t->ndim; d++)
                 msgpack_pack_uint64(pk, t->shape[d]);
+            if (t->dtype == PEER_DTYPE_Q8)
+                msgpack_pack_uint32(pk, (uint32_t)t->block);
         }
     }
     if (m->kind == PEER_KIND_ERROR) {
@@ -162,11 +246,13 @@ static void pack_header(msgpack_packer *pk, const peer_msg *m)
         msgpack_pack_bin(pk, m->meta_len);
         msgpack_pack_bin_body(pk, m->meta, m->meta_len);
     }
-}
-
-static size_t pad4(size_t n)
-{
-    return (4 - (n & 3)) & 3;
+    if (rfmt) {
+        msgpack_pack_uint8(pk, K_RFMT);
+        msgpack_pack_array(pk, m->reply_dtype == PEER_DTYPE_Q8 ? 2 : 1);
+        msgpack_pack_uint8(pk, (uint8_t)m->reply_dtype);
+        if (m->reply_dtype == PEER_DTYPE_Q8)
+            msgpack_pack_uint32(pk, (uint32_t)m->reply_block);
+    }
 }
 
 long peer_wire_size(const peer_msg *m)
@@ -222,9 +308,11 @@ long peer_wire_encode(const peer_msg *m, uint8_t *out, size_t cap)
         return head;
     size_t off = (size_t)head;
     for (int i = 0; i < m->n_tensors; i++) {
-        if (m->t[i].nbytes)
-            memcpy(out + off, m->t[i].data, m->t[i].nbytes);
-        off += m->t[i].nbytes;
+        size_t nb = m->t[i].nbytes, pad = pad4(nb);
+        if (nb)
+            memcpy(out + off, m->t[i].data, nb);
+        memset(out + off + nb, 0, pad);
+        off += nb + pad;
     }
     return (long)off;
 }
@@ -413,12 +501,12 @@ static int rd_tensors(rd *r, const peer_wire_limits *lim, peer_msg *out)
         peer_tensor *t = &out->t[i];
         size_t two, nd;
         uint64_t dt;
-        if (rd_array(r, &two) || two != 2 || rd_uint(r, &dt) || dt != PEER_DTYPE_F32 ||
-            rd_array(r, &nd))
+        if (rd_array(r, &two) || two < 2 || two > 3 || rd_uint(r, &dt) || dt >= PEER_FMT_COUNT ||
+            (two == 3) != (dt == PEER_DTYPE_Q8) || rd_array(r, &nd))
             return -EBADMSG;
         if (nd > (size_t)lim->max_dims)
             return -EMSGSIZE;
-        t->dtype = PEER_DTYPE_F32;
+        t->dtype = (peer_dtype)dt;
         t->ndim = (int)nd;
         uint64_t elems = 1;
         for (size_t d = 0; d < nd; d++) {
@@ -429,8 +517,28 @@ static int rd_tensors(rd *r, const peer_wire_limits *lim, peer_msg *out)
                 return -EMSGSIZE;
             elems *= t->shape[d];
         }
-        t->nbytes = (size_t)elems * 4;
+        if (two == 3) {
+            uint64_t blk;
+            if (rd_uint(r, &blk) || blk > PEER_FMT_Q8_BLOCK_MAX || check_fmt(dt, (int64_t)blk))
+                return -EBADMSG;
+            t->block = (int)blk;
+        }
+        t->nbytes = fmt_bytes(t->dtype, t->block, elems);
     }
+    return 0;
+}
+
+/* Key 8: [dtype] or [3, block]. */
+static int rd_rfmt(rd *r, peer_msg *out)
+{
+    size_t n;
+    uint64_t dt, blk = 0;
+    if (rd_array(r, &n) || n < 1 || n > 2 || rd_uint(r, &dt) || dt >= PEER_FMT_COUNT ||
+        (n == 2) != (dt == PEER_DTYPE_Q8) || (n == 2 && rd_uint(r, &blk)) || blk > PEER_FMT_Q8_BLOCK_MAX ||
+        check_fmt(dt, (int64_t)blk))
+        return -EBADMSG;
+    out->reply_dtype = (peer_dtype)dt;
+    out->reply_block = (int)blk;
     return 0;
 }
 
@@ -512,6 +620,10 @@ int peer_wire_decode(const uint8_t *p, size_t len, const peer_wire_limits *lim_i
             memcpy(out->err_msg, s, sn);
             out->err_msg[sn] = '\0';
             break;
+        case K_RFMT:
+            if (rd_rfmt(&r, out))
+                return -EBADMSG;
+            break;
         case K_META:
             if (rd_bin(&r, &s, &sn))
                 return -EBADMSG;
@@ -543,11 +655,15 @@ int peer_wire_decode(const uint8_t *p, size_t len, const peer_wire_limits *lim_i
         return -EBADMSG;
     size_t left = len - off;
     for (int i = 0; i < out->n_tensors; i++) {
-        if (out->t[i].nbytes > left)
+        size_t nb = out->t[i].nbytes, tpad = pad4(nb);
+        if (nb > left || tpad > left - nb)
             return -EBADMSG;
-        out->t[i].data = out->t[i].nbytes ? p + off : NULL;
-        off += out->t[i].nbytes;
-        left -= out->t[i].nbytes;
+        out->t[i].data = nb ? p + off : NULL;
+        for (size_t k = 0; k < tpad; k++)
+            if (p[off + nb + k])
+                return -EBADMSG;
+        off += nb + tpad;
+        left -= nb + tpad;
     }
     if (left)
         return -EBADMSG;

@@ -4,12 +4,17 @@
  *     u32 LE  hlen            length of the msgpack header
  *     hlen    header          msgpack map with small integer keys (below)
  *     pad     0..3 zero bytes so the tensor bytes start at a multiple of 4
- *     data    raw tensor bytes, tensor after tensor, little-endian f32, C order
+ *     data    tensor after tensor, each in its format (peer/tensorfmt.h: f32,
+ *             f16, bf16 or blockwise q8, C order) and followed by 0..3 zero
+ *             bytes so the next starts at a multiple of 4 (f32 needs none)
  * Tensor bytes never pass through msgpack. Header keys (unknown keys are
  * skipped, so later versions can add fields):
  *     0 kind (uint: 0 request, 1 reply, 2 error)   1 method (uint)
- *     2 id (uint64)   3 block (str)   4 tensors: array of [dtype, [dims...]]
+ *     2 id (uint64)   3 block (str)
+ *     4 tensors: array of [dtype, [dims...]], or [3, [dims...], block] for q8
  *     5 error code (int)   6 error message (str)   7 meta (bin, opaque)
+ *     8 reply format (requests): [dtype] or [3, block]: the format the
+ *       client wants the reply's tensors in (absent: f32)
  * docs/rpc.md is the byte-level reference.
  *
  * The decoder treats its input as hostile: every length is bounded, every
@@ -38,7 +43,13 @@ typedef enum peer_method {
     PEER_METHOD_STATE = 5,      /* a chunk of a block's serialized state (newcomer download) */
     PEER_METHOD_AVG = 6,        /* a slice of a group-averaging round (peer/allreduce.h) */
 } peer_method;
-typedef enum peer_dtype { PEER_DTYPE_F32 = 0 } peer_dtype;
+/* A tensor's format on the wire: the values of peer_fmt (peer/tensorfmt.h). */
+typedef enum peer_dtype {
+    PEER_DTYPE_F32 = 0,
+    PEER_DTYPE_F16 = 1,
+    PEER_DTYPE_BF16 = 2,
+    PEER_DTYPE_Q8 = 3,
+} peer_dtype;
 
 /* Error codes carried by PEER_KIND_ERROR replies: positive errno values, so
  * both ends can strerror() them (EINVAL wrong shape or arguments, ENOENT
@@ -47,11 +58,13 @@ typedef enum peer_dtype { PEER_DTYPE_F32 = 0 } peer_dtype;
 
 typedef struct peer_tensor {
     peer_dtype dtype;
+    int block;                         /* q8's block length; 0 for the other formats */
     int ndim;                          /* 0..PEER_WIRE_MAX_DIMS */
     uint64_t shape[PEER_WIRE_MAX_DIMS];
     const void *data;                  /* borrowed; nbytes bytes, 4-byte aligned when decoded */
-    size_t nbytes;                     /* = 4 * prod(shape); set by the decoder, and by
-                                          peer_tensor_f32 for the encoder */
+    size_t nbytes;                     /* = peer_tensorfmt_size(dtype, block, prod(shape))
+                                          (4 * prod(shape) for f32); set by the decoder,
+                                          and by peer_tensor_f32/_encoded for the encoder */
 } peer_tensor;
 
 typedef struct peer_msg {
@@ -65,6 +78,8 @@ typedef struct peer_msg {
     size_t meta_len;
     int n_tensors;
     peer_tensor t[PEER_WIRE_MAX_TENSORS];
+    peer_dtype reply_dtype;            /* requests: the reply's tensor format (key 8) */
+    int reply_block;                   /* its q8 block; 0 otherwise */
 } peer_msg;
 
 typedef struct peer_wire_limits {
@@ -94,11 +109,35 @@ static inline void peer_put_le64(void *p, uint64_t v)
  * Returns 0, or -EINVAL (too many dims) or -EOVERFLOW (size overflows). */
 int peer_tensor_f32(peer_tensor *t, const float *data, int ndim, const uint64_t *shape);
 
+/* Fills t as a tensor of the given shape whose data (borrowed) is already
+ * encoded in format dtype (block: q8's block length, else 0). Returns 0,
+ * -EINVAL (bad format, block or dims) or -EOVERFLOW. */
+int peer_tensor_encoded(peer_tensor *t, peer_dtype dtype, int block, const void *data, int ndim,
+                        const uint64_t *shape);
+
+/* The number of values in t (the product of its shape). */
+uint64_t peer_tensor_count(const peer_tensor *t);
+
+/* Decodes t's data, in whatever format it came, into dst (cap floats, at
+ * least peer_tensor_count(t)). Returns 0, -ENOBUFS (cap too small) or
+ * -EBADMSG (a payload its format refuses, e.g. a negative q8 scale; dst is
+ * then unchanged). The decoder has checked the byte count already. */
+int peer_tensor_to_f32(const peer_tensor *t, float *dst, size_t cap);
+
 /* A batch of rows: t = f32 data of shape (rows, row[0], .., row[nrow-1]),
  * 1 <= nrow < PEER_WIRE_MAX_DIMS. Returns peer_tensor_f32's result. */
 int peer_tensor_rows(peer_tensor *t, const float *data, uint64_t rows, int nrow, const uint64_t *row);
-/* Whether t is f32 of shape (B, row[0], .., row[nrow-1]) with 1 <= B <=
- * max_rows; then *rows_out = B. Returns 1 or 0. */
+/* peer_tensor_rows in format dtype (block: q8's, else 0): data is encoded
+ * into scratch (cap bytes), rounded to nearest, or stochastically with
+ * sr_seed when sr is set (gradients: peer_tensorfmt_encode_sr). For f32,
+ * t borrows data and scratch is unused. Returns 0, -EINVAL, -EOVERFLOW or
+ * -ENOBUFS (scratch too small). */
+int peer_tensor_rows_as(peer_tensor *t, const float *data, uint64_t rows, int nrow, const uint64_t *row,
+                        peer_dtype dtype, int block, int sr, uint64_t sr_seed, void *scratch, size_t cap);
+
+/* Whether t has shape (B, row[0], .., row[nrow-1]) with 1 <= B <=
+ * max_rows, in any format (read it with peer_tensor_to_f32 unless its dtype
+ * is f32); then *rows_out = B. Returns 1 or 0. */
 int peer_tensor_is_rows(const peer_tensor *t, int nrow, const uint64_t *row, uint64_t max_rows,
                         uint64_t *rows_out);
 

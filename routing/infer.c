@@ -150,9 +150,9 @@ static int on_reply(void *arg, route_caller_call *c, const peer_msg *m)
     if (nrow == 0)
         nrow = expert_block_row_shape(&cfg, 1, row);
     if (nrow < 1 || m->n_tensors != 1 || !peer_tensor_is_rows(&m->t[0], nrow, row, (uint64_t)u->rows, &rows) ||
-        rows != (uint64_t)u->rows)
+        rows != (uint64_t)u->rows ||
+        peer_tensor_to_f32(&m->t[0], u->buf[(last + 1) & 1], (size_t)u->rows * (size_t)st->out) != 0)
         return -EBADMSG;
-    memcpy(u->buf[(last + 1) & 1], m->t[0].data, (size_t)u->rows * (size_t)st->out * sizeof(float));
     for (int i = 0; i < served; i++) {
         uint64_t v = vers[i];
         if (v < in->res->ver_min[c->stage + i])

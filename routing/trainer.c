@@ -12,6 +12,7 @@
 
 #include "expert/ops.h"
 #include "peer/meta.h"
+#include "peer/tensorfmt.h"
 #include "peer/wire.h"
 #include "routing/caller.h"
 #include "routing/pipeline.h"
@@ -89,6 +90,11 @@ typedef struct trainer {
                                       evaluation): the clock max_seconds counts on */
     uint64_t *offs;                /* (batch) window offsets */
     int32_t *tbuf;                 /* (batch, lpr) targets of a text batch */
+    /* compressed requests: the encoded tensors of the call being built
+     * (sealed before route_caller_send returns, so one buffer serves all) */
+    uint8_t *wbuf;
+    size_t wbuf_cap;
+    uint64_t sr_count;             /* stochastic rounding: one seed per gradient sent */
 } trainer;
 
 static double now_s(const trainer *t)
@@ -256,27 +262,52 @@ static int prefer(void *arg, const route_caller_call *c, const route_replica *re
 }
 
 /* hooks.build: inputs (and for a backward, the output gradient and the
- * forward's weight version when it goes to the forward's holder). */
+ * forward's weight version when it goes to the forward's holder), in the
+ * wire format when the holder accepts it: activations rounded to nearest
+ * (the same bytes every time, so a backward's inputs equal its forward's),
+ * gradients stochastically (unbiased; peer_tensorfmt_encode_sr). */
 static int build(void *arg, route_caller_call *c, const route_holder *h, int preferred, peer_msg *m,
                  uint8_t *meta_buf)
 {
     trainer *t = arg;
     const pend *p = c->user;
     const route_call *call = &p->call;
-    (void)h;
     struct expert_block_config cfg;
     uint64_t rin[2], rout[2];
     expert_model_stage(t->cfg.model, call->stage, &cfg);
     int nin = expert_block_row_shape(&cfg, 0, rin), nout = expert_block_row_shape(&cfg, 1, rout);
-    peer_tensor_rows(&m->t[0], call->inputs, (uint64_t)call->rows, nin, rin);
+    peer_dtype fmt = PEER_DTYPE_F32;
+    int block = 0;
+    if (t->cfg.wire_format != PEER_FMT_F32 && h && peer_fmt_mask_has(h->ann.formats, (peer_fmt)t->cfg.wire_format)) {
+        fmt = (peer_dtype)t->cfg.wire_format;
+        block = fmt != PEER_DTYPE_Q8 ? 0 : t->cfg.wire_block ? t->cfg.wire_block : PEER_FMT_Q8_BLOCK;
+    }
+    /* Token values must arrive exact: an embed stage's inputs stay f32. */
+    int tokens = cfg.kind == EXPERT_BLOCK_EMBED;
+    size_t half = t->wbuf_cap / 2;
+    int rc = peer_tensor_rows_as(&m->t[0], call->inputs, (uint64_t)call->rows, nin, rin,
+                                 tokens ? PEER_DTYPE_F32 : fmt, tokens ? 0 : block, 0, 0, t->wbuf, half);
     m->n_tensors = 1;
-    if (call->kind == ROUTE_CALL_BACKWARD) {
-        peer_tensor_rows(&m->t[1], call->grad_outputs, (uint64_t)call->rows, nout, rout);
+    if (rc == 0 && call->kind == ROUTE_CALL_BACKWARD) {
+        rc = peer_tensor_rows_as(&m->t[1], call->grad_outputs, (uint64_t)call->rows, nout, rout, fmt, block, 1,
+                                 t->cfg.seed ^ (++t->sr_count * 0xD1B54A32D192ED03ull), t->wbuf + half, half);
         m->n_tensors = 2;
         if (preferred && t->fwd_version_known[call->slot][call->stage]) {
             m->meta = meta_buf;
             m->meta_len = peer_meta_at_version_encode(meta_buf, t->fwd_version[call->slot][call->stage]);
         }
+    }
+    if (rc != 0)
+        return rc;
+    m->reply_dtype = fmt;
+    m->reply_block = block;
+    if (t->ph == PH_TRAIN) {
+        for (int i = 0; i < m->n_tensors; i++)
+            t->res->bytes_sent += m->t[i].nbytes;
+        if (fmt == PEER_DTYPE_F32)
+            t->res->f32_calls++;
+        else
+            t->res->compressed_calls++;
     }
     return 0;
 }
@@ -309,9 +340,11 @@ static int on_reply(void *arg, route_caller_call *rc, const peer_msg *m)
     expert_model_stage(t->cfg.model, c->stage, &cfg);
     int nrow = expert_block_row_shape(&cfg, c->kind == ROUTE_CALL_FORWARD, row);
     if (m->n_tensors != 1 || !peer_tensor_is_rows(&m->t[0], nrow, row, (uint64_t)c->rows, &rows) ||
-        rows != (uint64_t)c->rows)
+        rows != (uint64_t)c->rows ||
+        peer_tensor_to_f32(&m->t[0], c->outputs, (size_t)c->rows * (size_t)width) != 0)
         return -EBADMSG;
-    memcpy(c->outputs, m->t[0].data, (size_t)c->rows * (size_t)width * sizeof(float));
+    if (t->ph == PH_TRAIN)
+        t->res->bytes_received += m->t[0].nbytes;
     if (c->kind == ROUTE_CALL_BACKWARD)
         accepted(t, c->slot, c->stage, rc->holder);
     else if (c->stage == 0)
@@ -594,6 +627,11 @@ static int check_text_config(const uv_loop_t *loop, const route_train_config *c,
 /* Checks the configuration; writes the reason into out->error. */
 static int check_config(const uv_loop_t *loop, const route_train_config *c, route_train_result *out)
 {
+    if (c && (peer_tensorfmt_check((peer_fmt)c->wire_format, c->wire_block ? c->wire_block : PEER_FMT_Q8_BLOCK) ||
+              (c->wire_block && c->wire_format != PEER_FMT_Q8))) {
+        snprintf(out->error, sizeof out->error, "invalid wire format");
+        return -EINVAL;
+    }
     if (c && c->text)
         return check_text_config(loop, c, out);
     if (!loop || !c || !c->dht || !c->ident || !c->model || !c->train || !c->test || c->epochs < 1 || c->batch < 1 ||
@@ -668,8 +706,15 @@ static int trainer_init(trainer *t, uv_loop_t *loop)
     t->ybuf = malloc(rows);
     t->offs = malloc(B * sizeof *t->offs);
     t->tbuf = malloc(rows * sizeof *t->tbuf);
+    /* Two halves, each as large as a stage's widest tensor in float32 (more
+     * than any compressed format takes, a q8 block of 16 included). */
+    int widest = 0;
+    for (int s = 0; s <= m->n_stages; s++)
+        widest = widths[s] > widest ? widths[s] : widest;
+    t->wbuf_cap = 2 * (B * (size_t)widest * sizeof(float) + 64);
+    t->wbuf = malloc(t->wbuf_cap);
     if (!t->pipe || !t->caller || !t->versions || !t->pends || !t->order || !t->probs || !t->losses ||
-        !t->targets || !t->xbuf || !t->ybuf || !t->offs || !t->tbuf)
+        !t->targets || !t->xbuf || !t->ybuf || !t->offs || !t->tbuf || !t->wbuf)
         return -ENOMEM;
     return 0;
 }
@@ -688,6 +733,7 @@ static void trainer_free(trainer *t)
     free(t->ybuf);
     free(t->offs);
     free(t->tbuf);
+    free(t->wbuf);
     free(t);
 }
 

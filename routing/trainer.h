@@ -128,6 +128,10 @@ typedef struct route_train_config {
                                                backward everywhere (synchronous steps when
                                                it equals the peers' target batch); 0: a new
                                                micro-batch starts whenever one finishes */
+    int wire_format;                        /* peer_fmt of the activations and gradients
+                                               sent to and asked of holders that accept it
+                                               (announced "wf"; others get f32): 0 f32 */
+    int wire_block;                         /* its q8 block (0: the default) */
     void (*on_progress)(void *arg, const route_train_progress *p);
     void (*on_epoch)(void *arg, const route_epoch_result *e);
     void (*on_message)(void *arg, const char *msg);
@@ -159,6 +163,10 @@ typedef struct route_train_result {
                                   (refusals included), timeouts, broken connections;
                                   not the calls we cancelled ourselves, nor those that
                                   waited for a connection that could not be made */
+    uint64_t bytes_sent;       /* tensor bytes of training calls' requests (retries included;
+                                  not the evaluation's) */
+    uint64_t bytes_received;   /* ... and of their replies */
+    uint64_t f32_calls, compressed_calls; /* training calls sent in f32 / in wire_format */
     int n_rollbacks;           /* rollbacks seen (the first ROUTE_MAX_ROLLBACKS are kept) */
     route_rollback rollbacks[ROUTE_MAX_ROLLBACKS];
     char error[320];           /* why it stopped early, or "" */

@@ -15,6 +15,7 @@
 #include "expert/model.h"
 #include "peer/daemon.h"
 #include "peer/peer.h"
+#include "peer/tensorfmt.h"
 #include "peer/timeslice.h"
 #include "routing/rebalance.h"
 #include "tools/cli.h"
@@ -72,6 +73,9 @@ static const char peer_help[] =
     "                         same peer skips recomputing its forward (default 16,\n"
     "                         a language model 8; 0: stateless, every backward\n"
     "                         recomputes)\n"
+    "  --wire-formats LIST    tensor formats accepted from trainers, comma separated:\n"
+    "                         f32, f16, bf16, q8 (default all; f32 always); the\n"
+    "                         announcement lists them, trainers choose (--wire-format)\n"
     "  --max-batch N          largest request and joined batch, rows (default 256;\n"
     "                         a language model's rows are sequences: tiny-lm 32)\n";
 /* In two pieces: C11 compilers need only take 4095-character literals. */
@@ -169,13 +173,15 @@ enum {
     O_SWARM_KEY, O_THREADS, O_BLAS, O_TPRIO, O_INLINE, O_KEEP, O_MAX_BATCH, O_TARGET, O_OPT, O_LR, O_SEED, O_INIT_WEIGHTS,
     O_METRICS, O_ANN_EVERY, O_ANN_TTL, O_NO_SYNC, O_NUM_BLOCKS, O_REBALANCE, O_AVERAGE, O_KEEP_EVERY,
     O_KEEP_COPIES, O_KEEP_MB, O_GRAD_FACTOR, O_GRAD_MAX, O_GRAD_WARMUP, O_FROZEN, O_MAX_CONNS_IP, O_MAX_CONNS,
-    O_IDLE, O_DHT_LIMITS, O_MODEL_FILE
+    O_IDLE, O_DHT_LIMITS, O_MODEL_FILE,
+    O_WIRE_FORMATS,
 };
 
 static const struct option peer_opts_table[] = {
     {"initial-peers", required_argument, NULL, O_INITIAL},
     {"model", required_argument, NULL, O_MODEL},
     {"model-file", required_argument, NULL, O_MODEL_FILE},
+    {"wire-formats", required_argument, NULL, O_WIRE_FORMATS},
     {"blocks", required_argument, NULL, O_BLOCKS},
     {"device", required_argument, NULL, O_DEVICE},
     {"listen", required_argument, NULL, O_LISTEN},
@@ -230,6 +236,7 @@ typedef struct peer_opts {
     int no_sync;
     const char *model_file;
     const char *init_weights;
+    peer_fmt_mask wire_formats;       /* 0: all */
 } peer_opts;
 
 static const peer_opts peer_opts_default = {
@@ -317,6 +324,11 @@ static int parse_peer_flags(int argc, char **argv, peer_opts *o)
         case O_SWARM_KEY: o->swarm_key_file = optarg; break;
         case O_METRICS: o->metrics = optarg; break;
         case O_OPT: o->optimizer = optarg; break;
+        case O_WIRE_FORMATS:
+            if (peer_tensorfmt_mask_parse(optarg, &o->wire_formats) != 0)
+                return cli_usage_error("peer", "--wire-formats takes a comma-separated list of f32, f16, bf16 and q8, "
+                                       "not '%s'", optarg);
+            break;
         case O_TPRIO:
             if (!strcmp(optarg, "low"))
                 o->train_idle = 0;
@@ -491,6 +503,7 @@ static void fill_daemon_config(const peer_opts *o, run_ctx *r)
     dc->svc.train_idle = o->train_idle;
     dc->svc.infer_inline_rows = (int)o->inline_rows;
     dc->svc.keep_activations = (int)r->keep;
+    dc->svc.formats = o->wire_formats;
     dc->svc.optim = r->optim;
     dc->svc.guard = o->guard;
     dc->svc.seed = (uint64_t)o->seed;

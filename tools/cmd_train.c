@@ -1,6 +1,7 @@
 /* starling train: train a model through the swarm: an image classifier on
  * Fashion-MNIST, or a byte-level language model on a text file. */
 #include <errno.h>
+#include <inttypes.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,6 +12,7 @@
 #include "dht/id.h"
 #include "expert/expert.h"
 #include "expert/model.h"
+#include "peer/tensorfmt.h"
 #include "routing/routing.h"
 #include "tools/cli.h"
 #include "tools/client.h"
@@ -72,6 +74,10 @@ static const char train_help2[] =
     "                         and is retried elsewhere (default 30)\n"
     "  --max-wait S           give up when a stage has no holder this long (default 120)\n"
     "  --refresh S            look the holders up again every S seconds (default 10)\n"
+    "  --wire-format F        activations and gradients on the wire: f32 (default),\n"
+    "                         f16, bf16 or q8[:BLOCK] (8-bit, a scale per BLOCK values,\n"
+    "                         default 64); gradients are rounded stochastically. Holders\n"
+    "                         that do not announce F get f32 (docs/rpc.md)\n"
     "  --metrics-log FILE     JSON lines log (default starling-train.jsonl)\n"
     "  --plot FILE            loss/accuracy plot, SVG (default starling-train.svg)\n"
     "  --json                 print one final JSON line (samples_per_s, test_acc, ...)\n"
@@ -248,7 +254,7 @@ static void on_message(void *arg, const char *msg)
 
 enum { O_INITIAL = 256, O_MODEL, O_EPOCHS, O_BATCH, O_INFLIGHT, O_DATA, O_NTRAIN, O_NTEST,
        O_SEED, O_TIMEOUT, O_MAXWAIT, O_REFRESH, O_SYNC_GROUP, O_LOG, O_PLOT, O_JSON, O_LISTEN, O_IDENTITY, O_SWARM,
-       O_LR, O_STEPS, O_MAXSEC, O_EVAL_EVERY, O_EVAL_BATCHES, O_MODEL_FILE };
+       O_LR, O_STEPS, O_MAXSEC, O_EVAL_EVERY, O_EVAL_BATCHES, O_MODEL_FILE, O_WIRE };
 
 static const struct option train_opts[] = {
     {"initial-peers", required_argument, NULL, O_INITIAL},
@@ -276,6 +282,7 @@ static const struct option train_opts[] = {
     {"max-seconds", required_argument, NULL, O_MAXSEC},
     {"eval-every", required_argument, NULL, O_EVAL_EVERY},
     {"eval-batches", required_argument, NULL, O_EVAL_BATCHES},
+    {"wire-format", required_argument, NULL, O_WIRE},
     {"help", no_argument, NULL, 'h'},
     {NULL, 0, NULL, 0},
 };
@@ -288,6 +295,8 @@ typedef struct train_args {
     double timeout, max_wait, refresh, max_seconds;
     int json;
     const char *model_file;
+    const char *wire;                 /* --wire-format as given (NULL: f32) */
+    int wire_format, wire_block;
 } train_args;
 
 /* Parses a numeric option c (its argument in optarg) into a. Returns -1 to
@@ -335,6 +344,15 @@ static int parse_train_option(int c, char **argv, train_args *a)
     case O_LISTEN: a->listen = optarg; break;
     case O_IDENTITY: a->identity = optarg; break;
     case O_SWARM: a->swarm = optarg; break;
+    case O_WIRE: {
+        peer_fmt f;
+        if (peer_tensorfmt_spec_parse(optarg, &f, &a->wire_block) != 0)
+            return cli_usage_error("train", "--wire-format takes f32, f16, bf16, q8 or q8:BLOCK (BLOCK a power of "
+                                            "two from 16 to 4096), not '%s'", optarg);
+        a->wire_format = (int)f;
+        a->wire = optarg;
+        break;
+    }
     case O_LR:
         return cli_usage_error("train", "the optimizer runs on the peers: set the learning rate "
                                         "with 'starling peer --lr X' on each peer");
@@ -410,8 +428,22 @@ static int parse_train_args(int argc, char **argv, train_args *a, const struct e
     return fill_defaults(a, *spec);
 }
 
+/* The JSON fields of the traffic (after a comma, ending with one):
+ * "wire_format", "bytes_sent", "bytes_received" (tensor bytes of training
+ * calls) and "bytes_per_sample" (a language model: "bytes_per_token"). */
+static void print_traffic(FILE *f, const train_args *a, const route_train_result *res, int T)
+{
+    double per = res->samples > 0 ? (double)(res->bytes_sent + res->bytes_received) /
+                                        ((double)res->samples * (T ? T : 1))
+                                  : 0.0;
+    fprintf(f, "\"wire_format\":\"%s\",\"bytes_sent\":%" PRIu64 ",\"bytes_received\":%" PRIu64
+               ",\"%s\":%.1f,\"f32_calls\":%" PRIu64 ",",
+            a->wire ? a->wire : "f32", res->bytes_sent, res->bytes_received,
+            T ? "bytes_per_token" : "bytes_per_sample", per, res->f32_calls);
+}
+
 /* The metrics log's end line. */
-static void log_end(FILE *f, int rc, const route_train_result *res, int T)
+static void log_end(FILE *f, const train_args *a, int rc, const route_train_result *res, int T)
 {
     if (T) {
         fprintf(f,
@@ -421,6 +453,7 @@ static void log_end(FILE *f, int rc, const route_train_result *res, int T)
                 train_status(rc, res), res->steps, res->samples * T, res->samples_per_s * T,
                 res->test_loss, res->test_loss / LN2, res->retries, res->refused, res->refused_samples,
                 res->errors, res->stopped_early ? "true" : "false");
+        print_traffic(f, a, res, T);
         print_rollbacks(f, res);
         fputs("}\n", f);
         return;
@@ -431,6 +464,7 @@ static void log_end(FILE *f, int rc, const route_train_result *res, int T)
             "\"refused_samples\":%ld,\"errors\":%ld,",
             train_status(rc, res), res->epochs, res->samples, res->samples_per_s, res->test_acc, res->retries,
             res->refused, res->refused_samples, res->errors);
+    print_traffic(f, a, res, 0);
     print_rollbacks(f, res);
     fputs("}\n", f);
 }
@@ -478,6 +512,7 @@ static int report_text_end(const train_args *a, int rc, const route_train_result
                res->samples_per_s * T, res->test_loss, res->test_loss / LN2, res->test_acc, res->steps,
                res->samples * T, res->retries, res->refused, res->refused_samples, res->errors,
                res->train_time_s, res->stopped_early ? "true" : "false");
+        print_traffic(stdout, a, res, T);
         print_rollbacks(stdout, res);
         printf(",\"status\":\"%s\"}\n", train_status(rc, res));
     }
@@ -509,6 +544,7 @@ static int report_end(const train_args *a, int rc, const route_train_result *res
                "\"refused_samples\":%ld,\"errors\":%ld,\"train_time_s\":%.3f,",
                res->samples_per_s, res->test_acc, res->test_loss, res->epochs, res->samples, res->retries,
                res->refused, res->refused_batches, res->refused_samples, res->errors, res->train_time_s);
+        print_traffic(stdout, a, res, 0);
         print_rollbacks(stdout, res);
         printf(",\"status\":\"%s\"}\n", train_status(rc, res));
     }
@@ -559,6 +595,8 @@ static int run_training(const train_args *a, const struct expert_model_spec *spe
     tc.seed = (uint64_t)a->seed;
     tc.refresh_s = a->refresh;
     tc.sync_samples = (int)a->sync;
+    tc.wire_format = a->wire_format;
+    tc.wire_block = a->wire_block;
     tc.call_timeout_s = a->timeout;
     tc.max_wait_s = a->max_wait;
     tc.on_progress = on_progress;
@@ -609,7 +647,7 @@ static int train_with(const train_args *a, const struct expert_model_spec *spec,
     rc = run_training(a, spec, &cl, train, test, text, &ui, &res);
     tools_client_close(&cl);
     if (ui.jsonl) {
-        log_end(ui.jsonl, rc, &res, ui.T);
+        log_end(ui.jsonl, a, rc, &res, ui.T);
         fclose(ui.jsonl);
     }
     write_plot(a->plot_path, &ui, spec, n_train);
