@@ -40,8 +40,10 @@ long peer_announce_encode(const peer_announce *a, uint8_t *buf, size_t cap)
     dht_mp_writer_init(&w, buf, cap < PEER_ANNOUNCE_MAX_BYTES ? cap : PEER_ANNOUNCE_MAX_BYTES);
     msgpack_packer *pk = &w.pk;
     int lost = a->lost_from > a->lost_to, gr = a->grads_refused > 0, fz = a->frozen_steps > 0,
-        wf = a->formats != 0;
-    msgpack_pack_map(pk, 13 + 2 * lost + gr + fz + wf);
+        wf = a->formats != 0, bs = a->bytes_per_sample > 0;
+    if (!isfinite(a->bytes_per_sample))
+        return -EINVAL;
+    msgpack_pack_map(pk, 13 + 2 * lost + gr + fz + wf + bs);
     dht_mp_pack_cstr(pk, "v");
     msgpack_pack_uint64(pk, PEER_ANNOUNCE_VERSION);
     dht_mp_pack_cstr(pk, "b");
@@ -85,6 +87,10 @@ long peer_announce_encode(const peer_announce *a, uint8_t *buf, size_t cap)
     if (wf) {
         dht_mp_pack_cstr(pk, "wf");
         msgpack_pack_uint64(pk, a->formats);
+    }
+    if (bs) {
+        dht_mp_pack_cstr(pk, "bs");
+        msgpack_pack_double(pk, a->bytes_per_sample);
     }
     return dht_mp_writer_finish(&w);
 }
@@ -199,6 +205,10 @@ static int announce_field(dht_mp_reader *r, const char *key, void *outp, int *ha
         if (dht_mp_uint(r, &m))
             return -1;
         out->formats = (uint32_t)(m & 0xFFFFFFFFu); /* bits of formats this reader does not know stay */
+    } else if (!strcmp(key, "bs")) {
+        if (dht_mp_double(r, &out->bytes_per_sample))
+            return -1;
+        out->bytes_per_sample = isnan(out->bytes_per_sample) ? 0 : fmin(fmax(out->bytes_per_sample, 0.0), 1e12);
     } else {
         return 1;
     }

@@ -29,6 +29,9 @@
  *     "wf" u   tensor formats the holder accepts on the wire, bit f for
  *              peer_fmt f (peer/tensorfmt.h: 1 f32, 2 f16, 4 bf16, 8 q8;
  *              optional: absent means float32 only, as older peers)
+ *     "bs" f64 tensor bytes received and sent per sample served (forward,
+ *              backward and infer rows of all its blocks) since it started
+ *              (optional; absent before the first request)
  * It expires about a minute after it is written and is renewed every ~20 s,
  * so a peer that dies disappears within a minute. Unknown keys are skipped
  * (newer peers may add fields); missing required keys ("v", "b", "a", "st",
@@ -86,6 +89,7 @@ typedef struct peer_announce {
     uint64_t frozen_steps;        /* "fz": 0 = not frozen (not sent) */
     uint32_t formats;             /* "wf": tensor formats accepted (peer_fmt_mask); 0 =
                                      not sent: float32 only */
+    double bytes_per_sample;      /* "bs": 0 = not sent */
 } peer_announce;
 
 typedef struct peer_model_record {

@@ -10,6 +10,7 @@
 #include "expert/model.h"
 #include "peer/log.h"
 #include "peer/modeldesc.h"
+#include "peer/tensorfmt.h"
 
 #define RETRY_MS 2000
 #define OFFLINE_TTL_S 15.0
@@ -100,6 +101,7 @@ static int announce_block(peer_announcer *an, int i, peer_state state, uint64_t 
     a.grads_refused = info.refused_requests + info.refused_steps;
     a.frozen_steps = info.frozen ? info.still_steps : 0;
     a.formats = peer_service_formats(an->cfg.svc);
+    a.bytes_per_sample = peer_service_bytes_per_sample(an->cfg.svc);
     if (an->cfg.fill)
         an->cfg.fill(an->cfg.arg, i, &a);
     long n = peer_announce_encode(&a, val, sizeof val);
@@ -189,7 +191,10 @@ int peer_announcer_joining(peer_announcer *an, int block)
 void peer_announcer_go_online(peer_announcer *an)
 {
     int n = peer_service_n_blocks(an->cfg.svc);
-    say(an, "online: announcing %d block%s", n, n == 1 ? "" : "s");
+    char wf[64];
+    if (peer_tensorfmt_mask_format(peer_service_formats(an->cfg.svc), wf, sizeof wf) < 0)
+        wf[0] = '\0';
+    say(an, "online: announcing %d block%s (tensor formats accepted: %s)", n, n == 1 ? "" : "s", wf);
     an->online = 1;
     uint64_t every = (uint64_t)(an->cfg.every_s * 1000);
     uv_timer_start(&an->timer, on_timer, every, every);

@@ -707,6 +707,9 @@ void peer_daemon_stop(peer_daemon *d, void (*cb)(int status, void *arg), void *a
     d->stopping = 1;
     d->stop_cb = cb;
     d->stop_arg = arg;
+    double bps = peer_service_bytes_per_sample(d->svc);
+    if (bps > 0)
+        say(d, "stopping: %.0f tensor bytes per sample served (received and sent, per block row)", bps);
     peer_joiner_stop(d->joiner);
     uv_timer_stop(&d->ckpt_timer);
     /* Rounds in flight are abandoned while the service still stands. */

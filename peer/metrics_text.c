@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "peer/tensorfmt.h"
+
 /* Appends to buf[off..cap) (the render callbacks' buf, cap, off). */
 #define EMIT(...)                                                                       \
     do {                                                                                \
@@ -40,6 +42,27 @@ static size_t emit_requests(peer_service *svc, char *buf, size_t cap, size_t off
             EMIT("starling_samples_total{block=\"%s\",kind=\"%s\"} %" PRIu64 "\n", info.name, kinds[k],
                  info.stats.rows[k]);
     }
+    return off;
+}
+
+/* Tensor bytes of the compute methods by method, format and direction. */
+static size_t emit_traffic(peer_service *svc, char *buf, size_t cap, size_t off)
+{
+    static const char *methods[PEER_SERVICE_TRAFFIC_METHODS] = {"forward", "backward", "infer"};
+    static const char *dirs[2] = {"received", "sent"};
+    EMIT("# HELP starling_tensor_bytes_total Tensor bytes of forward, backward and infer requests "
+         "received and replies sent, by method and wire format.\n"
+         "# TYPE starling_tensor_bytes_total counter\n");
+    for (int m = 0; m < PEER_SERVICE_TRAFFIC_METHODS; m++)
+        for (int f = 0; f < PEER_FMT_COUNT; f++)
+            for (int d = 0; d < 2; d++)
+                EMIT("starling_tensor_bytes_total{method=\"%s\",format=\"%s\",direction=\"%s\"} %" PRIu64 "\n",
+                     methods[m], peer_tensorfmt_name((peer_fmt)f), dirs[d], peer_service_tensor_bytes(svc, m, f, d));
+    char list[64];
+    if (peer_tensorfmt_mask_format(peer_service_formats(svc), list, sizeof list) < 0)
+        list[0] = '\0';
+    EMIT("# HELP starling_wire_formats_info The tensor formats this peer accepts (--wire-formats).\n"
+         "# TYPE starling_wire_formats_info gauge\nstarling_wire_formats_info{formats=\"%s\"} 1\n", list);
     return off;
 }
 
@@ -254,6 +277,7 @@ size_t peer_metrics_text_render(char *buf, size_t cap, const peer_metrics_source
     off = emit_requests(src->svc, buf, cap, off);
     off = emit_batcher(src->svc, buf, cap, off);
     off = emit_integrity(src->svc, buf, cap, off);
+    off = emit_traffic(src->svc, buf, cap, off);
     if (src->avg) {
         off = emit_avg_family(src, buf, cap, off, "starling_avg_rounds_total",
                               "Replica averaging rounds, by block and result (abandoned: weights unchanged).",

@@ -249,6 +249,19 @@ uint64_t peer_service_tensor_bytes(const peer_service *s, int method, int fmt, i
     return atomic_load_explicit(&s->tensor_bytes[method][fmt][dir], memory_order_relaxed);
 }
 
+double peer_service_bytes_per_sample(peer_service *s)
+{
+    uint64_t bytes = 0, rows = 0;
+    for (int m = 0; s && m < PEER_SERVICE_TRAFFIC_METHODS; m++)
+        for (int f = 0; f < PEER_FMT_COUNT; f++)
+            bytes += peer_service_tensor_bytes(s, m, f, 0) + peer_service_tensor_bytes(s, m, f, 1);
+    peer_block_info info;
+    for (int i = 0; s && i < s->n_blocks; i++)
+        if (peer_service_block_info(s, i, &info) == 0)
+            rows += info.stats.rows[1] + info.stats.rows[2] + info.stats.rows[3];
+    return rows ? (double)bytes / (double)rows : 0.0;
+}
+
 uint32_t peer_service_formats(const peer_service *s)
 {
     return s ? s->formats : 0;

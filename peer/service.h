@@ -150,6 +150,9 @@ void peer_service_rpc_stats(const peer_service *s, peer_rpc_server_stats *out);
  * Any thread. */
 #define PEER_SERVICE_TRAFFIC_METHODS 3
 uint64_t peer_service_tensor_bytes(const peer_service *s, int method, int fmt, int dir);
+/* All those bytes divided by the rows served (forward, backward, infer)
+ * of every hosted block; 0 before the first. Loop thread. */
+double peer_service_bytes_per_sample(peer_service *s);
 /* The accepted formats (peer_fmt_mask). */
 uint32_t peer_service_formats(const peer_service *s);
 

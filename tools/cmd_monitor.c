@@ -9,6 +9,7 @@
 #include "expert/model.h"
 #include "peer/announce.h"
 #include "peer/keeper.h"
+#include "peer/tensorfmt.h"
 #include "peer/statesync.h"
 #include "routing/swarm.h"
 #include "tools/cli.h"
@@ -222,6 +223,14 @@ static void json_str(FILE *f, const char *s)
 }
 
 /* Returns 1 if every stage is covered. */
+/* The wire formats a holder announced ("wf"; none: float32 only). */
+static void formats_text(const peer_announce *a, char *buf, size_t cap)
+{
+    peer_fmt_mask m = a->formats ? a->formats & PEER_FMT_MASK_ALL : PEER_FMT_BIT(PEER_FMT_F32);
+    if (peer_tensorfmt_mask_format(m, buf, cap) < 0)
+        buf[0] = '\0';
+}
+
 static int render_json(FILE *f, view *v, double min_tput)
 {
     uint64_t now = dht_now_ms();
@@ -277,7 +286,9 @@ static int render_json(FILE *f, view *v, double min_tput)
                     fputs("null", f);
                 fputs(",\"device\":", f);
                 json_str(f, ho->ann.device);
-                fputc('}', f);
+                char wf[64];
+                formats_text(&ho->ann, wf, sizeof wf);
+                fprintf(f, ",\"wire_formats\":\"%s\",\"bytes_per_sample\":%.1f}", wf, ho->ann.bytes_per_sample);
             }
             fprintf(f, "]}");
         }
@@ -309,8 +320,8 @@ static int render_text(FILE *f, view *v, double min_tput, int color)
         int covered = 1, bottleneck = -1;
         double bt = 0;
         fprintf(f, "%smodel %s%s (%d stages)\n", bold, v->specs[k]->name, off, v->specs[k]->n_stages);
-        fprintf(f, "  %-14s %-9s %-22s %-8s %10s %5s %7s %8s %9s %5s\n", "stage", "peer", "address", "state",
-                "samples/s", "load", "age", "version", "avg", "group");
+        fprintf(f, "  %-14s %-9s %-22s %-8s %10s %5s %7s %8s %9s %5s %8s %s\n", "stage", "peer", "address", "state",
+                "samples/s", "load", "age", "version", "avg", "group", "B/sample", "formats");
         for (int i = 0; i < route_swarm_n_stages(v->sw[k]); i++) {
             route_stage *st = route_swarm_stage(v->sw[k], i);
             double t = stage_tput(st);
@@ -331,9 +342,12 @@ static int render_text(FILE *f, view *v, double min_tput, int color)
                 char avg[32];
                 snprintf(avg, sizeof avg, "%llu/%llu", (unsigned long long)ho->ann.avg_rounds,
                          (unsigned long long)ho->ann.avg_abandoned);
-                fprintf(f, "  %-14s %-9.8s %-22s %-8s %10.0f %5.2f %6.0fs %8llu %9s %5d\n", h ? "" : st->name,
+                char wf[64];
+                formats_text(&ho->ann, wf, sizeof wf);
+                fprintf(f, "  %-14s %-9.8s %-22s %-8s %10.0f %5.2f %6.0fs %8llu %9s %5d %8.0f %s\n", h ? "" : st->name,
                         hex, ho->ann.addr, peer_state_name(ho->ann.state), ho->ann.throughput, ho->ann.load,
-                        age, (unsigned long long)ho->ann.weight_version, avg, ho->ann.avg_group);
+                        age, (unsigned long long)ho->ann.weight_version, avg, ho->ann.avg_group,
+                        ho->ann.bytes_per_sample, wf);
                 if (ho->ann.lost_from > ho->ann.lost_to)
                     fprintf(f, "%s! %-14s STATE LOST: peer %.8s went back from weight version %llu to %llu%s\n", red,
                             st->name, hex, (unsigned long long)ho->ann.lost_from,

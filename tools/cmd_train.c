@@ -550,8 +550,11 @@ static int report_end(const train_args *a, int rc, const route_train_result *res
     }
     if (rc != 0)
         return cli_fail("train", "%s", res->error[0] ? res->error : strerror(-rc));
-    fprintf(stderr, "starling train: done: test accuracy %.4f after %d epoch%s, %.0f samples/s, %ld retries\n",
-            res->test_acc, res->epochs, res->epochs == 1 ? "" : "s", res->samples_per_s, res->retries);
+    fprintf(stderr, "starling train: done: test accuracy %.4f after %d epoch%s, %.0f samples/s, %ld retries, "
+                    "%.0f tensor bytes/sample (%s)\n",
+            res->test_acc, res->epochs, res->epochs == 1 ? "" : "s", res->samples_per_s, res->retries,
+            res->samples > 0 ? (double)(res->bytes_sent + res->bytes_received) / (double)res->samples : 0.0,
+            a->wire ? a->wire : "f32");
     if (res->refused > 0)
         fprintf(stderr, "starling train: holders refused %ld backward call%s (gradients out of bounds)%s\n",
                 res->refused, res->refused == 1 ? "" : "s",
