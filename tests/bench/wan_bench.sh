@@ -1,0 +1,287 @@
+#!/usr/bin/env bash
+# tests/bench/wan_bench.sh: swarm training across emulated wide-area links
+# (tests/wan/wanbed.sh), per link profile and per wire format of the
+# trainer's tensors (`starling train --wire-format`).
+#
+# For each profile and each format, on a fresh test bed of five namespace
+# hosts: a bootstrap node on host 1, three peers holding fmnist-mlp's six
+# stages (0-1 on host 2, 2-3 on host 3, 4-5 on host 4: every stage's
+# activations and gradients cross the shaped links) and the trainer on host
+# 5. The peers start from the same initial weights (--seed) each run, and are
+# waited for (bounded) until `starling monitor` on host 5 shows each of them
+# online on every stage it announces; then `starling train --json` trains on
+# the same samples in the same order (--seed) and evaluates. Steps are
+# synchronous by default (--sync 128, the peers' --target-batch): the
+# weights after a run then depend on the data and the format only, not on
+# the timing of the links, so test_acc differs between formats for the
+# format's sake (asynchronous runs of the same format differ by several
+# points of accuracy from run to run; on the shaped links --sync costs no
+# throughput, as the trainer's two micro-batches of 64 in flight are one
+# group of 128 anyway).
+#
+# Prints one JSON line per run:
+#   {"bench":"wan","profile":P,"format":F,"samples":N,"samples_per_s":X,
+#    "bytes_per_sample":B,"test_acc":A}
+# (bytes_per_sample: request and reply bytes the trainer sent and received
+# per training sample, from the trainer's --json line; null when it has no
+# such field), then a last line
+#   {"wan_vs_lan":R,"bytes_reduction":X,"acc_drop":D,"best_format":F}
+# where F is the compressed format (not f32) with the highest samples/s on
+# wan, R = F's samples/s on wan / f32's on lan, X = f32's bytes_per_sample /
+# F's and D = f32's test_acc - F's (fractions), X and D from the wan runs.
+# When only f32 ran (or the trainer has no --wire-format), F is f32 itself
+# (R = f32 on wan / f32 on lan, X = 1, D = 0); a figure whose runs are
+# missing is null.
+#
+# Needs root, ip(8), tc(8) with tbf (shaped profiles), and the built
+# tests/wan/delay_bridge and netprobe: exits 77 (skipped) when the test bed
+# cannot be built. Every process it started is stopped and the namespaces
+# deleted on exit, also on failure, Ctrl-C or SIGTERM.
+set -u -o pipefail
+
+usage() {
+    cat <<'EOF'
+Usage: tests/bench/wan_bench.sh [options] [BUILD_DIR]     (default BUILD_DIR: build)
+
+Trains fmnist-mlp across emulated wide-area links (bootstrap, 3 peers and the
+trainer on their own namespace hosts) for each link profile and wire format;
+prints one JSON line per run and a summary line. Run as root.
+
+Options (environment variable in brackets):
+  -p, --profiles LIST      link profiles, space or comma separated: lan, wan,
+                           slow, custom:MBIT:RTT_MS [PROFILES; "lan wan slow"]
+  -f, --formats LIST       wire formats: f32 f16 bf16 q8[:BLOCK]  [FORMATS; "f32 q8"]
+                           (only f32 when the trainer has no --wire-format)
+  -n, --train-samples N    training samples per run         [TRAIN_SAMPLES; 6000]
+  -t, --test-samples N     test samples per evaluation      [TEST_SAMPLES; 2000]
+  -s, --seed N             peers' initial weights and data order [SEED; 0]
+  -S, --sync N             starling train --sync: samples per synchronous step
+                           group, 0 asynchronous                [SYNC; 128]
+      --train-timeout S    give up on one training run after S s [TRAIN_TIMEOUT; 900]
+  -h, --help               this text
+Also: TRAIN_FLAGS (extra flags for starling train), PEER_ARGS (for the
+peers), STARLING_DELAY_BRIDGE and STARLING_NETPROBE (default: BUILD_DIR/tests/wan/),
+WANBED_TAG (namespace prefix, default wb<pid>), KEEP_T=1 keeps the logs.
+A default run (3 profiles x 2 formats, 6000 samples) takes 7 to 8 minutes on
+a 2-core machine (f32 alone: 5).
+EOF
+}
+
+profiles=${PROFILES:-lan wan slow}
+formats=${FORMATS:-f32 q8}
+train_samples=${TRAIN_SAMPLES:-6000}
+test_samples=${TEST_SAMPLES:-2000}
+seed=${SEED:-0}
+sync=${SYNC:-128}
+train_timeout=${TRAIN_TIMEOUT:-900}
+build=""
+while [ $# -gt 0 ]; do
+    case $1 in
+        -h|--help) usage; exit 0 ;;
+        -p|--profiles) [ $# -ge 2 ] || { usage >&2; exit 2; }; profiles=$2; shift ;;
+        -f|--formats) [ $# -ge 2 ] || { usage >&2; exit 2; }; formats=$2; shift ;;
+        -n|--train-samples) [ $# -ge 2 ] || { usage >&2; exit 2; }; train_samples=$2; shift ;;
+        -t|--test-samples) [ $# -ge 2 ] || { usage >&2; exit 2; }; test_samples=$2; shift ;;
+        -s|--seed) [ $# -ge 2 ] || { usage >&2; exit 2; }; seed=$2; shift ;;
+        -S|--sync) [ $# -ge 2 ] || { usage >&2; exit 2; }; sync=$2; shift ;;
+        --train-timeout) [ $# -ge 2 ] || { usage >&2; exit 2; }; train_timeout=$2; shift ;;
+        -*) echo "wan_bench: unknown option $1" >&2; usage >&2; exit 2 ;;
+        *) [ -z "$build" ] || { usage >&2; exit 2; }; build=$1 ;;
+    esac
+    shift
+done
+profiles=$(echo "$profiles" | tr ',' ' ')
+formats=$(echo "$formats" | tr ',' ' ')
+for v in "$train_samples" "$test_samples" "$seed" "$sync" "$train_timeout"; do
+    case $v in ''|*[!0-9]*) echo "wan_bench: not a number: '$v'" >&2; exit 2 ;; esac
+done
+[ -n "$profiles" ] && [ -n "$formats" ] || { echo "wan_bench: no profiles or no formats" >&2; exit 2; }
+
+root=$(cd "$(dirname "$0")/../.." && pwd)
+build=$(cd "${build:-$root/build}" && pwd) || exit 1
+S=$build/tools/starling
+[ -x "$S" ] || { echo "wan_bench: build first ($S)" >&2; exit 1; }
+export STARLING_DELAY_BRIDGE=${STARLING_DELAY_BRIDGE:-$build/tests/wan/delay_bridge}
+export STARLING_NETPROBE=${STARLING_NETPROBE:-$build/tests/wan/netprobe}
+[ -x "$STARLING_NETPROBE" ] || STARLING_NETPROBE=""
+
+# The trainer's wire-format flag: without it, only f32 (what it sends).
+if "$S" train --help 2>&1 | grep -q -- '--wire-format'; then
+    has_wire=1
+else
+    has_wire=0
+    if [ "$formats" != f32 ]; then
+        echo "wan_bench: this starling train has no --wire-format: running f32 only" >&2
+    fi
+    formats=f32
+fi
+
+. "$root/tests/wan/wanbed.sh"
+work=$(mktemp -d "${TMPDIR:-/tmp}/starling-wanbench-XXXXXX") || exit 1
+pids=""
+
+# stop_ours: SIGTERM to the processes this script started, at most 5 s for
+# all of them, then SIGKILL; reaps them.
+stop_ours() {
+    [ -n "$pids" ] || return 0
+    # shellcheck disable=SC2086
+    kill -TERM $pids 2>/dev/null
+    for _ in $(seq 1 50); do
+        alive=0
+        for p in $pids; do
+            kill -0 "$p" 2>/dev/null &&
+                [ "$(sed -n 's/.*) \([A-Z]\).*/\1/p' "/proc/$p/stat" 2>/dev/null)" != Z ] && alive=1
+        done
+        [ "$alive" = 1 ] || break
+        sleep 0.1
+    done
+    for p in $pids; do kill -KILL "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
+    pids=""
+}
+cleanup() {
+    stop_ours
+    wanbed_down
+    if [ -n "${KEEP_T:-}" ]; then echo "wan_bench: logs kept in $work" >&2; else rm -rf "$work"; fi
+}
+trap cleanup EXIT
+trap 'exit 1' HUP INT TERM
+
+export OPENBLAS_NUM_THREADS=1
+show() { for f in "$@"; do echo "--- $f" >&2; tail -20 "$f" >&2; done; }
+die() { echo "wan_bench: $*" >&2; exit 1; }
+
+# wait_for FILE REGEX SECONDS PID: until FILE has a line matching REGEX;
+# fails early once PID has exited.
+wait_for() {
+    for _ in $(seq 1 $(($3 * 10))); do
+        grep -Eq "$2" "$1" 2>/dev/null && return 0
+        kill -0 "$4" 2>/dev/null || break
+        sleep 0.1
+    done
+    grep -Eq "$2" "$1" 2>/dev/null
+}
+
+# json_num FILE KEY: a number field of FILE's last line, or "null".
+json_num() {
+    v=$(tail -1 "$1" | sed -n "s/.*\"$2\":\([-0-9.eE+]*\)[,}].*/\1/p")
+    echo "${v:-null}"
+}
+json_str() {
+    tail -1 "$1" | sed -n "s/.*\"$2\":\"\([^\"]*\)\".*/\1/p"
+}
+
+# Host 1: bootstrap; hosts 2..4: peers; host 5: trainer (and the monitor).
+spans="0-1 2-3 4-5"
+trainer_host=5
+
+# wait_announced HOST SECONDS: until the monitor on the trainer's host shows
+# the peer on HOST online on as many stages as it announces.
+wait_announced() {
+    end=$(( $(date +%s) + $2 ))
+    while :; do
+        id=$(sed -n 's#.*address .*/\([0-9a-f]\{40\}\)$#\1#p' "$work/peer$1.out" | tail -1)
+        n=$(sed -n 's/.*online: announcing \([0-9]*\) block.*/\1/p' "$work/peer$1.err" | tail -1)
+        if [ -n "$id" ] && [ -n "$n" ]; then
+            wanbed_exec "$trainer_host" "$S" monitor --initial-peers "$BS" --model fmnist-mlp --json \
+                >"$work/mon.json" 2>"$work/mon.err"
+            got=$(grep -o "\"id\":\"$id\",\"addr\":\"[^\"]*\",\"state\":\"online\"" "$work/mon.json" | wc -l)
+            [ "$got" -ge "$n" ] && return 0
+        fi
+        [ "$(date +%s)" -lt "$end" ] || return 1
+        sleep 0.3
+    done
+}
+
+# run_one PROFILE FORMAT: one training run on a fresh test bed; prints its line.
+run_one() {
+    prof=$1; fmt=$2
+    tag="$prof-$(echo "$fmt" | tr ':' '_')"
+    wanbed_up "$prof" 5
+    wanbed_exec 1 "$S" bootstrap --listen "$(wanbed_addr 1):4000" >"$work/bs.out" 2>"$work/bs.err" &
+    bs_pid=$!
+    pids="$pids $bs_pid"
+    wait_for "$work/bs.out" '/[0-9a-f]{40}$' 60 "$bs_pid" || { show "$work/bs.err"; die "$prof: the bootstrap node did not start"; }
+    BS=$(head -1 "$work/bs.out")
+    h=2
+    for span in $spans; do
+        # shellcheck disable=SC2086
+        wanbed_exec "$h" "$S" peer --initial-peers "$BS" --listen "$(wanbed_addr "$h"):4001" --blocks "$span" \
+            --blas-threads 1 --seed "$seed" ${PEER_ARGS:-} >"$work/peer$h.out" 2>"$work/peer$h.err" &
+        eval "peer_pid$h=$!"
+        pids="$pids $!"
+        h=$((h + 1))
+    done
+    for h in 2 3 4; do
+        eval "p=\$peer_pid$h"
+        wait_for "$work/peer$h.err" 'online: announcing' 120 "$p" ||
+            { show "$work/peer$h.out" "$work/peer$h.err"; die "$prof: the peer on host $h did not come online"; }
+    done
+    for h in 2 3 4; do
+        wait_announced "$h" 120 ||
+            { show "$work/peer$h.err" "$work/mon.json" "$work/mon.err"; die "$prof: the peer on host $h is not announced after 120 s"; }
+    done
+    wire=()
+    [ "$has_wire" = 1 ] && wire=(--wire-format "$fmt")
+    # In the background, so that a signal interrupts the wait at once.
+    # shellcheck disable=SC2086
+    wanbed_exec "$trainer_host" timeout "$train_timeout" "$S" train --initial-peers "$BS" \
+        --train-samples "$train_samples" --test-samples "$test_samples" --seed "$seed" --sync "$sync" "${wire[@]}" \
+        ${TRAIN_FLAGS:-} --json --metrics-log "" --plot "" >"$work/train-$tag.out" 2>"$work/train-$tag.err" &
+    tr_pid=$!
+    pids="$pids $tr_pid"
+    wait "$tr_pid"
+    rc=$?
+    pids=${pids% "$tr_pid"}
+    [ "$rc" -eq 0 ] || { show "$work/train-$tag.err"; die "$prof $fmt: starling train exited $rc"; }
+    stop_ours
+    wanbed_down
+    sps=$(json_num "$work/train-$tag.out" samples_per_s)
+    n=$(json_num "$work/train-$tag.out" samples)
+    acc=$(json_num "$work/train-$tag.out" test_acc)
+    bps=$(json_num "$work/train-$tag.out" bytes_per_sample)
+    [ "$sps" != null ] && [ "$acc" != null ] || { show "$work/train-$tag.out"; die "$prof $fmt: no samples_per_s or test_acc in the trainer's line"; }
+    got_fmt=$(json_str "$work/train-$tag.out" wire_format)
+    [ -z "$got_fmt" ] || [ "$got_fmt" = "$fmt" ] ||
+        echo "wan_bench: $prof: asked for $fmt, the trainer says wire_format $got_fmt" >&2
+    echo "{\"bench\":\"wan\",\"profile\":\"$prof\",\"format\":\"$fmt\",\"samples\":$n,\"samples_per_s\":$sps,\"bytes_per_sample\":$bps,\"test_acc\":$acc}" |
+        tee -a "$work/results"
+}
+
+: >"$work/results"
+for prof in $profiles; do
+    for fmt in $formats; do
+        run_one "$prof" "$fmt"
+    done
+done
+
+# The summary, from the lines above.
+awk '
+function field(line, key,    m) {
+    if (match(line, "\"" key "\":(\"[^\"]*\"|[^,}]*)")) {
+        m = substr(line, RSTART + length(key) + 3, RLENGTH - length(key) - 3)
+        gsub(/"/, "", m)
+        return m
+    }
+    return "null"
+}
+{
+    p = field($0, "profile"); f = field($0, "format")
+    sps[p, f] = field($0, "samples_per_s"); bps[p, f] = field($0, "bytes_per_sample")
+    acc[p, f] = field($0, "test_acc"); fmts[f] = 1
+}
+function ratio(a, b) { return (a == "null" || b == "null" || b + 0 == 0) ? "null" : sprintf("%.3f", a / b) }
+END {
+    best = ""
+    for (f in fmts)
+        if (f != "f32" && ((("wan", f) in sps) && (best == "" || sps["wan", f] + 0 > sps["wan", best] + 0)))
+            best = f
+    if (best == "" && (("wan", "f32") in sps)) best = "f32"
+    if (best == "") {
+        printf "{\"wan_vs_lan\":null,\"bytes_reduction\":null,\"acc_drop\":null,\"best_format\":null}\n"
+        exit
+    }
+    r = (("lan", "f32") in sps) ? ratio(sps["wan", best], sps["lan", "f32"]) : "null"
+    x = (("wan", "f32") in bps) ? ratio(bps["wan", "f32"], bps["wan", best]) : "null"
+    d = (("wan", "f32") in acc) ? sprintf("%.4f", acc["wan", "f32"] - acc["wan", best]) : "null"
+    printf "{\"wan_vs_lan\":%s,\"bytes_reduction\":%s,\"acc_drop\":%s,\"best_format\":\"%s\"}\n", r, x, d, best
+}' "$work/results"
