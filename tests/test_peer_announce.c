@@ -372,6 +372,122 @@ static void test_mp_reader(void **state)
     assert_int_equal(dht_mp_skip(&r, 0), -1);
 }
 
+/* Writes a minimal valid announcement (v b a st h) plus "wf" with the value
+ * written by wf (NULL: no "wf"). Returns the length. */
+static long announce_with_wf(uint8_t *buf, size_t cap, void (*wf)(msgpack_packer *))
+{
+    dht_mp_writer w;
+    dht_mp_writer_init(&w, buf, cap);
+    msgpack_pack_map(&w.pk, wf ? 6 : 5);
+    dht_mp_pack_cstr(&w.pk, "v");
+    msgpack_pack_uint64(&w.pk, 1);
+    if (wf) {
+        dht_mp_pack_cstr(&w.pk, "wf");
+        wf(&w.pk);
+    }
+    dht_mp_pack_cstr(&w.pk, "b");
+    dht_mp_pack_cstr(&w.pk, "m.0");
+    dht_mp_pack_cstr(&w.pk, "a");
+    dht_mp_pack_cstr(&w.pk, "127.0.0.1:1");
+    dht_mp_pack_cstr(&w.pk, "st");
+    msgpack_pack_uint64(&w.pk, 1);
+    dht_mp_pack_cstr(&w.pk, "h");
+    msgpack_pack_uint64(&w.pk, 9);
+    long n = dht_mp_writer_finish(&w);
+    assert_true(n > 0);
+    return n;
+}
+
+static void wf_str(msgpack_packer *pk) { dht_mp_pack_cstr(pk, "q8"); }
+static void wf_neg(msgpack_packer *pk) { msgpack_pack_int64(pk, -1); }
+static void wf_float(msgpack_packer *pk) { msgpack_pack_double(pk, 8.0); }
+static void wf_nil(msgpack_packer *pk) { msgpack_pack_nil(pk); }
+static void wf_array(msgpack_packer *pk)
+{
+    msgpack_pack_array(pk, 1);
+    msgpack_pack_uint8(pk, 8);
+}
+static void wf_bin(msgpack_packer *pk)
+{
+    msgpack_pack_bin(pk, 1);
+    msgpack_pack_bin_body(pk, "\x08", 1);
+}
+static void wf_true(msgpack_packer *pk) { msgpack_pack_true(pk); }
+static void wf_q8(msgpack_packer *pk) { msgpack_pack_uint8(pk, 8); }
+static void wf_u64(msgpack_packer *pk) { msgpack_pack_uint64(pk, 9); }
+static void wf_zero(msgpack_packer *pk) { msgpack_pack_uint8(pk, 0); }
+
+/* "wf", the tensor formats a peer accepts: round trips, is absent when 0
+ * (so older readers see nothing new), decodes as 0 when absent, and a
+ * value of another type is refused. */
+static void test_wire_formats(void **state)
+{
+    (void)state;
+    uint8_t buf[PEER_ANNOUNCE_MAX_BYTES];
+    peer_announce a = sample(), b;
+    long n0 = peer_announce_encode(&a, buf, sizeof buf);
+    assert_true(n0 > 0);
+    assert_null(memmem(buf, (size_t)n0, "\xa2wf", 3));
+    memset(&b, 0x77, sizeof b);
+    assert_int_equal(peer_announce_decode(&b, buf, (size_t)n0), 0);
+    assert_int_equal(b.formats, 0);
+    static const uint32_t masks[] = {1, 0x9, 0xF, 0x8, 0x6, 0x10 | 0x1, 0xFFFFFFFFu};
+    for (size_t i = 0; i < sizeof masks / sizeof masks[0]; i++) {
+        a.formats = masks[i];
+        long n = peer_announce_encode(&a, buf, sizeof buf);
+        assert_true(n > n0);
+        assert_non_null(memmem(buf, (size_t)n, "\xa2wf", 3));
+        memset(&b, 0, sizeof b);
+        assert_int_equal(peer_announce_decode(&b, buf, (size_t)n), 0);
+        assert_true(b.formats == masks[i]); /* bits this build does not know are kept */
+        assert_memory_equal(&a, &b, sizeof a);
+    }
+    /* With every optional field at its largest, "wf" still fits. */
+    memset(a.block, 'b', 64);
+    a.block[64] = '\0';
+    memset(a.addr, 'a', 64);
+    a.addr[64] = '\0';
+    memset(a.device, 'd', 32);
+    a.device[32] = '\0';
+    a.stage_hash = a.weight_version = a.time_ms = a.avg_rounds = a.avg_abandoned = UINT64_MAX;
+    a.avg_group = 4096;
+    a.lost_from = UINT64_MAX;
+    a.lost_to = UINT64_MAX - 1;
+    a.grads_refused = a.frozen_steps = UINT64_MAX;
+    a.formats = 0xFFFFFFFFu;
+    long n = peer_announce_encode(&a, buf, sizeof buf);
+    assert_true(n > 0 && n <= PEER_ANNOUNCE_MAX_BYTES);
+    assert_int_equal(peer_announce_decode(&b, buf, (size_t)n), 0);
+    assert_memory_equal(&a, &b, sizeof a);
+
+    /* Written by hand: any uint width, in any position. */
+    uint8_t raw[256];
+    n = announce_with_wf(raw, sizeof raw, NULL);
+    assert_int_equal(peer_announce_decode(&b, raw, (size_t)n), 0);
+    assert_int_equal(b.formats, 0);
+    n = announce_with_wf(raw, sizeof raw, wf_q8);
+    assert_int_equal(peer_announce_decode(&b, raw, (size_t)n), 0);
+    assert_int_equal(b.formats, 8);
+    assert_string_equal(b.block, "m.0");
+    n = announce_with_wf(raw, sizeof raw, wf_u64);
+    assert_int_equal(peer_announce_decode(&b, raw, (size_t)n), 0);
+    assert_int_equal(b.formats, 9);
+    n = announce_with_wf(raw, sizeof raw, wf_zero);
+    assert_int_equal(peer_announce_decode(&b, raw, (size_t)n), 0);
+    assert_int_equal(b.formats, 0);
+    /* Garbage value types: the whole value is refused (and zeroed). */
+    void (*const garbage[])(msgpack_packer *) = {wf_str, wf_neg, wf_float, wf_nil, wf_array, wf_bin, wf_true};
+    for (size_t i = 0; i < sizeof garbage / sizeof garbage[0]; i++) {
+        n = announce_with_wf(raw, sizeof raw, garbage[i]);
+        memset(&b, 0x77, sizeof b);
+        int rc = peer_announce_decode(&b, raw, (size_t)n);
+        if (rc != -EBADMSG)
+            fail_msg("garbage \"wf\" value %zu: got %d", i, rc);
+        assert_int_equal(b.block[0], 0);
+        assert_int_equal(b.formats, 0);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -383,6 +499,7 @@ int main(void)
         cmocka_unit_test(test_keep_record_and_new_fields),
         cmocka_unit_test(test_integrity_fields),
         cmocka_unit_test(test_mp_reader),
+        cmocka_unit_test(test_wire_formats),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

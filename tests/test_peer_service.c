@@ -19,6 +19,7 @@
 #include "peer/peer.h"
 #include "peer/service.h"
 #include "peer/statesync.h"
+#include "peer/tensorfmt.h"
 #include "test_util.h"
 #include "test_rpc_util.h"
 
@@ -27,6 +28,7 @@ static dht_identity id_srv, id_cli;
 static char dir[256];
 static FILE *svc_log; /* the services' log (NULL: stderr) */
 static struct expert_guard_config svc_guard; /* the services' gradient checks (zeros: defaults) */
+static uint32_t svc_formats; /* the services' accepted tensor formats (0: all) */
 
 /* ---- a tiny synchronous call helper on top of the async client ---- */
 
@@ -143,6 +145,7 @@ static peer_service *start_inline(int *port, const int *blocks, int n, int inlin
     c.log = svc_log;
     c.guard = svc_guard;
     c.infer_inline_rows = inline_rows;
+    c.formats = svc_formats;
     peer_service *s = peer_service_create(&loop, &c, err, sizeof err);
     if (!s)
         fail_msg("peer_service_create: %s", err);
@@ -739,6 +742,377 @@ static void test_frozen_replica_reported(void **state)
     svc_guard = (struct expert_guard_config){0};
 }
 
+/* ---- compressed tensor formats ---- */
+
+/* A reply as it came: its tensor's format, bytes and values. */
+typedef struct fresult {
+    int done, status;
+    peer_kind kind;
+    int err_code;
+    char err_msg[PEER_WIRE_MAX_ERRMSG + 1];
+    int n_tensors;
+    peer_dtype dtype;
+    int block;
+    uint64_t shape[2];
+    size_t nbytes;
+    uint8_t raw[4 * 16 * 512];
+    float data[16 * 512];
+    int to_f32; /* peer_tensor_to_f32's result */
+} fresult;
+
+static void on_freply(void *arg, int status, const peer_msg *m)
+{
+    fresult *r = arg;
+    r->done = 1;
+    r->status = status;
+    if (status != 0)
+        return;
+    r->kind = m->kind;
+    r->err_code = m->err_code;
+    snprintf(r->err_msg, sizeof r->err_msg, "%s", m->err_msg);
+    r->n_tensors = m->n_tensors;
+    if (m->kind == PEER_KIND_REPLY && m->n_tensors == 1) {
+        const peer_tensor *t = &m->t[0];
+        r->dtype = t->dtype;
+        r->block = t->block;
+        r->shape[0] = t->shape[0];
+        r->shape[1] = t->ndim > 1 ? t->shape[1] : 0;
+        r->nbytes = t->nbytes;
+        assert_true(t->nbytes <= sizeof r->raw);
+        memcpy(r->raw, t->data, t->nbytes);
+        r->to_f32 = peer_tensor_to_f32(t, r->data, sizeof r->data / sizeof r->data[0]);
+    }
+}
+
+/* A wire tensor for a call: (rows, width) values x sent in format (dtype,
+ * block); bytes is where its encoding goes. */
+typedef struct ftensor {
+    const float *x;
+    int rows, width;
+    peer_dtype dtype;
+    int block;
+} ftensor;
+
+/* Encodes each tensor of ts in its format and calls method on block with
+ * the reply format (rdt, rblk). */
+static void call_fmt(peer_rpc_client *cl, peer_method method, const char *block, const ftensor *ts, int nt,
+                     peer_dtype rdt, int rblk, fresult *r)
+{
+    static uint8_t enc[2][4 * 16 * 512];
+    peer_msg m;
+    peer_msg_init(&m, PEER_KIND_REQUEST, method, 0);
+    snprintf(m.block, sizeof m.block, "%s", block);
+    for (int i = 0; i < nt; i++) {
+        uint64_t row[1] = {(uint64_t)ts[i].width};
+        assert_int_equal(peer_tensor_rows_as(&m.t[i], ts[i].x, (uint64_t)ts[i].rows, 1, row, ts[i].dtype,
+                                             ts[i].block, 0, 0, enc[i], sizeof enc[i]),
+                         0);
+    }
+    m.n_tensors = nt;
+    m.reply_dtype = rdt;
+    m.reply_block = rblk;
+    memset(r, 0, sizeof *r);
+    assert_int_equal(peer_rpc_call(cl, &m, 20000, on_freply, r, NULL), 0);
+    run_until(&r->done);
+    assert_int_equal(r->status, 0);
+}
+
+/* x (n values) as it reads after a round trip through (dtype, block). */
+static void through(const float *x, size_t n, peer_dtype dtype, int block, float *out)
+{
+    static uint8_t b[4 * 16 * 512];
+    long k = peer_tensorfmt_encode((peer_fmt)dtype, block, x, n, b, sizeof b);
+    assert_true(k > 0);
+    assert_int_equal(peer_tensorfmt_decode((peer_fmt)dtype, block, b, (size_t)k, n, out), 0);
+}
+
+/* Q8's bound for a value of a block whose absmax is amax, to nearest
+ * (half a step) or stochastically (one step), plus float rounding. */
+static double q8_err_bound(double amax, int sr)
+{
+    return amax / (sr ? 127.0 : 254.0) + amax * 0x1.0p-21 + 0x1.0p-149;
+}
+
+/* The largest error of y against want (n values) relative to Q8's bound
+ * with the given block; > 1 is out of bound. Also the share of values
+ * whose error exceeds half a step (only stochastic rounding gives those). */
+static double q8_worst(const float *y, const float *want, size_t n, int block, int sr, double *over_half)
+{
+    double worst = 0;
+    size_t over = 0;
+    for (size_t b0 = 0; b0 < n; b0 += (size_t)block) {
+        size_t b1 = b0 + (size_t)block < n ? b0 + (size_t)block : n;
+        double amax = 0;
+        for (size_t i = b0; i < b1; i++)
+            amax = fmax(amax, fabs((double)want[i]));
+        for (size_t i = b0; i < b1; i++) {
+            double err = fabs((double)y[i] - (double)want[i]);
+            worst = fmax(worst, err / q8_err_bound(amax, sr));
+            if (err > q8_err_bound(amax, 0))
+                over++;
+        }
+    }
+    if (over_half)
+        *over_half = (double)over / (double)n;
+    return worst;
+}
+
+static uint64_t tbytes(const peer_service *s, int method, peer_dtype fmt, int way)
+{
+    return peer_service_tensor_bytes(s, method, (int)fmt, way);
+}
+
+/* Requests with compressed tensors and a reply format (key 8): inputs are
+ * decoded before the computation (the reply equals the local computation
+ * on the decoded inputs), replies come in the format asked for (to nearest
+ * for forward and infer: exactly the codec's encoding of the f32 reply;
+ * stochastically rounded for backward: within one step, unbiased), a
+ * payload that does not decode is EBADMSG, and the service counts tensor
+ * bytes by method, format and direction. */
+static void test_compressed_formats(void **state)
+{
+    (void)state;
+    static const int blocks[] = {1, 5};
+    int port;
+    peer_service *s = start(&port, blocks, 2);
+    peer_rpc_client *cl = connect_to(port);
+    assert_int_equal(peer_service_formats(s), PEER_FMT_MASK_ALL);
+    const struct expert_model_spec *spec = expert_model_find("fmnist-mlp");
+    struct expert_block_config c1;
+    assert_int_equal(expert_model_stage(spec, 1, &c1), 0);
+    expert_block *ref1 = expert_block_create(&c1, expert_stage_seed(42, 1));
+    expert_workspace *ws1 = expert_workspace_create(&c1, 16);
+    assert_true(ref1 && ws1);
+    enum { B = 5, W = 512, N = B * W };
+    static float x[N], xd[N], gy[N], gyd[N], want[N], enc_want[N];
+    static uint8_t wbytes[4 * N];
+    static fresult r, r32;
+    fill(x, N, 11);
+    fill(gy, N, 12);
+    for (int i = 0; i < N; i += 97)
+        x[i] *= 4.0f; /* blocks of different absmax */
+
+    /* forward, q8 input, f32 reply: the local forward of the decoded input */
+    through(x, N, PEER_DTYPE_Q8, 64, xd);
+    ftensor in_q8 = {x, B, W, PEER_DTYPE_Q8, 64};
+    uint64_t f_q8_in = tbytes(s, 0, PEER_DTYPE_Q8, 0), f_f32_out = tbytes(s, 0, PEER_DTYPE_F32, 1);
+    call_fmt(cl, PEER_METHOD_FORWARD, "fmnist-mlp.1", &in_q8, 1, PEER_DTYPE_F32, 0, &r32);
+    assert_int_equal(r32.kind, PEER_KIND_REPLY);
+    assert_int_equal(r32.dtype, PEER_DTYPE_F32);
+    assert_true(r32.shape[0] == B && r32.shape[1] == W);
+    assert_int_equal(r32.to_f32, 0);
+    assert_int_equal(expert_block_forward(ref1, ws1, want, xd, B, NULL), 0);
+    assert_memory_equal(r32.data, want, sizeof want);
+    assert_true(tbytes(s, 0, PEER_DTYPE_Q8, 0) - f_q8_in == peer_tensorfmt_size(PEER_FMT_Q8, 64, N));
+    assert_true(tbytes(s, 0, PEER_DTYPE_F32, 1) - f_f32_out == 4 * (uint64_t)N);
+    /* the same with the decoded values sent as f32 */
+    ftensor in_d = {xd, B, W, PEER_DTYPE_F32, 0};
+    call_fmt(cl, PEER_METHOD_FORWARD, "fmnist-mlp.1", &in_d, 1, PEER_DTYPE_F32, 0, &r);
+    assert_memory_equal(r.data, want, sizeof want);
+
+    /* the reply in each format asked for: exactly the codec's encoding of
+     * the f32 reply (to nearest), so within its bound */
+    static const struct { peer_dtype dt; int blk; } rf[] = {
+        {PEER_DTYPE_Q8, 64}, {PEER_DTYPE_Q8, 16}, {PEER_DTYPE_Q8, 4096}, {PEER_DTYPE_F16, 0}, {PEER_DTYPE_BF16, 0},
+    };
+    for (size_t i = 0; i < sizeof rf / sizeof rf[0]; i++) {
+        uint64_t in0 = tbytes(s, 0, PEER_DTYPE_Q8, 0), out0 = tbytes(s, 0, rf[i].dt, 1);
+        call_fmt(cl, PEER_METHOD_FORWARD, "fmnist-mlp.1", &in_q8, 1, rf[i].dt, rf[i].blk, &r);
+        if (r.kind != PEER_KIND_REPLY)
+            fail_msg("reply format %s:%d: error %d %s", peer_tensorfmt_name((peer_fmt)rf[i].dt), rf[i].blk,
+                     r.err_code, r.err_msg);
+        assert_int_equal(r.dtype, rf[i].dt);
+        assert_int_equal(r.block, rf[i].blk);
+        assert_true(r.shape[0] == B && r.shape[1] == W);
+        size_t sz = peer_tensorfmt_size((peer_fmt)rf[i].dt, rf[i].blk, N);
+        assert_int_equal(r.nbytes, sz);
+        assert_int_equal(r.to_f32, 0);
+        assert_int_equal(peer_tensorfmt_encode((peer_fmt)rf[i].dt, rf[i].blk, want, N, wbytes, sizeof wbytes),
+                         (long)sz);
+        assert_memory_equal(r.raw, wbytes, sz);
+        if (rf[i].dt == PEER_DTYPE_Q8) {
+            double worst = q8_worst(r.data, want, N, rf[i].blk, 0, NULL);
+            if (!(worst <= 1.0))
+                fail_msg("q8:%d reply: an error %.2f x the bound", rf[i].blk, worst);
+        } else {
+            through(want, N, rf[i].dt, 0, enc_want);
+            assert_memory_equal(r.data, enc_want, sizeof enc_want);
+        }
+        assert_true(tbytes(s, 0, PEER_DTYPE_Q8, 0) - in0 == peer_tensorfmt_size(PEER_FMT_Q8, 64, N));
+        assert_true(tbytes(s, 0, rf[i].dt, 1) - out0 == sz);
+    }
+
+    /* f16 and bf16 inputs are decoded too */
+    for (int dt = PEER_DTYPE_F16; dt <= PEER_DTYPE_BF16; dt++) {
+        ftensor in = {x, B, W, (peer_dtype)dt, 0};
+        uint64_t in0 = tbytes(s, 0, (peer_dtype)dt, 0);
+        call_fmt(cl, PEER_METHOD_FORWARD, "fmnist-mlp.1", &in, 1, PEER_DTYPE_F32, 0, &r);
+        assert_int_equal(r.kind, PEER_KIND_REPLY);
+        through(x, N, (peer_dtype)dt, 0, xd);
+        assert_int_equal(expert_block_forward(ref1, ws1, enc_want, xd, B, NULL), 0);
+        assert_memory_equal(r.data, enc_want, sizeof enc_want);
+        assert_true(tbytes(s, 0, (peer_dtype)dt, 0) - in0 == 2 * (uint64_t)N);
+    }
+
+    /* infer: the same reply as forward, counted as infer */
+    uint64_t i_in = tbytes(s, 2, PEER_DTYPE_Q8, 0), i_out = tbytes(s, 2, PEER_DTYPE_F16, 1);
+    call_fmt(cl, PEER_METHOD_INFER, "fmnist-mlp.1", &in_q8, 1, PEER_DTYPE_F16, 0, &r);
+    assert_int_equal(r.kind, PEER_KIND_REPLY);
+    assert_int_equal(r.dtype, PEER_DTYPE_F16);
+    through(want, N, PEER_DTYPE_F16, 0, enc_want);
+    assert_memory_equal(r.data, enc_want, sizeof enc_want);
+    assert_true(tbytes(s, 2, PEER_DTYPE_Q8, 0) - i_in == peer_tensorfmt_size(PEER_FMT_Q8, 64, N));
+    assert_true(tbytes(s, 2, PEER_DTYPE_F16, 1) - i_out == 2 * (uint64_t)N);
+
+    /* backward: q8 inputs and bf16 grad_outputs, 3 rows (two of them stay
+     * below target_batch 8, so the weights do not move): the f32 reply is
+     * the local backward of the decoded tensors; a q8 reply is within one
+     * step of it, stochastically rounded (some errors above half a step) */
+    enum { BB = 3, NB = BB * W };
+    ftensor bw[2] = {{x, BB, W, PEER_DTYPE_Q8, 64}, {gy, BB, W, PEER_DTYPE_BF16, 0}};
+    through(x, NB, PEER_DTYPE_Q8, 64, xd);
+    through(gy, NB, PEER_DTYPE_BF16, 0, gyd);
+    assert_int_equal(expert_block_backward(ref1, ws1, want, gyd, xd, BB, NULL), 0);
+    uint64_t b_q8 = tbytes(s, 1, PEER_DTYPE_Q8, 0), b_bf16 = tbytes(s, 1, PEER_DTYPE_BF16, 0),
+             b_f32o = tbytes(s, 1, PEER_DTYPE_F32, 1), b_q8o = tbytes(s, 1, PEER_DTYPE_Q8, 1);
+    call_fmt(cl, PEER_METHOD_BACKWARD, "fmnist-mlp.1", bw, 2, PEER_DTYPE_F32, 0, &r);
+    if (r.kind != PEER_KIND_REPLY)
+        fail_msg("backward: error %d %s", r.err_code, r.err_msg);
+    assert_memory_equal(r.data, want, NB * sizeof(float));
+    call_fmt(cl, PEER_METHOD_BACKWARD, "fmnist-mlp.1", bw, 2, PEER_DTYPE_Q8, 64, &r);
+    assert_int_equal(r.kind, PEER_KIND_REPLY);
+    assert_int_equal(r.dtype, PEER_DTYPE_Q8);
+    assert_int_equal(r.block, 64);
+    assert_int_equal(r.to_f32, 0);
+    double over_half;
+    double worst = q8_worst(r.data, want, NB, 64, 1, &over_half);
+    fprintf(stderr, "  backward q8 reply: worst error %.2f of a step, %.0f%% of values over half a step\n", worst,
+            100 * over_half);
+    assert_true(worst <= 1.0);
+    assert_true(over_half > 0.05); /* rounding to nearest never gives those */
+    assert_true(tbytes(s, 1, PEER_DTYPE_Q8, 0) - b_q8 == 2 * peer_tensorfmt_size(PEER_FMT_Q8, 64, NB));
+    assert_true(tbytes(s, 1, PEER_DTYPE_BF16, 0) - b_bf16 == 2 * 2 * (uint64_t)NB);
+    assert_true(tbytes(s, 1, PEER_DTYPE_F32, 1) - b_f32o == 4 * (uint64_t)NB);
+    assert_true(tbytes(s, 1, PEER_DTYPE_Q8, 1) - b_q8o == peer_tensorfmt_size(PEER_FMT_Q8, 64, NB));
+
+    /* a q8 payload with a negative scale: EBADMSG, nothing computed */
+    {
+        static uint8_t bad[4 * N];
+        long k = peer_tensorfmt_encode(PEER_FMT_Q8, 64, x, N, bad, sizeof bad);
+        assert_true(k > 0);
+        const float neg = -1.0f;
+        memcpy(bad + 68 * 3, &neg, 4);
+        peer_msg m;
+        peer_msg_init(&m, PEER_KIND_REQUEST, PEER_METHOD_FORWARD, 0);
+        snprintf(m.block, sizeof m.block, "fmnist-mlp.1");
+        uint64_t shape[2] = {B, W};
+        assert_int_equal(peer_tensor_encoded(&m.t[0], PEER_DTYPE_Q8, 64, bad, 2, shape), 0);
+        m.n_tensors = 1;
+        memset(&r, 0, sizeof r);
+        assert_int_equal(peer_rpc_call(cl, &m, 20000, on_freply, &r, NULL), 0);
+        run_until(&r.done);
+        assert_int_equal(r.kind, PEER_KIND_ERROR);
+        assert_int_equal(r.err_code, EBADMSG);
+        fprintf(stderr, "  negative scale: %s\n", r.err_msg);
+        assert_non_null(strstr(r.err_msg, "fmnist-mlp.1"));
+    }
+    /* a q8 input of the wrong shape is refused like an f32 one */
+    ftensor wrong = {x, B, W - 1, PEER_DTYPE_Q8, 64};
+    call_fmt(cl, PEER_METHOD_FORWARD, "fmnist-mlp.1", &wrong, 1, PEER_DTYPE_Q8, 64, &r);
+    assert_int_equal(r.kind, PEER_KIND_ERROR);
+    assert_int_equal(r.err_code, EINVAL);
+    assert_non_null(strstr(r.err_msg, "(B, 512)"));
+
+    /* counters: bad arguments read 0 */
+    assert_true(peer_service_tensor_bytes(s, 3, 0, 0) == 0);
+    assert_true(peer_service_tensor_bytes(s, -1, 0, 0) == 0);
+    assert_true(peer_service_tensor_bytes(s, 0, 4, 0) == 0);
+    assert_true(peer_service_tensor_bytes(s, 0, 0, 2) == 0);
+    assert_true(peer_service_tensor_bytes(NULL, 0, 0, 0) == 0);
+    peer_block_info info;
+    assert_int_equal(peer_service_block_info(s, 0, &info), 0);
+    assert_true(info.version == 0); /* 6 backward rows: no step yet */
+    stop(&s, &cl);
+    expert_workspace_destroy(&ws1);
+    expert_block_destroy(&ref1);
+}
+
+/* A service that accepts only some formats refuses requests whose tensors
+ * or reply format are not among them, with EINVAL naming what it accepts;
+ * float32 is always accepted. */
+static void test_formats_refused(void **state)
+{
+    (void)state;
+    static const int blocks[] = {5};
+    enum { B = 4, W = 512, N = B * W };
+    static float x[N];
+    static fresult r;
+    fill(x, N, 21);
+    struct { uint32_t cfg, want; } cases[] = {
+        {PEER_FMT_BIT(PEER_FMT_F32), PEER_FMT_BIT(PEER_FMT_F32)},
+        {PEER_FMT_BIT(PEER_FMT_F16), PEER_FMT_BIT(PEER_FMT_F32) | PEER_FMT_BIT(PEER_FMT_F16)},
+    };
+    for (int c = 0; c < 2; c++) {
+        svc_formats = cases[c].cfg;
+        int port;
+        peer_service *s = start(&port, blocks, 1);
+        peer_rpc_client *cl = connect_to(port);
+        assert_int_equal(peer_service_formats(s), cases[c].want);
+        char accepts[64];
+        assert_true(peer_tensorfmt_mask_format(cases[c].want, accepts, sizeof accepts) > 0);
+        /* a q8 input; an f32 input with a q8 reply; a bf16 input with an f32
+         * reply: all refused */
+        ftensor q8in = {x, B, W, PEER_DTYPE_Q8, 64}, f32in = {x, B, W, PEER_DTYPE_F32, 0},
+                bfin = {x, B, W, PEER_DTYPE_BF16, 0}, f16in = {x, B, W, PEER_DTYPE_F16, 0};
+        struct { const ftensor *in; peer_dtype rdt; int rblk; const char *name; } refused[] = {
+            {&q8in, PEER_DTYPE_F32, 0, "q8"},
+            {&f32in, PEER_DTYPE_Q8, 64, "q8"},
+            {&bfin, PEER_DTYPE_F32, 0, "bf16"},
+            {&f32in, PEER_DTYPE_BF16, 0, "bf16"},
+            {&q8in, PEER_DTYPE_Q8, 16, "q8"},
+        };
+        for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+            for (int method = PEER_METHOD_FORWARD; method <= PEER_METHOD_INFER; method += 2) {
+                call_fmt(cl, (peer_method)method, "fmnist-mlp.5", refused[i].in, 1, refused[i].rdt, refused[i].rblk,
+                         &r);
+                if (r.kind != PEER_KIND_ERROR || r.err_code != EINVAL)
+                    fail_msg("accepting %s: case %zu method %d was not refused (kind %d, code %d)", accepts, i,
+                             method, (int)r.kind, r.err_code);
+                if (!strstr(r.err_msg, "not accepted") || !strstr(r.err_msg, refused[i].name) ||
+                    !strstr(r.err_msg, accepts))
+                    fail_msg("accepting %s: case %zu: message \"%s\"", accepts, i, r.err_msg);
+            }
+        }
+        fprintf(stderr, "  %s\n", r.err_msg);
+        /* a backward with one tensor in a refused format */
+        ftensor bw[2] = {{x, B, W, PEER_DTYPE_F32, 0}, {x, B, 10, PEER_DTYPE_Q8, 16}};
+        call_fmt(cl, PEER_METHOD_BACKWARD, "fmnist-mlp.5", bw, 2, PEER_DTYPE_F32, 0, &r);
+        assert_int_equal(r.kind, PEER_KIND_ERROR);
+        assert_int_equal(r.err_code, EINVAL);
+        assert_non_null(strstr(r.err_msg, "not accepted"));
+        /* accepted: f32 both ways; f16 where configured */
+        call_fmt(cl, PEER_METHOD_FORWARD, "fmnist-mlp.5", &f32in, 1, PEER_DTYPE_F32, 0, &r);
+        assert_int_equal(r.kind, PEER_KIND_REPLY);
+        assert_true(r.shape[0] == B && r.shape[1] == 10);
+        call_fmt(cl, PEER_METHOD_FORWARD, "fmnist-mlp.5", &f16in, 1, PEER_DTYPE_F16, 0, &r);
+        if (c == 0) {
+            assert_int_equal(r.kind, PEER_KIND_ERROR);
+            assert_int_equal(r.err_code, EINVAL);
+            assert_non_null(strstr(r.err_msg, "f16"));
+        } else {
+            assert_int_equal(r.kind, PEER_KIND_REPLY);
+            assert_int_equal(r.dtype, PEER_DTYPE_F16);
+            assert_int_equal(r.nbytes, 2 * B * 10);
+        }
+        /* nothing refused was computed */
+        peer_block_info info;
+        assert_int_equal(peer_service_block_info(s, 0, &info), 0);
+        assert_true(info.stats.rows[PEER_TASK_FORWARD] == (uint64_t)B * (c == 0 ? 1 : 2));
+        assert_true(info.stats.rows[PEER_TASK_INFER] == 0 && info.stats.rows[PEER_TASK_BACKWARD] == 0);
+        stop(&s, &cl);
+    }
+}
+
 static int setup(void **state)
 {
     (void)state;
@@ -756,6 +1130,7 @@ static int teardown(void **state)
     uv_run(&loop, UV_RUN_NOWAIT);
     assert_int_equal(uv_loop_close(&loop), 0);
     test_rmtree(dir);
+    svc_formats = 0;
     return 0;
 }
 
@@ -769,6 +1144,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_stale_tmp_cleaned, setup, teardown),
         cmocka_unit_test_setup_teardown(test_backward_gradients_checked, setup, teardown),
         cmocka_unit_test_setup_teardown(test_frozen_replica_reported, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_compressed_formats, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_formats_refused, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -896,6 +896,279 @@ static void test_error_feedback(void **state)
     assert_memory_equal(before, r, sizeof r);
 }
 
+/* ---- stochastic rounding (peer_tensorfmt_encode_sr) ---- */
+
+/* One step of Q8 plus the float rounding of scale and product: the bound
+ * of a stochastically rounded value whose block has absmax amax. */
+static double q8_sr_bound(double amax)
+{
+    return amax / 127.0 + amax * 0x1.0p-21 + 0x1.0p-149;
+}
+
+/* Q8 codes are rounded stochastically: over many seeds the mean decoded
+ * value is x (within a few standard errors), where rounding to nearest
+ * maps values below half a step to 0 every time; each value is within one
+ * step; and the two codes seen are the neighbours of x / scale. */
+static void test_sr_unbiased(void **state)
+{
+    (void)state;
+    enum { N = 70, BLOCK = 16, SEEDS = 20000 };
+    const double step0 = 1.0 / 127.0;    /* blocks whose absmax is 1 */
+    static const double fr[] = {0.3, -0.3, 0.05, -0.05, 0.5, 0.7, 1.5, -2.25, 12.25, -40.9, 126.6, -126.2, 0.0};
+    float x[N], y[N];
+    double sum[N] = {0}, lo[N], hi[N];
+    for (int i = 0; i < N; i++) {
+        if (i % BLOCK == 0 || i == N - 1)
+            x[i] = (i / BLOCK) % 2 ? -1.0f : 1.0f;    /* every block's absmax 1, the last (6 values) too */
+        else
+            x[i] = (float)(fr[i % 13] * step0);
+        lo[i] = INFINITY;
+        hi[i] = -INFINITY;
+    }
+    size_t len = peer_tensorfmt_size(PEER_FMT_Q8, BLOCK, N);
+    uint8_t *b = malloc(len), *nb = malloc(len);
+    assert_true(b && nb);
+    /* to nearest: the values below half a step decode to 0 */
+    assert_int_equal(peer_tensorfmt_encode(PEER_FMT_Q8, BLOCK, x, N, nb, len), (long)len);
+    assert_int_equal(peer_tensorfmt_decode(PEER_FMT_Q8, BLOCK, nb, len, N, y), 0);
+    for (int i = 0; i < N; i++)
+        if (fabs((double)x[i]) < 0.49 * step0)
+            assert_true(y[i] == 0.0f);
+    for (uint64_t seed = 0; seed < SEEDS; seed++) {
+        assert_int_equal(peer_tensorfmt_encode_sr(PEER_FMT_Q8, BLOCK, x, N, seed * 7919u + 1, b, len), (long)len);
+        /* the layout is Q8's: the same scales as to nearest */
+        for (size_t k = 0; k < len; k += 4 + BLOCK)
+            assert_memory_equal(b + k, nb + k, 4);
+        assert_int_equal(peer_tensorfmt_decode(PEER_FMT_Q8, BLOCK, b, len, N, y), 0);
+        for (int i = 0; i < N; i++) {
+            double err = fabs((double)y[i] - (double)x[i]);
+            if (!(err <= q8_sr_bound(1.0)))
+                fail_msg("seed %llu x[%d] = %.9g: decoded %.9g, more than a step away",
+                         (unsigned long long)seed, i, (double)x[i], (double)y[i]);
+            sum[i] += y[i];
+            lo[i] = fmin(lo[i], y[i]);
+            hi[i] = fmax(hi[i], y[i]);
+        }
+    }
+    int below_half = 0;
+    for (int i = 0; i < N; i++) {
+        double mean = sum[i] / SEEDS, xv = x[i];
+        /* standard error <= step / (2 sqrt(SEEDS)) = 0.0035 steps */
+        if (!(fabs(mean - xv) <= 0.02 * step0))
+            fail_msg("x[%d] = %.6g steps: mean of %d stochastic roundings %.6g steps (bias %.3g steps)", i,
+                     xv / step0, SEEDS, mean / step0, (mean - xv) / step0);
+        double v = xv / step0;
+        if (v != floor(v)) {
+            /* both neighbours seen, nothing else */
+            assert_true(fabs(lo[i] / step0 - floor(v)) < 1e-4 && fabs(hi[i] / step0 - ceil(v)) < 1e-4);
+        } else {
+            assert_true(lo[i] == hi[i]);
+        }
+        if (fabs(v) < 0.49 && v != 0)
+            below_half++;
+    }
+    assert_true(below_half >= 8); /* the case rounding to nearest loses */
+    free(b);
+    free(nb);
+}
+
+/* Deterministic per seed; other seeds give other codes; f32, f16 and bf16
+ * are encoded as by peer_tensorfmt_encode; non-finite and zero blocks as
+ * there too; errors as there. */
+static void test_sr_formats_and_blocks(void **state)
+{
+    (void)state;
+    enum { N = 1000 };
+    static float x[N];
+    static uint8_t a[4 * N], c[4 * N], ref[4 * N];
+    for (int i = 0; i < N; i++)
+        x[i] = logunif(1e-4, 1e3);
+    for (size_t f = 0; f < 4; f++) {
+        peer_fmt fmt = all_fmts[f];
+        static const int qb[] = {16, 64, 4096};
+        for (size_t bi = 0; bi < (fmt == PEER_FMT_Q8 ? 3u : 1u); bi++) {
+            int block = fmt == PEER_FMT_Q8 ? qb[bi] : 0;
+            size_t len = peer_tensorfmt_size(fmt, block, N);
+            assert_int_equal(peer_tensorfmt_encode(fmt, block, x, N, ref, len), (long)len);
+            for (uint64_t seed = 1; seed < 2000000; seed = seed * 1000 + 7) {
+                assert_int_equal(peer_tensorfmt_encode_sr(fmt, block, x, N, seed, a, len), (long)len);
+                assert_int_equal(peer_tensorfmt_encode_sr(fmt, block, x, N, seed, c, len), (long)len);
+                assert_memory_equal(a, c, len); /* deterministic */
+                if (fmt != PEER_FMT_Q8) {
+                    assert_memory_equal(a, ref, len); /* as to nearest */
+                } else {
+                    assert_int_equal(peer_tensorfmt_encode_sr(fmt, block, x, N, seed + 1, c, len), (long)len);
+                    assert_memory_not_equal(a, c, len);
+                    assert_memory_not_equal(a, ref, len);
+                }
+                /* -ENOBUFS, nothing written */
+                memset(c, 0xEE, len);
+                assert_int_equal(peer_tensorfmt_encode_sr(fmt, block, x, N, seed, c, len - 1), -ENOBUFS);
+                for (size_t k = 0; k < len; k++)
+                    assert_int_equal(c[k], 0xEE);
+            }
+        }
+    }
+    /* Q8: a block with NaN, one with +Inf, one with -Inf, an all-zero one
+     * (with -0), then a finite one and a short last one with NaN: the
+     * non-finite and zero blocks are written as by peer_tensorfmt_encode
+     * (NaN scale and zero codes; scale 0), and decode the same. */
+    float q[16 * 5 + 5], y1[16 * 5 + 5], y2[16 * 5 + 5];
+    for (int i = 0; i < 85; i++)
+        q[i] = (float)sin(i * 0.7) * 3.0f;
+    q[3] = u2f(0x7FC00000u);
+    q[16 + 15] = INFINITY;
+    q[32] = -INFINITY;
+    for (int i = 48; i < 64; i++)
+        q[i] = (i & 1) ? -0.0f : 0.0f;
+    q[83] = u2f(0xFFC00001u);
+    size_t len = peer_tensorfmt_size(PEER_FMT_Q8, 16, 85);
+    assert_int_equal(peer_tensorfmt_encode(PEER_FMT_Q8, 16, q, 85, ref, len), (long)len);
+    for (uint64_t seed = 0; seed < 50; seed++) {
+        assert_int_equal(peer_tensorfmt_encode_sr(PEER_FMT_Q8, 16, q, 85, seed, a, len), (long)len);
+        for (int blk = 0; blk < 6; blk++) {
+            size_t off = (size_t)blk * 20, m = blk == 5 ? 9 : 20;
+            if (blk != 4)
+                assert_memory_equal(a + off, ref + off, m); /* scale and codes */
+            else
+                assert_memory_equal(a + off, ref + off, 4); /* the scale */
+        }
+        assert_int_equal(peer_tensorfmt_decode(PEER_FMT_Q8, 16, a, len, 85, y1), 0);
+        assert_int_equal(peer_tensorfmt_decode(PEER_FMT_Q8, 16, ref, len, 85, y2), 0);
+        for (int i = 0; i < 85; i++) {
+            if (i < 48 || i >= 80) {
+                assert_true(isnan(y1[i]) && isnan(y2[i]));
+            } else if (i < 64) {
+                assert_true(y1[i] == 0.0f && !signbit(y1[i]));
+            } else {
+                double amax = 0;
+                for (int k = 64; k < 80; k++)
+                    amax = fmax(amax, fabs((double)q[k]));
+                assert_true(fabs((double)y1[i] - (double)q[i]) <= q8_sr_bound(amax));
+            }
+        }
+    }
+    /* errors as peer_tensorfmt_encode */
+    assert_int_equal(peer_tensorfmt_encode_sr(PEER_FMT_Q8, 100, x, 10, 1, a, sizeof a), -EINVAL);
+    assert_int_equal(peer_tensorfmt_encode_sr(PEER_FMT_Q8, 0, x, 10, 1, a, sizeof a), -EINVAL);
+    assert_int_equal(peer_tensorfmt_encode_sr((peer_fmt)4, 0, x, 10, 1, a, sizeof a), -EINVAL);
+    assert_int_equal(peer_tensorfmt_encode_sr(PEER_FMT_Q8, 64, NULL, 10, 1, a, sizeof a), -EINVAL);
+    assert_int_equal(peer_tensorfmt_encode_sr(PEER_FMT_Q8, 64, x, 10, 1, NULL, sizeof a), -EINVAL);
+    assert_int_equal(peer_tensorfmt_encode_sr(PEER_FMT_Q8, 64, NULL, 0, 1, NULL, 0), 0);
+    assert_int_equal(peer_tensorfmt_encode_sr(PEER_FMT_F32, 0, x, SIZE_MAX / 4 + 1, 1, a, sizeof a), -EOVERFLOW);
+}
+
+/* Random data of every kind test_roundtrip_random uses but the tiniest:
+ * each stochastically rounded value is within one step of x. */
+static void test_sr_bound_random(void **state)
+{
+    (void)state;
+    enum { N = 4099 };
+    static float x[N], y[N];
+    static uint8_t b[2 * N + 4 * N];
+    static const int blocks[] = {16, 64, 256, 4096};
+    for (int kind = 0; kind < 4; kind++) {
+        for (int i = 0; i < N; i++)
+            x[i] = kind == 0   ? logunif(1e-6, 1e4)
+                   : kind == 1 ? (float)(2.0 * unif() - 1.0)
+                   : kind == 2 ? logunif(1e-30, 1e-20)
+                               : logunif(1e30, 3e38);
+        for (size_t bi = 0; bi < 4; bi++) {
+            int block = blocks[bi];
+            size_t len = peer_tensorfmt_size(PEER_FMT_Q8, block, N);
+            assert_int_equal(peer_tensorfmt_encode_sr(PEER_FMT_Q8, block, x, N, 0xC0FFEEu + (uint64_t)kind, b, len),
+                             (long)len);
+            assert_int_equal(peer_tensorfmt_decode(PEER_FMT_Q8, block, b, len, N, y), 0);
+            for (int i = 0; i < N; i++) {
+                size_t b0 = (size_t)i / (size_t)block * (size_t)block;
+                double bound = q8_sr_bound(block_absmax(x, N, b0, (size_t)block));
+                double err = fabs((double)y[i] - (double)x[i]);
+                if (!(err <= bound) || !isfinite(y[i]))
+                    fail_msg("kind %d block %d x[%d] = %.9g: decoded %.9g, error %.3g > %.3g", kind, block, i,
+                             (double)x[i], (double)y[i], err, bound);
+            }
+        }
+    }
+}
+
+/* Q8 blocks whose scale is a float32 subnormal (absmax below ~2^-119): the
+ * header promises the error bound absmax/254 + absmax * 2^-21 + 2^-149 for
+ * rounding to nearest (and one step, absmax/127, plus rounding for
+ * stochastic rounding). Codes computed against absmax/127 rather than the
+ * scale actually stored break it when the scale's own rounding (up to
+ * 2^-150, times a code of up to 127) is larger than the step; a block of
+ * absmax 3 * 2^-149 even gets the scale 0 and decodes to all zeros. */
+static void test_q8_subnormal_scale_bound(void **state)
+{
+    (void)state;
+    static const double amaxes[] = {3 * 0x1.0p-149, 71 * 0x1.0p-149, 1000 * 0x1.0p-149, 0x1.0p-135, 0x1.0p-130,
+                                    0x1.0p-122};
+    float x[16], y[16];
+    uint8_t b[20];
+    int miss = 0;
+    for (size_t k = 0; k < sizeof amaxes / sizeof amaxes[0]; k++) {
+        for (int i = 0; i < 16; i++)
+            x[i] = (float)(amaxes[k] * (i + 1) / 16.0 * ((i & 1) ? -1 : 1));
+        double amax = block_absmax(x, 16, 0, 16), worst_n = 0, worst_sr = 0;
+        assert_int_equal(peer_tensorfmt_encode(PEER_FMT_Q8, 16, x, 16, b, sizeof b), 20);
+        assert_int_equal(peer_tensorfmt_decode(PEER_FMT_Q8, 16, b, sizeof b, 16, y), 0);
+        float scale;
+        memcpy(&scale, b, 4);
+        for (int i = 0; i < 16; i++)
+            worst_n = fmax(worst_n, fabs((double)y[i] - (double)x[i]) / q8_bound(amax));
+        for (uint64_t seed = 0; seed < 20; seed++) {
+            assert_int_equal(peer_tensorfmt_encode_sr(PEER_FMT_Q8, 16, x, 16, seed, b, sizeof b), 20);
+            assert_int_equal(peer_tensorfmt_decode(PEER_FMT_Q8, 16, b, sizeof b, 16, y), 0);
+            for (int i = 0; i < 16; i++)
+                worst_sr = fmax(worst_sr, fabs((double)y[i] - (double)x[i]) / q8_sr_bound(amax));
+        }
+        if (!(worst_n <= 1.0) || !(worst_sr <= 1.0)) {
+            fprintf(stderr, "  absmax %.4g (%.6g * 2^-149), scale %.4g (%.6g * 2^-149): worst error %.2f x the bound "
+                    "to nearest, %.2f x stochastically\n", amax, amax / 0x1.0p-149, (double)scale,
+                    (double)scale / 0x1.0p-149, worst_n, worst_sr);
+            miss++;
+        }
+    }
+    if (miss)
+        fail_msg("%d of %zu tiny blocks decode outside Q8's documented bound", miss,
+                 sizeof amaxes / sizeof amaxes[0]);
+}
+
+/* --wire-format values: "FMT" or "q8:BLOCK". */
+static void test_spec_parse(void **state)
+{
+    (void)state;
+    static const struct { const char *spec; peer_fmt fmt; int block; } good[] = {
+        {"f32", PEER_FMT_F32, 0}, {"f16", PEER_FMT_F16, 0}, {"bf16", PEER_FMT_BF16, 0},
+        {"q8", PEER_FMT_Q8, PEER_FMT_Q8_BLOCK}, {"q8:16", PEER_FMT_Q8, 16}, {"q8:32", PEER_FMT_Q8, 32},
+        {"q8:64", PEER_FMT_Q8, 64}, {"q8:256", PEER_FMT_Q8, 256}, {"q8:4096", PEER_FMT_Q8, 4096},
+    };
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        peer_fmt f = (peer_fmt)99;
+        int blk = -7;
+        if (peer_tensorfmt_spec_parse(good[i].spec, &f, &blk) != 0 || f != good[i].fmt || blk != good[i].block)
+            fail_msg("\"%s\": got (%d, %d)", good[i].spec, (int)f, blk);
+    }
+    assert_int_equal(PEER_FMT_Q8_BLOCK, 64);
+    static const char *const bad[] = {
+        "q8:15", "q8:100", "q8:8192", "q8:8", "q8:0", "q8:-16", "q8:4097", "q8:2048x", "f16:64", "f32:16",
+        "bf16:16", "q8:", "q8:64x", "q8:64:64", "Q8", "F32", "q8 ", "", ":", ":64", "q", "q8,f16", "q16",
+        "q8:99999999999999999999", "q8:4294967312", "q8:0x40", "f32:",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        peer_fmt f = (peer_fmt)99;
+        int blk = -7;
+        int rc = peer_tensorfmt_spec_parse(bad[i], &f, &blk);
+        if (rc != -EINVAL || f != (peer_fmt)99 || blk != -7)
+            fail_msg("\"%s\": got %d, (%d, %d)", bad[i], rc, (int)f, blk);
+    }
+    peer_fmt f;
+    int blk;
+    assert_int_equal(peer_tensorfmt_spec_parse(NULL, &f, &blk), -EINVAL);
+    assert_int_equal(peer_tensorfmt_spec_parse("q8", NULL, &blk), -EINVAL);
+    assert_int_equal(peer_tensorfmt_spec_parse("q8", &f, NULL), -EINVAL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -909,6 +1182,11 @@ int main(void)
         cmocka_unit_test(test_q8_scales),
         cmocka_unit_test(test_hostile),
         cmocka_unit_test(test_error_feedback),
+        cmocka_unit_test(test_sr_unbiased),
+        cmocka_unit_test(test_sr_formats_and_blocks),
+        cmocka_unit_test(test_sr_bound_random),
+        cmocka_unit_test(test_q8_subnormal_scale_bound),
+        cmocka_unit_test(test_spec_parse),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
