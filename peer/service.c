@@ -221,7 +221,9 @@ static void task_reply(svc_task *t, int status)
         }
         /* Gradients (a backward's grad_inputs) with stochastic rounding:
          * unbiased, like the trainer's grad_outputs; activations to nearest. */
-        uint64_t seed = atomic_fetch_add_explicit(&b->svc->sr_count, 1, memory_order_relaxed) * 0x9E3779B97F4A7C15ull;
+        uint64_t seed = atomic_fetch_add_explicit(&b->svc->sr_count, 1, memory_order_relaxed);
+        seed = (seed ^ (seed >> 31) ^ 0x5851F42D4C957F2Dull) * 0xD6E8FEB86659FD93ull; /* not a multiple of the
+                                                                                  per-value step */
         long k = !t->enc ? -ENOMEM
                  : t->method == PEER_METHOD_BACKWARD
                      ? peer_tensorfmt_encode_sr((peer_fmt)t->rdtype, t->rblock, t->out, nv, seed, t->enc, t->enc_cap)

@@ -311,6 +311,18 @@ static uint32_t absmax_bits(const float *restrict x, size_t m)
     return mx;
 }
 
+/* absmax/127 as a float32; below Q8_TINY (where it may be subnormal, so
+ * rounded by up to half of 2^-149, a large part of it) rounded up instead,
+ * so that codes of x / scale stay within [-127, 127] and the error within
+ * scale/2 <= absmax/254 + 2^-150. */
+static float tiny_scale(float amax)
+{
+    float scale = amax / 127.0f;
+    if (amax < Q8_TINY && (double)scale * 127.0 < (double)amax)
+        scale = nextafterf(scale, 1.0f);
+    return scale;
+}
+
 /* One block of m values: the scale at p, the codes after it. */
 static void enc_q8_block(const float *restrict x, size_t m, uint8_t *restrict p)
 {
@@ -322,11 +334,13 @@ static void enc_q8_block(const float *restrict x, size_t m, uint8_t *restrict p)
         memset(c, 0, m);
         return;
     }
-    float amax = u2f(amax_bits), scale = amax / 127.0f;
+    float amax = u2f(amax_bits), scale = tiny_scale(amax);
     scale = scale > Q8_SCALE_MAX ? Q8_SCALE_MAX : scale;
     memcpy(p, &scale, 4);
     if (amax < Q8_TINY) {
-        double inv = 127.0 / (double)amax;
+        /* The codes against the scale as stored: a subnormal scale is
+         * far from absmax/127 in relative terms. */
+        double inv = 1.0 / (double)scale;
         for (size_t i = 0; i < m; i++) {
             double q = nearbyint((double)x[i] * inv);
             c[i] = (int8_t)(q > 127.0 ? 127 : q < -127.0 ? -127 : (int)q);
@@ -462,10 +476,10 @@ static void enc_q8_block_sr(const float *restrict x, size_t m, uint64_t seed, ui
         enc_q8_block(x, m, p); /* NaN or zero scale: nothing to round */
         return;
     }
-    float amax = u2f(amax_bits), scale = amax / 127.0f;
+    float amax = u2f(amax_bits), scale = tiny_scale(amax);
     scale = scale > Q8_SCALE_MAX ? Q8_SCALE_MAX : scale;
     memcpy(p, &scale, 4);
-    double inv = 127.0 / (double)amax;
+    double inv = amax < Q8_TINY ? 1.0 / (double)scale : 127.0 / (double)amax;
     for (size_t i = 0; i < m; i++) {
         double q = floor((double)x[i] * inv + (double)sr_uniform(seed, first + i));
         c[i] = (int8_t)(q > 127.0 ? 127 : q < -127.0 ? -127 : (int)q);
@@ -506,7 +520,7 @@ int peer_tensorfmt_spec_parse(const char *spec, peer_fmt *fmt, int *block)
         char *end;
         errno = 0;
         long v = strtol(colon + 1, &end, 10);
-        if (f != PEER_FMT_Q8 || errno || end == colon + 1 || *end || v < PEER_FMT_Q8_BLOCK_MIN ||
+        if (f != PEER_FMT_Q8 || colon[1] < '1' || colon[1] > '9' || errno || *end || v < PEER_FMT_Q8_BLOCK_MIN ||
             v > PEER_FMT_Q8_BLOCK_MAX || peer_tensorfmt_check(f, (int)v))
             return -EINVAL;
         b = (int)v;
