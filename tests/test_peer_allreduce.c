@@ -155,7 +155,7 @@ static float *flat_of(int k, size_t *n_out)
 {
     uint8_t dg[PEER_AVG_DIGEST_LEN] = {0};
     size_t n = 0;
-    assert_int_equal(peer_allreduce_server_begin(rounds[k], 0, 1, dg, 1, 0, NULL, &n), 0);
+    assert_int_equal(peer_allreduce_server_begin(rounds[k], 0, 1, dg, 1, 0, NULL, NULL, &n), 0);
     float *f = malloc(n * sizeof(float));
     assert_non_null(f);
     memcpy(f, peer_allreduce_server_base(rounds[k], 0), n * sizeof(float));
@@ -205,7 +205,7 @@ static void digest_for(uint8_t *dg, uint64_t round)
     uint8_t idv[N][DHT_ID_LEN], tags[N] = {1, 1, 1};
     for (int k = 0; k < N; k++)
         memcpy(idv[k], ids[k].id, DHT_ID_LEN);
-    peer_allreduce_digest(dg, round, (const uint8_t(*)[DHT_ID_LEN])idv, tags, N);
+    peer_allreduce_digest(dg, round, (const uint8_t(*)[DHT_ID_LEN])idv, tags, N, PEER_AVG_MEAN);
 }
 
 static void start_all(void)
@@ -404,7 +404,7 @@ static void test_member_fails(void **state)
     for (int k = 0; k < 2; k++)
         assert_int_equal(start_round(k, 43, dg, 20.0, &o[k]), 0);
     /* Member 2 begins the round, then fails. */
-    assert_int_equal(peer_allreduce_server_begin(rounds[2], 0, 43, dg, N, 2, NULL, NULL), 0);
+    assert_int_equal(peer_allreduce_server_begin(rounds[2], 0, 43, dg, N, 2, NULL, NULL, NULL), 0);
     peer_allreduce_server_fail(rounds[2], 0, -EIO);
     for (int k = 0; k < 2; k++) {
         run_until(&o[k].done);
@@ -523,7 +523,7 @@ static void test_bad_requests(void **state)
     expect_err(cl, m, 47, EINVAL);      /* short meta */
     expect_err(cl, NULL, 0, EINVAL);
     size_t n = 0;
-    assert_int_equal(peer_allreduce_server_begin(rounds[0], 0, 50, dg, N, 0, NULL, &n), 0);
+    assert_int_equal(peer_allreduce_server_begin(rounds[0], 0, 50, dg, N, 0, NULL, NULL, &n), 0);
     reply r;
     call(cl, PEER_METHOD_AVG, m, 48, NULL, 0, 0, NULL, 0, &r);
     assert_int_equal(r.kind, PEER_KIND_REPLY);
@@ -539,7 +539,7 @@ static void test_bad_requests(void **state)
         uint8_t dg60[PEER_AVG_DIGEST_LEN];
         digest_for(dg60, 60);
         size_t n60 = 0;
-        assert_int_equal(peer_allreduce_server_begin(rounds[1], 0, 60, dg60, N, 0, NULL, &n60), 0);
+        assert_int_equal(peer_allreduce_server_begin(rounds[1], 0, 60, dg60, N, 0, NULL, NULL, &n60), 0);
         size_t o60, l60;
         peer_avg_part(n60, N, 0, &o60, &l60);
         float *part = calloc(l60, sizeof(float));
@@ -561,7 +561,7 @@ static void test_bad_requests(void **state)
         expect_err(c1, m60, 48, ESTALE);  /* an older round */
         uint8_t dg61[PEER_AVG_DIGEST_LEN];
         digest_for(dg61, 61);
-        assert_int_equal(peer_allreduce_server_begin(rounds[1], 0, 61, dg61, N, 0, NULL, NULL), 0);
+        assert_int_equal(peer_allreduce_server_begin(rounds[1], 0, 61, dg61, N, 0, NULL, NULL, NULL), 0);
         avg_meta(m60, 60, dg60, 1, o60, 16);
         call(c1, PEER_METHOD_AVG, m60, 48, NULL, 0, 0, NULL, 0, &r60);
         assert_int_equal(r60.kind, PEER_KIND_REPLY); /* still, during round 61 */

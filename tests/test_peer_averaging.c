@@ -129,7 +129,7 @@ static void test_group_for_given_inputs(void **state)
     uint8_t ids[3][DHT_ID_LEN], tags[3] = {1, 1, 1}, want[PEER_AVG_DIGEST_LEN];
     for (int i = 0; i < 3; i++)
         memcpy(ids[i], g.members[i].id, DHT_ID_LEN);
-    peer_allreduce_digest(want, 5000, (const uint8_t(*)[DHT_ID_LEN])ids, tags, 3);
+    peer_allreduce_digest(want, 5000, (const uint8_t(*)[DHT_ID_LEN])ids, tags, 3, PEER_AVG_MEAN);
     assert_memory_equal(g.digest, want, PEER_AVG_DIGEST_LEN);
     /* Member 0x30 uses SGD (kind 2): the group averages parameters only,
      * and the digest records each member's kind. */
@@ -138,7 +138,7 @@ static void test_group_for_given_inputs(void **state)
     assert_int_equal(peer_avg_choose_group(a, 3, a[1].m.id, 5000, &g), 0);
     assert_int_equal(g.me, 0);
     assert_false(g.with_optim);
-    peer_allreduce_digest(want, 5000, (const uint8_t(*)[DHT_ID_LEN])ids, tags, 3);
+    peer_allreduce_digest(want, 5000, (const uint8_t(*)[DHT_ID_LEN])ids, tags, 3, PEER_AVG_MEAN);
     assert_memory_equal(g.digest, want, PEER_AVG_DIGEST_LEN);
 }
 
