@@ -79,18 +79,48 @@ static int avg_reply_decode(avg_reply *r, const void *meta, size_t len)
     return 0;
 }
 
+/* ---- the slices on the wire (both sides) ----
+ *
+ * The one place that chooses how a slice of a round's vector travels in
+ * the avg reply: one (1, count) f32 tensor today. */
+
+/* Fills t with src[0..count) (borrowed until the reply is sent). */
+static void slice_encode(peer_tensor *t, const float *src, uint64_t count)
+{
+    uint64_t shape[2] = {1, count};
+    peer_tensor_f32(t, (float *)(uintptr_t)src, 2, shape);
+}
+
+/* Copies a received slice of count floats into dst. Returns 0, or
+ * -EBADMSG when t is not such a slice. */
+static int slice_decode(const peer_tensor *t, size_t count, float *dst)
+{
+    if (t->dtype != PEER_DTYPE_F32 || t->nbytes != count * sizeof(float))
+        return -EBADMSG;
+    memcpy(dst, t->data, t->nbytes);
+    return 0;
+}
+
 /* ---- the serving side ---- */
 
 /* One hosted block's rounds (loop thread only). */
 typedef struct srv_block {
     uint64_t mark;             /* backward rows at the last applied round */
+    /* Diloco mode: the parameters after the last applied round and the
+     * outer momentum (nparams floats each, one allocation; NULL until the
+     * first anchor). */
+    float *anchor, *outer_m;
+    size_t nparams;
     struct {
         int active;            /* base frozen */
         uint64_t round;
         uint8_t digest[PEER_AVG_DIGEST_LEN];
+        peer_avg_method how;
         double weight;
         uint64_t mark;         /* backward rows when the base was frozen */
-        float *base;           /* flat state at the round's start */
+        float *base;           /* the round's vector at its start (nflat floats); in diloco
+                                  mode followed by the parameters it came from (nflat more) */
+        size_t cap;            /* floats allocated at base */
         size_t nflat;
         size_t part_off, part_len;
         float *reduced;        /* our part, averaged */
@@ -123,9 +153,8 @@ static void avg_respond(peer_rpc_request *req, uint64_t round, double weight, si
     peer_msg_init(&reply, PEER_KIND_REPLY, PEER_METHOD_AVG, 0);
     reply.meta = meta;
     reply.meta_len = sizeof meta;
-    uint64_t shape[2] = {1, count};
     reply.n_tensors = 1;
-    peer_tensor_f32(&reply.t[0], (float *)(uintptr_t)src, 2, shape);
+    slice_encode(&reply.t[0], src, count);
     peer_rpc_respond(req, &reply);
 }
 
@@ -217,6 +246,7 @@ static void server_free(void *ctx)
         free(srv->b[i].cur.base);
         free(srv->b[i].cur.reduced);
         free(srv->b[i].prev.reduced);
+        free(srv->b[i].anchor);
     }
     free(srv);
 }
@@ -267,23 +297,88 @@ static void retire(srv_block *b)
     memset(&b->cur, 0, sizeof b->cur);
 }
 
-int peer_allreduce_server_begin(peer_allreduce_server *srv, int i, uint64_t round,
-                                const uint8_t digest[PEER_AVG_DIGEST_LEN], int n, int me, double *weight_out,
-                                size_t *nflat_out)
+/* Diloco: block i's anchor := params (np floats), momentum := 0, and the
+ * next round's samples count from `rows`. */
+static int set_anchor(srv_block *b, const float *params, size_t np, uint64_t rows)
+{
+    if (!b->anchor || b->nparams != np) {
+        free(b->anchor);
+        b->outer_m = NULL;
+        b->nparams = 0;
+        if (!(b->anchor = malloc(2 * np * sizeof(float))))
+            return -ENOMEM;
+        b->outer_m = b->anchor + np;
+        b->nparams = np;
+    }
+    memcpy(b->anchor, params, np * sizeof(float));
+    memset(b->outer_m, 0, np * sizeof(float));
+    b->mark = rows;
+    return 0;
+}
+
+/* Copies block i's current parameters (np floats) into out. */
+static void copy_params(peer_allreduce_server *srv, int i, float *out, size_t np)
+{
+    struct expert_snapshot snap;
+    expert_block *blk = peer_service_block(srv->svc, i);
+    expert_block_snapshot_acquire(blk, &snap);
+    memcpy(out, snap.params, np * sizeof(float));
+    expert_block_snapshot_release(blk, &snap);
+}
+
+static uint64_t backward_rows(peer_allreduce_server *srv, int i, peer_block_info *info)
+{
+    peer_service_block_info(srv->svc, i, info);
+    return info->stats.rows[PEER_TASK_BACKWARD];
+}
+
+int peer_allreduce_server_anchor(peer_allreduce_server *srv, int i)
 {
     srv_block *b = srv_block_of(srv, i);
-    if (!b || !digest || n < 1 || me < 0 || me >= n)
+    if (!b)
+        return -EINVAL;
+    size_t np = expert_block_nparams(peer_service_block(srv->svc, i));
+    float *tmp = malloc((np ? np : 1) * sizeof(float));
+    if (!tmp)
+        return -ENOMEM;
+    peer_block_info info;
+    uint64_t rows = backward_rows(srv, i, &info);
+    copy_params(srv, i, tmp, np);
+    int rc = set_anchor(b, tmp, np, rows);
+    free(tmp);
+    return rc;
+}
+
+static int method_ok(const peer_avg_method *h)
+{
+    if (h->mode == PEER_AVG_MEAN)
+        return 1;
+    return h->mode == PEER_AVG_DILOCO && h->outer_lr > 0 && isfinite(h->outer_lr) && h->outer_momentum >= 0 &&
+           h->outer_momentum < 1;
+}
+
+int peer_allreduce_server_begin(peer_allreduce_server *srv, int i, uint64_t round,
+                                const uint8_t digest[PEER_AVG_DIGEST_LEN], int n, int me,
+                                const peer_avg_method *how, double *weight_out, size_t *nflat_out)
+{
+    srv_block *b = srv_block_of(srv, i);
+    peer_avg_method h = how ? *how : (peer_avg_method){.mode = PEER_AVG_MEAN};
+    if (!b || !digest || n < 1 || me < 0 || me >= n || !method_ok(&h))
         return -EINVAL;
     expert_block *blk = peer_service_block(srv->svc, i);
-    size_t nflat = expert_block_flat_len(blk);
+    int diloco = h.mode == PEER_AVG_DILOCO;
+    size_t np = expert_block_nparams(blk);
+    size_t nflat = diloco ? np : expert_block_flat_len(blk), cap = diloco ? 2 * np : nflat;
     if (b->cur.active && b->cur.reduced_state == 1)
         retire(b); /* a finished round: keep its part for slower members */
-    if (!b->cur.base || b->cur.nflat != nflat) {
+    if (!b->cur.base || b->cur.cap != cap) {
         free(b->cur.base);
+        b->cur.cap = 0;
         b->cur.nflat = 0;
         b->cur.active = 0;
-        if (!(b->cur.base = malloc(nflat * sizeof(float))))
+        if (!(b->cur.base = malloc((cap ? cap : 1) * sizeof(float))))
             return -ENOMEM;
+        b->cur.cap = cap;
     }
     size_t off, len;
     peer_avg_part(nflat, n, me, &off, &len);
@@ -295,13 +390,31 @@ int peer_allreduce_server_begin(peer_allreduce_server *srv, int i, uint64_t roun
     /* The row count first: samples trained after it count for the next
      * round, and their updates survive this one (flat_apply). */
     peer_block_info info;
-    peer_service_block_info(srv->svc, i, &info);
-    uint64_t rows = info.stats.rows[PEER_TASK_BACKWARD];
+    uint64_t rows = backward_rows(srv, i, &info);
     b->cur.mark = rows;
     /* Initial weights carry no information: such a member takes the
      * group's average and gives nothing to it. */
     b->cur.weight = info.has_state ? (double)(rows >= b->mark ? rows - b->mark : 0) + 1.0 : 0.0;
-    expert_block_flat_export(blk, b->cur.base);
+    if (diloco) {
+        /* base = anchor - params, then the params themselves (for the
+         * apply). A block without an anchor takes one now: its delta is 0,
+         * so it gives nothing this round. */
+        float *delta = b->cur.base, *theta = b->cur.base + np;
+        copy_params(srv, i, theta, np);
+        if (!b->anchor || b->nparams != np) {
+            int rc = set_anchor(b, theta, np, rows);
+            if (rc != 0) {
+                b->cur.active = 0;
+                return rc;
+            }
+            b->cur.weight = 0;
+        }
+        for (size_t k = 0; k < np; k++)
+            delta[k] = b->anchor[k] - theta[k];
+    } else {
+        expert_block_flat_export(blk, b->cur.base);
+    }
+    b->cur.how = h;
     b->cur.nflat = nflat;
     b->cur.round = round;
     memcpy(b->cur.digest, digest, PEER_AVG_DIGEST_LEN);
@@ -339,14 +452,46 @@ void peer_allreduce_server_fail(peer_allreduce_server *srv, int i, int err)
         b->cur.reduced_state = err < 0 ? err : -ECANCELED;
 }
 
+/* Diloco: the outer Nesterov step from the mean pseudo-gradient dbar
+ * (allreduce.h), applied on top of the updates made during the round;
+ * anchor and momentum advance only when it is applied. */
+static int apply_outer(srv_block *b, expert_block *blk, const float *dbar, double *dist_before,
+                       double *dist_after)
+{
+    size_t np = b->cur.nflat;
+    const double mu = b->cur.how.outer_momentum, lr = b->cur.how.outer_lr;
+    float *buf = malloc((np ? 2 * np : 1) * sizeof(float));
+    if (!buf)
+        return -ENOMEM;
+    float *theta_new = buf + np;
+    for (size_t k = 0; k < np; k++) {
+        double m = mu * b->outer_m[k] + dbar[k];
+        buf[k] = (float)m;
+        theta_new[k] = (float)(b->anchor[k] - lr * (dbar[k] + mu * m));
+    }
+    /* Parameters only: params += theta_new - (params at the round's start). */
+    int rc = expert_block_flat_apply(blk, theta_new, b->cur.base + np, 0, dist_before, dist_after);
+    if (rc == 0) {
+        memcpy(b->outer_m, buf, np * sizeof(float));
+        memcpy(b->anchor, theta_new, np * sizeof(float));
+    }
+    free(buf);
+    return rc;
+}
+
 int peer_allreduce_server_apply(peer_allreduce_server *srv, int i, const float *avg, int with_optim,
                                 double *dist_before, double *dist_after)
 {
     srv_block *b = srv_block_of(srv, i);
     if (!b || !avg || !b->cur.active)
         return -EINVAL;
-    int rc = expert_block_flat_apply(peer_service_block(srv->svc, i), avg, b->cur.base, with_optim, dist_before,
-                                     dist_after);
+    expert_block *blk = peer_service_block(srv->svc, i);
+    int rc;
+    if (b->cur.how.mode == PEER_AVG_DILOCO)
+        rc = b->anchor && b->nparams == b->cur.nflat ? apply_outer(b, blk, avg, dist_before, dist_after)
+                                                      : -EINVAL;
+    else
+        rc = expert_block_flat_apply(blk, avg, b->cur.base, with_optim, dist_before, dist_after);
     if (rc == 0) {
         b->mark = b->cur.mark;
         peer_service_note_state(srv->svc, i);
@@ -384,6 +529,7 @@ struct peer_allreduce {
     uint8_t digest[PEER_AVG_DIGEST_LEN];
     int n, me, with_optim;
     size_t nflat, part_off, part_len;
+    int nseg;                      /* segments of the vector: 3 (params, m, v) or 1 */
     float *acc;                    /* our part's (robust) average */
     double wself;
     float *avg;                    /* the whole result (phase 2) */
@@ -399,7 +545,7 @@ struct peer_allreduce {
 };
 
 void peer_allreduce_digest(uint8_t out[PEER_AVG_DIGEST_LEN], uint64_t round,
-                           const uint8_t (*ids)[DHT_ID_LEN], const uint8_t *tags, int n)
+                           const uint8_t (*ids)[DHT_ID_LEN], const uint8_t *tags, int n, int mode)
 {
     crypto_generichash_state st;
     uint8_t r[8];
@@ -410,6 +556,10 @@ void peer_allreduce_digest(uint8_t out[PEER_AVG_DIGEST_LEN], uint64_t round,
     for (int i = 0; i < n; i++) {
         crypto_generichash_update(&st, ids[i], DHT_ID_LEN);
         crypto_generichash_update(&st, tags ? &tags[i] : (const uint8_t *)"", 1);
+    }
+    if (mode != PEER_AVG_MEAN) {
+        uint8_t m = (uint8_t)mode;
+        crypto_generichash_update(&st, &m, 1);
     }
     crypto_generichash_final(&st, out, PEER_AVG_DIGEST_LEN);
 }
@@ -695,8 +845,9 @@ static void start_phase2(peer_allreduce *ar)
         x[j] = j == ar->me ? (base ? base + ar->part_off : NULL) : ar->links[j].part;
         w[j] = j == ar->me ? ar->wself : ar->links[j].weight;
     }
-    /* Segments: parameters, m, v (expert_block_flat_len: 3 * nparams). */
-    size_t seg = ar->nflat % 3 == 0 ? ar->nflat / 3 : 0;
+    /* Segments: parameters, m, v (expert_block_flat_len: 3 * nparams), or
+     * one (a diloco round's pseudo-gradient). */
+    size_t seg = ar->nseg == 3 ? ar->nflat / 3 : 0;
     peer_robust_stats st;
     int rc = peer_allreduce_robust_mean(x, w, ar->n, ar->part_len, ar->part_off, seg, ar->acc, &st);
     ar->res.dropped = st.dropped;
@@ -760,13 +911,20 @@ static void piece_change(const float *avg, const float *base, size_t off, size_t
 
 int peer_allreduce_check_parts(const float *avg, const float *base, size_t nflat, int n, int me, uint32_t *rejected)
 {
-    if (rejected)
-        *rejected = 0;
-    if (!avg || !base || !rejected || n < 2 || n > PEER_ALLREDUCE_MAX_MEMBERS || me < 0 || me >= n)
-        return -EINVAL;
     /* Segments: parameters, m, v (as in the reduce); one segment, treated
      * as parameters, when the state is not three equal thirds. */
-    int three = nflat % 3 == 0 && nflat > 0;
+    return peer_allreduce_check_parts_seg(avg, base, nflat, nflat % 3 == 0 && nflat > 0 ? 3 : 1, n, me, rejected);
+}
+
+int peer_allreduce_check_parts_seg(const float *avg, const float *base, size_t nflat, int nseg, int n, int me,
+                                   uint32_t *rejected)
+{
+    if (rejected)
+        *rejected = 0;
+    if (!avg || !base || !rejected || n < 2 || n > PEER_ALLREDUCE_MAX_MEMBERS || me < 0 || me >= n ||
+        (nseg != 1 && nseg != 3) || (nseg == 3 && nflat % 3 != 0))
+        return -EINVAL;
+    int three = nseg == 3;
     size_t seg = three ? nflat / 3 : nflat;
     /* How far our own part (reduced by us, robustly) moves us, in its most
      * moved piece: when that is large, we are the one far from the group,
@@ -839,7 +997,9 @@ static void finish_phase2(peer_allreduce *ar)
     uint32_t rejected = 0;
     /* A member with weight 0 (initial weights) has nothing to defend and
      * nothing to compare with: it takes the group's average. */
-    if (base && ar->wself > 0 && peer_allreduce_check_parts(ar->avg, base, ar->nflat, ar->n, ar->me, &rejected) == 0 && rejected) {
+    if (base && ar->wself > 0 &&
+        peer_allreduce_check_parts_seg(ar->avg, base, ar->nflat, ar->nseg, ar->n, ar->me, &rejected) == 0 &&
+        rejected) {
         for (int j = 0; j < ar->n; j++)
             if (rejected >> j & 1) {
                 size_t off, len;
@@ -890,12 +1050,14 @@ static void on_reply(void *arg, int status, const peer_msg *m)
     }
     size_t count = l->len - l->pos < PEER_AVG_MAX_COUNT ? l->len - l->pos : PEER_AVG_MAX_COUNT;
     avg_reply rm;
+    /* Phase 1 keeps member j's values whole (the robust reduce needs every
+     * member's); phase 2 fills in the average. */
+    float *dst = ar->phase == 1 ? l->part + l->pos : ar->avg + l->off + l->pos;
     if (avg_reply_decode(&rm, m->meta, m->meta_len) != 0 || rm.round != ar->round || rm.nflat != ar->nflat ||
-        m->n_tensors != 1 || m->t[0].dtype != PEER_DTYPE_F32 || m->t[0].nbytes != count * sizeof(float)) {
+        m->n_tensors != 1 || slice_decode(&m->t[0], count, dst) != 0) {
         finish(ar, -EBADMSG);
         return;
     }
-    const float *x = m->t[0].data;
     ar->res.bytes_in += m->t[0].nbytes;
     if (ar->phase == 1) {
         double w = rm.weight;
@@ -905,18 +1067,15 @@ static void on_reply(void *arg, int status, const peer_msg *m)
         }
         if (l->pos == 0)
             l->weight = w;
-        /* Kept whole: the robust reduce needs every member's values. */
-        memcpy(l->part + l->pos, x, count * sizeof(float));
     } else {
         for (size_t k = 0; k < count; k++)
-            if (!isfinite(x[k])) {
+            if (!isfinite(dst[k])) {
                 /* Its reducer published garbage: applying any of it would
                  * poison us, and dropping it would leave a torn state. */
                 ar->res.bad_reducer = l->j;
                 finish(ar, -ERANGE);
                 return;
             }
-        memcpy(ar->avg + l->off + l->pos, x, count * sizeof(float));
     }
     l->pos += count;
     if (l->pos == l->len)
@@ -990,12 +1149,13 @@ int peer_allreduce_start(const peer_allreduce_config *c, peer_allreduce **out)
     ar->arg = c->arg;
     ar->res.n = c->n;
     ar->t0 = uv_now(c->loop);
-    int rc = peer_allreduce_server_begin(c->srv, c->block, c->round, c->digest, c->n, c->me, &ar->wself,
-                                         &ar->nflat);
+    int rc = peer_allreduce_server_begin(c->srv, c->block, c->round, c->digest, c->n, c->me, &c->method,
+                                         &ar->wself, &ar->nflat);
     if (rc != 0) {
         free(ar);
         return rc;
     }
+    ar->nseg = c->method.mode == PEER_AVG_MEAN && ar->nflat % 3 == 0 ? 3 : 1;
     peer_avg_part(ar->nflat, ar->n, ar->me, &ar->part_off, &ar->part_len);
     ar->acc = malloc((ar->part_len ? ar->part_len : 1) * sizeof(float));
     ar->avg = malloc(ar->nflat * sizeof(float));

@@ -30,6 +30,12 @@
  * member ends with its own weights either unchanged or replaced by the
  * group's average, never a mix.
  *
+ * DiLoCo mode (PEER_AVG_DILOCO, below) runs the same round over a smaller
+ * vector: each block keeps an anchor (its parameters after its last
+ * applied round) and an outer momentum buffer; the members all-reduce only
+ * their pseudo-gradients anchor - params (the AdamW moments stay local),
+ * and each applies an outer Nesterov step from its anchor.
+ *
  * Both sides live here: the round as a client (peer_allreduce_start) and
  * the serving side (peer_allreduce_server), which keeps each hosted
  * block's round and answers the others' PEER_METHOD_AVG requests.
@@ -49,10 +55,41 @@
 
 #define PEER_ALLREDUCE_MAX_MEMBERS 16
 
+/* ---- What a round averages (--average-mode) ----
+ *
+ * PEER_AVG_MEAN: the round's vector is the block's flat state (parameters,
+ *   m, v: 3 x nparams floats); the group's weighted mean replaces it.
+ * PEER_AVG_DILOCO (Douillard et al. 2023, "DiLoCo"): the round's vector is
+ *   the pseudo-gradient delta = anchor - params (nparams floats), the anchor
+ *   being the parameters right after the block's last applied round (or
+ *   when it went online: peer_allreduce_server_anchor). With dbar the
+ *   group's weighted mean of the deltas, the outer step is PyTorch's SGD
+ *   with Nesterov momentum mu and learning rate lr:
+ *       buf = mu buf + dbar;  step = dbar + mu buf;  new = anchor - lr step;
+ *   the block moves by (new - params at the round's start), keeping the
+ *   updates made during the round, and anchor := new. The moments stay
+ *   local. A failed round leaves anchor and buf unchanged.
+ * Members of one group must use one mode: it is part of the group digest
+ * (peer_allreduce_digest) and of the matchmaking (peer/averaging.h). */
+enum peer_avg_mode {
+    PEER_AVG_MEAN = 0,
+    PEER_AVG_DILOCO = 1,
+};
+
+#define PEER_AVG_OUTER_LR 0.7          /* DiLoCo's outer learning rate */
+#define PEER_AVG_OUTER_MOMENTUM 0.9    /* and its Nesterov momentum */
+
+typedef struct peer_avg_method {
+    int mode;                      /* enum peer_avg_mode */
+    double outer_lr;               /* diloco: > 0 */
+    double outer_momentum;         /* diloco: 0 <= mu < 1 */
+} peer_avg_method;
+
 /* ---- The serving side: each hosted block's round ----
  *
  * A round freezes the block's flat state (expert_block_flat_export:
- * parameters, m, v) as the round's base and splits it into n contiguous
+ * parameters, m, v; in diloco mode the pseudo-gradient, nparams floats) as
+ * the round's base and splits it into n contiguous
  * parts, one per member (peer_avg_part); member j reduces part j. Other
  * members pull slices of our base and, once we have reduced our part, of
  * the result, with PEER_METHOD_AVG (docs/rpc.md):
@@ -84,26 +121,40 @@ typedef struct peer_allreduce_server peer_allreduce_server;
 peer_allreduce_server *peer_allreduce_server_create(peer_service *svc);
 
 /* Begins round `round` of block i in the group named by digest (n members,
- * we are member me): freezes the base and our weight (training samples
+ * we are member me), averaging as `how` says (NULL: PEER_AVG_MEAN): freezes
+ * the base and our weight (training samples
  * since the last applied round, plus one, so a group where nobody trained
  * averages with equal weights; 0 while the block still has its initial
  * weights: never restored, downloaded, averaged or stepped, so it takes
- * the group's average without pulling it toward noise). Replaces any earlier round. Returns 0,
- * -EINVAL or -ENOMEM. */
+ * the group's average without pulling it toward noise; in diloco mode
+ * also 0 when the block had no anchor yet: it takes its parameters as the
+ * anchor now, so its delta is 0). Replaces any earlier round. *nflat_out:
+ * the length of the round's vector. Returns 0, -EINVAL or -ENOMEM. */
 int peer_allreduce_server_begin(peer_allreduce_server *srv, int i, uint64_t round,
-                                const uint8_t digest[PEER_AVG_DIGEST_LEN], int n, int me, double *weight_out,
-                                size_t *nflat_out);
-/* The frozen base of the current round (flat length floats), or NULL. */
+                                const uint8_t digest[PEER_AVG_DIGEST_LEN], int n, int me,
+                                const peer_avg_method *how, double *weight_out, size_t *nflat_out);
+/* Diloco mode: sets block i's anchor to its current parameters and zeroes
+ * its outer momentum; samples trained from now on count for its next
+ * round's weight. The daemon calls it when a block's state is final (it
+ * went online, after restoring or downloading its state). Returns 0,
+ * -EINVAL or -ENOMEM (anchor unchanged). */
+int peer_allreduce_server_anchor(peer_allreduce_server *srv, int i);
+/* The frozen base of the current round (its vector's length), or NULL. */
 const float *peer_allreduce_server_base(peer_allreduce_server *srv, int i);
 /* Publishes our reduced part (copied) for the others to pull. */
 int peer_allreduce_server_reduced(peer_allreduce_server *srv, int i, const float *part);
 /* Marks the round failed here: others asking get ECANCELED. */
 void peer_allreduce_server_fail(peer_allreduce_server *srv, int i, int err);
-/* Applies the round's result (the whole averaged flat vector) as one new
+/* Applies the round's result (the whole averaged vector) as one new
  * weight version, keeping the updates made since the base was frozen
  * (expert_block_flat_apply); with_optim == 0 moves the parameters only.
- * The samples counted for the next round's weight start at the base.
- * Returns 0 or expert_block_flat_apply's error (block unchanged). */
+ * In diloco mode avg is the mean pseudo-gradient: the outer step (above)
+ * moves the parameters, then the anchor and momentum advance (with_optim
+ * is ignored). The samples counted for the next round's weight start at
+ * the base. *dist_before, *dist_after: the parameters' L2 distance to the
+ * result (the group average; in diloco mode the new anchor) at the
+ * round's start and after. Returns 0, -ENOMEM or expert_block_flat_apply's
+ * error (block, anchor and momentum unchanged). */
 int peer_allreduce_server_apply(peer_allreduce_server *srv, int i, const float *avg, int with_optim,
                                 double *dist_before, double *dist_after);
 /* Frees the round's buffers (others still asking then get ESTALE); a
@@ -127,7 +178,8 @@ typedef struct peer_allreduce_member {
 typedef struct peer_allreduce_result {
     int n;                         /* group size */
     double weight_self;            /* our weight / the group's total */
-    double dist_before, dist_after; /* our parameters' L2 distance to the group average */
+    double dist_before, dist_after; /* our parameters' L2 distance to the group average
+                                       (diloco: to the new anchor), before and after */
     double seconds;                /* begin to apply */
     uint64_t bytes_in;             /* tensor bytes received */
     /* What the robust reduce did with each member's contribution to our
@@ -158,7 +210,8 @@ typedef struct peer_allreduce_config {
     const peer_allreduce_member *members; /* sorted; includes us */
     int n;                         /* 2..PEER_ALLREDUCE_MAX_MEMBERS */
     int me;                        /* our index in members */
-    int with_optim;                /* average m and v too */
+    int with_optim;                /* average m and v too (mean mode) */
+    peer_avg_method method;        /* zeros: PEER_AVG_MEAN */
     double timeout_s;              /* the whole round */
     peer_allreduce_cb cb;
     void *arg;
@@ -172,10 +225,13 @@ int peer_allreduce_start(const peer_allreduce_config *cfg, peer_allreduce **out)
  * round already succeeded). */
 void peer_allreduce_cancel(peer_allreduce *ar);
 
-/* The group digest: BLAKE2b-128 over the round and the sorted member IDs,
- * each followed by a byte the caller chooses (the optimizer kind). */
+/* The group digest: BLAKE2b-128 over "starling.avg.v1", the round and the
+ * sorted member IDs, each followed by a byte the caller chooses (the
+ * optimizer kind), then, for any mode but PEER_AVG_MEAN, one byte with the
+ * mode (so mean digests stay those of peers that predate the modes, and
+ * the longer input cannot equal a mean group's). */
 void peer_allreduce_digest(uint8_t out[PEER_AVG_DIGEST_LEN], uint64_t round,
-                           const uint8_t (*ids)[DHT_ID_LEN], const uint8_t *tags, int n);
+                           const uint8_t (*ids)[DHT_ID_LEN], const uint8_t *tags, int n, int mode);
 
 /* ---- The robust reduce (pure; exposed for tests and benchmarks) ----
  *
@@ -271,8 +327,14 @@ int peer_allreduce_robust_mean(const float *const *x, const double *w, int n, si
 
 /* avg and base: the whole flat vector (nflat floats), parts split by
  * peer_avg_part among n members, me = our index. Sets *rejected (bit j:
- * part j rejected; never our own). Returns 0 or -EINVAL. */
+ * part j rejected; never our own). The vector is parameters, m, v when
+ * nflat is three equal thirds, else one segment of parameters. Returns 0
+ * or -EINVAL. */
 int peer_allreduce_check_parts(const float *avg, const float *base, size_t nflat, int n, int me,
                                uint32_t *rejected);
+/* The same with the number of segments given: 3 (parameters, m, v) or 1
+ * (parameters, or a diloco round's pseudo-gradient). */
+int peer_allreduce_check_parts_seg(const float *avg, const float *base, size_t nflat, int nseg, int n, int me,
+                                   uint32_t *rejected);
 
 #endif

@@ -68,20 +68,30 @@ struct peer_averaging {
 
 /* ---- the matchmaking entry ---- */
 
+void peer_avg_mode_key(uint8_t key[DHT_ID_LEN], const char *block, uint64_t stage_hash, int mode)
+{
+    char name[160];
+    int n = mode == PEER_AVG_MEAN
+                ? snprintf(name, sizeof name, "starling.avg:%.64s:%016" PRIx64, block, stage_hash)
+            : mode == PEER_AVG_DILOCO
+                ? snprintf(name, sizeof name, "starling.avg.diloco:%.64s:%016" PRIx64, block, stage_hash)
+                : snprintf(name, sizeof name, "starling.avg.%d:%.64s:%016" PRIx64, mode, block, stage_hash);
+    dht_id_of_bytes(key, name, (size_t)n);
+}
+
 void peer_avg_key(uint8_t key[DHT_ID_LEN], const char *block, uint64_t stage_hash)
 {
-    char name[128];
-    int n = snprintf(name, sizeof name, "starling.avg:%.64s:%016" PRIx64, block, stage_hash);
-    dht_id_of_bytes(key, name, (size_t)n);
+    peer_avg_mode_key(key, block, stage_hash, PEER_AVG_MEAN);
 }
 
 long peer_avg_record_encode(const peer_avg_record *m, uint8_t *buf, size_t cap)
 {
-    if (!m || !buf || !m->addr[0] || !peer__printable(m->addr, 64) || m->optim < 0 || m->optim > 255)
+    if (!m || !buf || !m->addr[0] || !peer__printable(m->addr, 64) || m->optim < 0 || m->optim > 255 ||
+        m->mode < 0 || m->mode > 255)
         return -EINVAL;
     dht_mp_writer w;
     dht_mp_writer_init(&w, buf, cap);
-    msgpack_pack_map(&w.pk, 4 + (m->period_ms > 0));
+    msgpack_pack_map(&w.pk, 4 + (m->period_ms > 0) + (m->mode != PEER_AVG_MEAN));
     dht_mp_pack_cstr(&w.pk, "v");
     msgpack_pack_uint64(&w.pk, PEER_ANNOUNCE_VERSION);
     dht_mp_pack_cstr(&w.pk, "r");
@@ -93,6 +103,10 @@ long peer_avg_record_encode(const peer_avg_record *m, uint8_t *buf, size_t cap)
     if (m->period_ms > 0) {
         dht_mp_pack_cstr(&w.pk, "p");
         msgpack_pack_uint64(&w.pk, m->period_ms);
+    }
+    if (m->mode != PEER_AVG_MEAN) {
+        dht_mp_pack_cstr(&w.pk, "m");
+        msgpack_pack_uint64(&w.pk, (uint64_t)m->mode);
     }
     return dht_mp_writer_finish(&w);
 }
@@ -117,6 +131,10 @@ static int avg_field(dht_mp_reader *r, const char *key, void *outp, int *have)
     } else if (!strcmp(key, "p")) {
         if (dht_mp_uint(r, &out->period_ms))
             return -1;
+    } else if (!strcmp(key, "m")) {
+        if (dht_mp_uint(r, &u) || u > 255)
+            return -1;
+        out->mode = (int)u;
     } else {
         return 1;
     }
@@ -146,9 +164,12 @@ int peer_avg_candidates(const dht_entry *e, size_t n, uint64_t round, const peer
             *other_period_ms = r.period_ms;
         if (r.round != round || !memcmp(e[i].subkey, self->m.id, DHT_ID_LEN))
             continue; /* we are a member whether or not our own entry came back */
+        if (r.mode != self->mode)
+            continue; /* averages otherwise: never in our group */
         memcpy(out[nc].m.id, e[i].subkey, DHT_ID_LEN);
         snprintf(out[nc].m.addr, sizeof out[nc].m.addr, "%s", r.addr);
         out[nc].optim = (uint8_t)r.optim;
+        out[nc].mode = (uint8_t)r.mode;
         nc++;
     }
     out[nc++] = *self;
@@ -181,18 +202,27 @@ int peer_avg_choose_group(const peer_avg_candidate *cand, int nc, const uint8_t 
     static ordered all[MAX_CANDIDATES]; /* loop thread only */
     uint8_t rb[8];
     peer_put_le64(rb, round);
-    int found = 0;
+    int found = -1;
+    for (int i = 0; i < nc && found < 0; i++)
+        if (!memcmp(cand[i].m.id, self, DHT_ID_LEN))
+            found = i;
+    if (found < 0)
+        return -ENOENT;
+    /* Only members that average as we do. */
+    const uint8_t mode = cand[found].mode;
+    int kept = 0;
     for (int i = 0; i < nc; i++) {
-        all[i].c = cand[i];
-        found |= !memcmp(cand[i].m.id, self, DHT_ID_LEN);
+        if (cand[i].mode != mode)
+            continue;
+        all[kept].c = cand[i];
         crypto_generichash_state st;
         crypto_generichash_init(&st, NULL, 0, 8);
         crypto_generichash_update(&st, cand[i].m.id, DHT_ID_LEN);
         crypto_generichash_update(&st, rb, sizeof rb);
-        crypto_generichash_final(&st, all[i].order, 8);
+        crypto_generichash_final(&st, all[kept].order, 8);
+        kept++;
     }
-    if (!found)
-        return -ENOENT;
+    nc = kept;
     int lo = 0, hi = nc;
     if (nc > PEER_ALLREDUCE_MAX_MEMBERS) {
         qsort(all, (size_t)nc, sizeof all[0], cmp_order);
@@ -224,7 +254,8 @@ int peer_avg_choose_group(const peer_avg_candidate *cand, int nc, const uint8_t 
             out->me = i;
     }
     out->n = gn;
-    peer_allreduce_digest(out->digest, round, (const uint8_t(*)[DHT_ID_LEN])ids, tags, gn);
+    out->mode = mode;
+    peer_allreduce_digest(out->digest, round, (const uint8_t(*)[DHT_ID_LEN])ids, tags, gn, mode);
     return 0;
 }
 
@@ -284,6 +315,7 @@ static void begin_group(avg_block *c, const peer_avg_group *g)
     ac.n = g->n;
     ac.me = g->me;
     ac.with_optim = g->with_optim;
+    ac.method = av->cfg.method;
     uint64_t now = dht_now_ms();
     ac.timeout_s = c->round_end_ms > now + 1000 ? (double)(c->round_end_ms - now) / 1000.0 : 1.0;
     ac.cb = on_round_done;
@@ -371,11 +403,18 @@ static void on_round_done(void *arg, int status, const peer_allreduce_result *re
         c->rounds++;
         c->group = res->n;
         c->alone_said = 0;
-        say(av,
-            "%s: averaged in a group of %d (round %" PRIu64 ", our weight %.3g, %.1f MB in %.2f s; distance to "
-            "the group average %.6g -> %.6g)",
-            info.name, res->n, c->round, res->weight_self, (double)res->bytes_in / 1e6, res->seconds,
-            res->dist_before, res->dist_after);
+        if (av->cfg.method.mode == PEER_AVG_DILOCO)
+            say(av,
+                "%s: averaged in a group of %d (diloco, round %" PRIu64 ", our weight %.3g, %.1f MB in %.2f s; "
+                "distance to the new anchor %.6g -> %.6g)",
+                info.name, res->n, c->round, res->weight_self, (double)res->bytes_in / 1e6, res->seconds,
+                res->dist_before, res->dist_after);
+        else
+            say(av,
+                "%s: averaged in a group of %d (round %" PRIu64 ", our weight %.3g, %.1f MB in %.2f s; distance "
+                "to the group average %.6g -> %.6g)",
+                info.name, res->n, c->round, res->weight_self, (double)res->bytes_in / 1e6, res->seconds,
+                res->dist_before, res->dist_after);
         return;
     }
     if (c->has_next) {
@@ -450,6 +489,7 @@ static void on_group(dht *dh, int status, const dht_entry *e, size_t n, void *ud
     memcpy(me.m.id, self, DHT_ID_LEN);
     snprintf(me.m.addr, sizeof me.m.addr, "%s", av->addr);
     me.optim = (uint8_t)av->cfg.optim_kind;
+    me.mode = (uint8_t)av->cfg.method.mode;
     uint64_t theirs = 0;
     int nc = peer_avg_candidates(e, status == 0 ? n : 0, c->round, &me, av->period_ms, cand, MAX_CANDIDATES,
                                  &theirs);
@@ -480,7 +520,7 @@ static void look_up_group(avg_block *c)
     peer_block_info info;
     uint8_t key[DHT_ID_LEN];
     block_name(av, c->block, &info);
-    peer_avg_key(key, info.name, info.stage_hash);
+    peer_avg_mode_key(key, info.name, info.stage_hash, av->cfg.method.mode);
     c->last_get_ms = uv_now(av->cfg.loop);
     if (dht_get(av->cfg.dht, key, on_group, c) == 0)
         c->getting = 1;
@@ -548,10 +588,11 @@ static void on_tick(uv_timer_t *t)
         snprintf(r.addr, sizeof r.addr, "%s", av->addr);
         r.optim = av->cfg.optim_kind;
         r.period_ms = av->period_ms;
+        r.mode = av->cfg.method.mode;
         long n = peer_avg_record_encode(&r, val, sizeof val);
         if (n < 0)
             continue;
-        peer_avg_key(key, info.name, info.stage_hash);
+        peer_avg_mode_key(key, info.name, info.stage_hash, r.mode);
         /* Lives as long as the round may (late members look it up), and
          * expires strictly later each round. */
         if (dht_put(av->cfg.dht, key, NULL, 0, val, (size_t)n, now + timeout_ms + 5000, 1, NULL, NULL) == 0) {
@@ -572,6 +613,10 @@ peer_averaging *peer_averaging_start(const peer_averaging_config *cfg)
 {
     if (!cfg || !cfg->loop || !cfg->dht || !cfg->self || !cfg->svc || !cfg->rounds || !cfg->addr ||
         !(cfg->every_s > 0))
+        return NULL;
+    const peer_avg_method *h = &cfg->method;
+    if (h->mode != PEER_AVG_MEAN &&
+        (h->mode != PEER_AVG_DILOCO || !(h->outer_lr > 0) || !(h->outer_momentum >= 0 && h->outer_momentum < 1)))
         return NULL;
     peer_averaging *av = calloc(1, sizeof *av);
     if (!av)
@@ -595,6 +640,21 @@ peer_averaging *peer_averaging_start(const peer_averaging_config *cfg)
     peer_allreduce_server_set_hint(cfg->rounds, on_hint, av);
     schedule(av);
     return av;
+}
+
+void peer_averaging_anchor(peer_averaging *av)
+{
+    if (!av || av->cfg.method.mode != PEER_AVG_DILOCO)
+        return;
+    for (int i = 0; i < peer_service_n_blocks(av->cfg.svc); i++) {
+        int rc = peer_allreduce_server_anchor(av->cfg.rounds, i);
+        if (rc != 0) {
+            peer_block_info info;
+            block_name(av, i, &info);
+            say(av, "%s: cannot set the diloco anchor (%s); its first round will take it", info.name,
+                strerror(-rc));
+        }
+    }
 }
 
 void peer_averaging_get_stats(const peer_averaging *av, int i, peer_averaging_stats *out)

@@ -32,7 +32,13 @@
  *     "v" u 1, "r" u round: its start, ms since the epoch (a multiple of the
  *     period, so peers with periods that are multiples of each other meet),
  *     "a" str tensor RPC address, "o" u optimizer kind (expert_optim_kind),
- *     "p" u the holder's averaging period in ms (optional).
+ *     "p" u the holder's averaging period in ms (optional),
+ *     "m" u the averaging mode (enum peer_avg_mode; absent: mean).
+ * Holders averaging in another mode than mean store and read their
+ * entries under another key, "starling.avg.<mode>:<block>:<hash>"
+ * ("starling.avg.diloco:..."), so peers that predate the modes never see
+ * them; a candidate whose mode differs from ours is left out all the same,
+ * and the mode is part of the group digest.
  *
  * Loop thread only.
  */
@@ -55,12 +61,15 @@ typedef struct peer_avg_record {
     char addr[65];
     int optim;                    /* 0..255 */
     uint64_t period_ms;           /* 0: not given */
+    int mode;                     /* enum peer_avg_mode, 0..255; 0 (mean) is not written */
 } peer_avg_record;
 
-/* The matchmaking key of a block (see above). */
+/* The matchmaking key of a block (see above) for mean mode, and for any
+ * mode. */
 void peer_avg_key(uint8_t key[DHT_ID_LEN], const char *block, uint64_t stage_hash);
+void peer_avg_mode_key(uint8_t key[DHT_ID_LEN], const char *block, uint64_t stage_hash, int mode);
 /* Encodes m into buf. Returns the length, -EINVAL (no address, one too
- * long or with control characters, optim out of range) or -EMSGSIZE. */
+ * long or with control characters, optim or mode out of range) or -EMSGSIZE. */
 long peer_avg_record_encode(const peer_avg_record *m, uint8_t *buf, size_t cap);
 /* Decodes an untrusted value: 0 or -EBADMSG (out zeroed). */
 int peer_avg_record_decode(peer_avg_record *out, const uint8_t *buf, size_t len);
@@ -70,17 +79,20 @@ int peer_avg_record_decode(peer_avg_record *out, const uint8_t *buf, size_t len)
 typedef struct peer_avg_candidate {
     peer_allreduce_member m;
     uint8_t optim;                 /* expert_optim_kind of its optimizer */
+    uint8_t mode;                  /* enum peer_avg_mode */
 } peer_avg_candidate;
 
 typedef struct peer_avg_group {
     peer_allreduce_member members[PEER_ALLREDUCE_MAX_MEMBERS]; /* sorted by node ID */
     int n, me;
     int with_optim;                /* every member has the same optimizer kind */
+    int mode;                      /* every member's (self's) */
     uint8_t digest[PEER_AVG_DIGEST_LEN];
 } peer_avg_group;
 
 /* The group of round `round` that self belongs to, from every member's
- * entry (cand[0..nc), self included, IDs distinct). More than
+ * entry (cand[0..nc), self included, IDs distinct); candidates whose mode
+ * is not self's are left out first. More than
  * PEER_ALLREDUCE_MAX_MEMBERS candidates split into near-equal groups by a
  * per-round hash of the IDs, alike on every member. Returns 0, -ENOENT
  * when self is not among the candidates or would be alone, -EINVAL. */
@@ -89,7 +101,8 @@ int peer_avg_choose_group(const peer_avg_candidate *cand, int nc, const uint8_t 
 
 /* The candidates of round `round` from the matchmaking entries e[0..n)
  * read under a block's key: the signed entries (subkey a node ID) whose
- * value decodes and names that round, other than self's own, then self,
+ * value decodes and names that round and self's mode (an entry without
+ * one: mean), other than self's own, then self,
  * last (a member whether or not its own entry came back). At most cap
  * (>= 1) candidates in out, self included. *other_period_ms (may be
  * NULL): the first period a decoded entry names (of any round) other than
@@ -109,6 +122,7 @@ typedef struct peer_averaging_config {
                                       borrowed likewise */
     const char *addr;              /* our tensor RPC "HOST:PORT" (copied) */
     int optim_kind;
+    peer_avg_method method;        /* how rounds average (zeros: PEER_AVG_MEAN) */
     double every_s;                /* > 0 */
     double round_timeout_s;        /* one round, all attempts; 0 = 30 */
     int (*ready)(void *arg);       /* nonzero once the blocks may average (online) */
@@ -132,8 +146,15 @@ typedef struct peer_averaging_stats {
 typedef struct peer_averaging peer_averaging;
 
 /* Starts the period timer and installs the rounds' hint. Returns
- * NULL on bad arguments or out of memory. */
+ * NULL on bad arguments (an unknown mode, diloco's outer_lr not > 0 or
+ * outer_momentum not in [0, 1)) or out of memory. */
 peer_averaging *peer_averaging_start(const peer_averaging_config *cfg);
+
+/* The blocks' state is final (the daemon went online, after restoring or
+ * downloading it): in diloco mode each block's anchor is taken now
+ * (peer_allreduce_server_anchor), so the training that follows is the
+ * first round's pseudo-gradient. No-op in mean mode; NULL-safe. */
+void peer_averaging_anchor(peer_averaging *av);
 
 /* Block i's counters (zeros for NULL or a bad index). */
 void peer_averaging_get_stats(const peer_averaging *av, int i, peer_averaging_stats *out);

@@ -52,6 +52,7 @@ struct peer_daemon {
     peer_joiner *joiner;         /* NULL: the first node of a swarm */
     uv_timer_t ckpt_timer, stop_timer;
     double average_every_s;
+    peer_avg_method avg_method;
     int optim_kind;
     peer_averaging *avg;         /* NULL: no averaging */
     int avg_running;             /* its stop callback is still to come */
@@ -105,6 +106,7 @@ static void on_offline_announced(void *arg)
 static void go_online(peer_daemon *d)
 {
     d->syncing = -1;
+    peer_averaging_anchor(d->avg); /* the state is final: diloco's first anchor */
     peer_announcer_go_online(d->announcer);
 }
 
@@ -308,6 +310,8 @@ static peer_daemon *daemon_new(uv_loop_t *loop, const peer_daemon_config *cfg,
     d->syncing = -1;
     d->optim_kind = cfg->svc.optim.kind;
     d->average_every_s = cfg->average_every_s;
+    d->avg_method = (peer_avg_method){cfg->average_mode, cfg->outer_lr > 0 ? cfg->outer_lr : PEER_AVG_OUTER_LR,
+                                      cfg->outer_momentum};
     d->log = cfg->log ? cfg->log : stderr;
     d->on_refused = cfg->on_refused;
     d->refused_arg = cfg->refused_arg;
@@ -501,12 +505,13 @@ static void start_averaging(peer_daemon *d)
     ac.rounds = d->rounds;
     ac.addr = d->announce_addr;
     ac.optim_kind = d->optim_kind;
+    ac.method = d->avg_method;
     ac.every_s = d->average_every_s;
     ac.ready = avg_ready;
     ac.ready_arg = d;
     ac.log = d->log;
     if (!(d->avg = peer_averaging_start(&ac)))
-        say(d, "cannot start replica averaging (out of memory); serving without it");
+        say(d, "cannot start replica averaging (out of memory, or a bad averaging mode); serving without it");
     d->avg_running = d->avg != NULL;
 }
 

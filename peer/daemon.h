@@ -51,6 +51,9 @@ typedef struct peer_daemon_config {
     const char *metrics_listen;        /* "HOST:PORT" or NULL */
     int no_state_download;             /* keep our own state even if holders have newer */
     double average_every_s;            /* replica averaging period; 0 = off */
+    int average_mode;                  /* enum peer_avg_mode (peer/allreduce.h); 0 = mean */
+    double outer_lr, outer_momentum;   /* diloco's outer step: lr (0 = 0.7) and Nesterov
+                                          momentum (as given, 0..<1) */
     double keep_every_s;               /* cold copies of other stages (peer/keeper.h); 0 = off */
     int keep_copies;                   /* keepers per stage; 0 = 2 */
     size_t keep_max_bytes;             /* memory for cold copies; 0 = 2 GiB */

@@ -3,7 +3,10 @@
  * the three (parameters and optimizer state), the same on all of them; a
  * member that fails or vanishes mid-round leaves the others' weights
  * bit-for-bit unchanged; a member serving NaN or 1e30 is left out or
- * clipped; bad averaging requests get clear errors. */
+ * clipped; bad averaging requests get clear errors. In diloco mode two
+ * consecutive rounds give, element by element, the outer Nesterov step
+ * computed here from the members' real tensors, leave the moments alone,
+ * and a diloco member never forms a group with a mean one. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <math.h>
@@ -155,7 +158,7 @@ static float *flat_of(int k, size_t *n_out)
 {
     uint8_t dg[PEER_AVG_DIGEST_LEN] = {0};
     size_t n = 0;
-    assert_int_equal(peer_allreduce_server_begin(rounds[k], 0, 1, dg, 1, 0, NULL, &n), 0);
+    assert_int_equal(peer_allreduce_server_begin(rounds[k], 0, 1, dg, 1, 0, NULL, NULL, &n), 0);
     float *f = malloc(n * sizeof(float));
     assert_non_null(f);
     memcpy(f, peer_allreduce_server_base(rounds[k], 0), n * sizeof(float));
@@ -177,7 +180,8 @@ static void on_done(void *arg, int status, const peer_allreduce_result *res)
     o->res = *res;
 }
 
-static int start_round(int k, uint64_t round, const uint8_t *digest, double timeout_s, outcome *o)
+static int start_round_how(int k, uint64_t round, const uint8_t *digest, double timeout_s,
+                           const peer_avg_method *how, outcome *o)
 {
     peer_allreduce_config c;
     memset(&c, 0, sizeof c);
@@ -192,6 +196,8 @@ static int start_round(int k, uint64_t round, const uint8_t *digest, double time
     c.n = N;
     c.me = k;
     c.with_optim = 1;
+    if (how)
+        c.method = *how;
     c.timeout_s = timeout_s;
     c.cb = on_done;
     c.arg = o;
@@ -200,12 +206,22 @@ static int start_round(int k, uint64_t round, const uint8_t *digest, double time
     return peer_allreduce_start(&c, &ar);
 }
 
-static void digest_for(uint8_t *dg, uint64_t round)
+static int start_round(int k, uint64_t round, const uint8_t *digest, double timeout_s, outcome *o)
+{
+    return start_round_how(k, round, digest, timeout_s, NULL, o);
+}
+
+static void digest_for_mode(uint8_t *dg, uint64_t round, int mode)
 {
     uint8_t idv[N][DHT_ID_LEN], tags[N] = {1, 1, 1};
     for (int k = 0; k < N; k++)
         memcpy(idv[k], ids[k].id, DHT_ID_LEN);
-    peer_allreduce_digest(dg, round, (const uint8_t(*)[DHT_ID_LEN])idv, tags, N);
+    peer_allreduce_digest(dg, round, (const uint8_t(*)[DHT_ID_LEN])idv, tags, N, mode);
+}
+
+static void digest_for(uint8_t *dg, uint64_t round)
+{
+    digest_for_mode(dg, round, PEER_AVG_MEAN);
 }
 
 static void start_all(void)
@@ -404,7 +420,7 @@ static void test_member_fails(void **state)
     for (int k = 0; k < 2; k++)
         assert_int_equal(start_round(k, 43, dg, 20.0, &o[k]), 0);
     /* Member 2 begins the round, then fails. */
-    assert_int_equal(peer_allreduce_server_begin(rounds[2], 0, 43, dg, N, 2, NULL, NULL), 0);
+    assert_int_equal(peer_allreduce_server_begin(rounds[2], 0, 43, dg, N, 2, NULL, NULL, NULL), 0);
     peer_allreduce_server_fail(rounds[2], 0, -EIO);
     for (int k = 0; k < 2; k++) {
         run_until(&o[k].done);
@@ -523,7 +539,7 @@ static void test_bad_requests(void **state)
     expect_err(cl, m, 47, EINVAL);      /* short meta */
     expect_err(cl, NULL, 0, EINVAL);
     size_t n = 0;
-    assert_int_equal(peer_allreduce_server_begin(rounds[0], 0, 50, dg, N, 0, NULL, &n), 0);
+    assert_int_equal(peer_allreduce_server_begin(rounds[0], 0, 50, dg, N, 0, NULL, NULL, &n), 0);
     reply r;
     call(cl, PEER_METHOD_AVG, m, 48, NULL, 0, 0, NULL, 0, &r);
     assert_int_equal(r.kind, PEER_KIND_REPLY);
@@ -539,7 +555,7 @@ static void test_bad_requests(void **state)
         uint8_t dg60[PEER_AVG_DIGEST_LEN];
         digest_for(dg60, 60);
         size_t n60 = 0;
-        assert_int_equal(peer_allreduce_server_begin(rounds[1], 0, 60, dg60, N, 0, NULL, &n60), 0);
+        assert_int_equal(peer_allreduce_server_begin(rounds[1], 0, 60, dg60, N, 0, NULL, NULL, &n60), 0);
         size_t o60, l60;
         peer_avg_part(n60, N, 0, &o60, &l60);
         float *part = calloc(l60, sizeof(float));
@@ -561,7 +577,7 @@ static void test_bad_requests(void **state)
         expect_err(c1, m60, 48, ESTALE);  /* an older round */
         uint8_t dg61[PEER_AVG_DIGEST_LEN];
         digest_for(dg61, 61);
-        assert_int_equal(peer_allreduce_server_begin(rounds[1], 0, 61, dg61, N, 0, NULL, NULL), 0);
+        assert_int_equal(peer_allreduce_server_begin(rounds[1], 0, 61, dg61, N, 0, NULL, NULL, NULL), 0);
         avg_meta(m60, 60, dg60, 1, o60, 16);
         call(c1, PEER_METHOD_AVG, m60, 48, NULL, 0, 0, NULL, 0, &r60);
         assert_int_equal(r60.kind, PEER_KIND_REPLY); /* still, during round 61 */
@@ -603,6 +619,169 @@ static void test_bad_requests(void **state)
     stop_all();
 }
 
+/* ---- diloco mode ---- */
+
+#define LR_OUT 0.7
+#define MU_OUT 0.9
+
+/* One diloco round among the three members with the given digest: every
+ * member succeeds with the weights given, nothing dropped, clipped or
+ * rejected (so the reduce is the exact weighted mean), and each pulled
+ * 2 (n-1)/n of the parameters alone. */
+static void diloco_round(uint64_t round, const double *w, size_t np)
+{
+    const peer_avg_method how = {PEER_AVG_DILOCO, LR_OUT, MU_OUT};
+    uint8_t dg[PEER_AVG_DIGEST_LEN];
+    digest_for_mode(dg, round, PEER_AVG_DILOCO);
+    outcome o[N];
+    for (int k = 0; k < N; k++)
+        assert_int_equal(start_round_how(k, round, dg, 20.0, &how, &o[k]), 0);
+    for (int k = 0; k < N; k++)
+        run_until(&o[k].done);
+    double wsum = 0;
+    for (int k = 0; k < N; k++)
+        wsum += w[k];
+    for (int k = 0; k < N; k++) {
+        if (o[k].status != 0)
+            fail_msg("diloco round %llu: member %d: %s", (unsigned long long)round, k, strerror(-o[k].status));
+        assert_int_equal(o[k].res.dropped, 0);
+        assert_int_equal(o[k].res.clipped, 0);
+        assert_int_equal(o[k].res.rejected, 0);
+        if (!(fabs(o[k].res.weight_self - w[k] / wsum) < 1e-9))
+            fail_msg("member %d: weight share %g, want %g", k, o[k].res.weight_self, w[k] / wsum);
+        size_t off, len, want = 0;
+        for (int j = 0; j < N; j++) {
+            peer_avg_part(np, N, j, &off, &len);
+            if (j != k)
+                want += len;
+            else
+                want += (N - 1) * len;
+        }
+        assert_int_equal(o[k].res.bytes_in, want * sizeof(float)); /* a third of a mean round's */
+    }
+}
+
+/* The outer step, computed here in double from the members' real tensors:
+ * dbar = sum w_k (anchor_k - theta_k) / sum w; buf = mu buf + dbar; each
+ * member's parameters must become anchor_k - lr (dbar + mu buf). Checks
+ * after[k] (the whole flat state) element by element, and that the
+ * moments are bit for bit those of before[k]; returns the new anchors in
+ * anchor[k] and the new buf. Returns the largest |lr mu buf| (how far
+ * Nesterov's term moves an element: the test's sensitivity). */
+static double check_outer_step(float **anchor, float *const *before, float *const *after, const double *w,
+                               double *buf, size_t np)
+{
+    double wsum = 0, max_err = 0, max_mom = 0, max_step = 0;
+    for (int k = 0; k < N; k++)
+        wsum += w[k];
+    for (size_t i = 0; i < np; i++) {
+        double dbar = 0;
+        for (int k = 0; k < N; k++)
+            dbar += w[k] * ((double)anchor[k][i] - before[k][i]);
+        dbar /= wsum;
+        buf[i] = MU_OUT * buf[i] + dbar;
+        double step = dbar + MU_OUT * buf[i];
+        if (fabs(LR_OUT * MU_OUT * buf[i]) > max_mom)
+            max_mom = fabs(LR_OUT * MU_OUT * buf[i]);
+        for (int k = 0; k < N; k++) {
+            double want = (double)anchor[k][i] - LR_OUT * step, got = after[k][i];
+            double e = fabs(got - want);
+            if (!(e <= 2e-7 + 1e-6 * fabs(want)))
+                fail_msg("member %d, parameter %zu: %.9g, want %.9g (anchor %.9g, theta %.9g, dbar %.6g)", k, i,
+                         got, want, anchor[k][i], before[k][i], dbar);
+            if (e > max_err)
+                max_err = e;
+            if (fabs(got - before[k][i]) > max_step)
+                max_step = fabs(got - before[k][i]);
+            anchor[k][i] = (float)want;
+        }
+    }
+    for (int k = 0; k < N; k++)
+        assert_memory_equal(after[k] + np, before[k] + np, 2 * np * sizeof(float)); /* m, v stay local */
+    print_message("diloco: max error %.3g, largest move %.3g, largest Nesterov term %.3g\n", max_err, max_step,
+                  max_mom);
+    return max_mom;
+}
+
+static void test_diloco_two_rounds(void **state)
+{
+    (void)state;
+    start_all();
+    size_t n = 0, np = expert_block_nparams(peer_service_block(svc[0], 0));
+    /* Members 0 and 1 take their initial parameters (seeds differ: the
+     * anchors differ) as anchors, as the daemon does when it goes online;
+     * member 2 takes none, so its first round takes its anchor then and
+     * gives nothing (weight 0) though it trained. */
+    float *anchor[N];
+    for (int k = 0; k < N; k++) {
+        anchor[k] = flat_of(k, &n);
+        assert_int_equal(n, 3 * np);
+    }
+    for (int k = 0; k < 2; k++)
+        assert_int_equal(peer_allreduce_server_anchor(rounds[k], 0), 0);
+    train(0, 4, 7);
+    train(1, 1, 8);
+    train(2, 2, 9);
+    float *before[N], *after[N];
+    for (int k = 0; k < N; k++)
+        before[k] = flat_of(k, &n);
+    memcpy(anchor[2], before[2], np * sizeof(float));
+    double *buf = calloc(np, sizeof(double));
+    assert_non_null(buf);
+    const double w1[N] = {65, 17, 0};
+    diloco_round(80, w1, np);
+    for (int k = 0; k < N; k++)
+        after[k] = flat_of(k, &n);
+    assert_true(check_outer_step(anchor, before, after, w1, buf, np) > 1e-4);
+    for (int k = 0; k < N; k++) {
+        free(before[k]);
+        free(after[k]);
+    }
+
+    /* More training, then a round where member 2 averages in mean mode
+     * (its digest names the same members and round without the mode): no
+     * group forms, every member times out, and nothing changes, neither
+     * the weights nor the anchors and momentum (the next round shows). */
+    train(0, 1, 10);
+    train(1, 2, 11);
+    train(2, 1, 12);
+    for (int k = 0; k < N; k++)
+        before[k] = flat_of(k, &n);
+    {
+        const peer_avg_method how = {PEER_AVG_DILOCO, LR_OUT, MU_OUT};
+        uint8_t dgd[PEER_AVG_DIGEST_LEN], dgm[PEER_AVG_DIGEST_LEN];
+        digest_for_mode(dgd, 81, PEER_AVG_DILOCO);
+        digest_for_mode(dgm, 81, PEER_AVG_MEAN);
+        assert_memory_not_equal(dgd, dgm, PEER_AVG_DIGEST_LEN);
+        outcome o[N];
+        for (int k = 0; k < 2; k++)
+            assert_int_equal(start_round_how(k, 81, dgd, 2.0, &how, &o[k]), 0);
+        assert_int_equal(start_round_how(2, 81, dgm, 2.0, NULL, &o[2]), 0);
+        for (int k = 0; k < N; k++) {
+            run_until(&o[k].done);
+            assert_int_equal(o[k].status, -ETIMEDOUT);
+            float *now = flat_of(k, &n);
+            assert_memory_equal(now, before[k], n * sizeof(float));
+            free(now);
+        }
+    }
+
+    /* The second diloco round: weights count the samples since round 80
+     * (plus one); the momentum from round 80 carries over. */
+    const double w2[N] = {17, 33, 17};
+    diloco_round(82, w2, np);
+    for (int k = 0; k < N; k++)
+        after[k] = flat_of(k, &n);
+    assert_true(check_outer_step(anchor, before, after, w2, buf, np) > 1e-4);
+    for (int k = 0; k < N; k++) {
+        free(before[k]);
+        free(after[k]);
+        free(anchor[k]);
+    }
+    free(buf);
+    stop_all();
+}
+
 static int setup(void **state)
 {
     (void)state;
@@ -639,6 +818,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_hostile_nan, setup, teardown),
         cmocka_unit_test_setup_teardown(test_hostile_huge, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_requests, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_diloco_two_rounds, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

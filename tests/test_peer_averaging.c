@@ -129,7 +129,7 @@ static void test_group_for_given_inputs(void **state)
     uint8_t ids[3][DHT_ID_LEN], tags[3] = {1, 1, 1}, want[PEER_AVG_DIGEST_LEN];
     for (int i = 0; i < 3; i++)
         memcpy(ids[i], g.members[i].id, DHT_ID_LEN);
-    peer_allreduce_digest(want, 5000, (const uint8_t(*)[DHT_ID_LEN])ids, tags, 3);
+    peer_allreduce_digest(want, 5000, (const uint8_t(*)[DHT_ID_LEN])ids, tags, 3, PEER_AVG_MEAN);
     assert_memory_equal(g.digest, want, PEER_AVG_DIGEST_LEN);
     /* Member 0x30 uses SGD (kind 2): the group averages parameters only,
      * and the digest records each member's kind. */
@@ -138,7 +138,7 @@ static void test_group_for_given_inputs(void **state)
     assert_int_equal(peer_avg_choose_group(a, 3, a[1].m.id, 5000, &g), 0);
     assert_int_equal(g.me, 0);
     assert_false(g.with_optim);
-    peer_allreduce_digest(want, 5000, (const uint8_t(*)[DHT_ID_LEN])ids, tags, 3);
+    peer_allreduce_digest(want, 5000, (const uint8_t(*)[DHT_ID_LEN])ids, tags, 3, PEER_AVG_MEAN);
     assert_memory_equal(g.digest, want, PEER_AVG_DIGEST_LEN);
 }
 
@@ -196,6 +196,96 @@ static void entry_of(dht_entry *e, uint8_t *val, size_t cap, const peer_avg_cand
 
 /* From the entries read: this round's signed, well-formed entries of
  * others, then self; the first other period seen is reported. */
+/* Averaging modes never mix: a group holds only members of self's mode,
+ * the digest of the same members and round differs by mode, entries of
+ * another mode (an entry without one is mean) are not candidates, and the
+ * non-mean modes match under their own key. */
+static void test_modes_apart(void **state)
+{
+    (void)state;
+    peer_avg_candidate c[4];
+    for (int k = 0; k < 4; k++)
+        cand_of(&c[k], k, 1);
+    c[2].mode = c[3].mode = PEER_AVG_DILOCO;
+    peer_avg_group gm, gd, gm2, gd2;
+    assert_int_equal(peer_avg_choose_group(c, 4, c[0].m.id, 3000, &gm), 0);
+    assert_int_equal(peer_avg_choose_group(c, 4, c[3].m.id, 3000, &gd), 0);
+    assert_int_equal(gm.n, 2);
+    assert_int_equal(gd.n, 2);
+    assert_int_equal(gm.mode, PEER_AVG_MEAN);
+    assert_int_equal(gd.mode, PEER_AVG_DILOCO);
+    for (int i = 0; i < 2; i++) {
+        const uint8_t *m = gm.members[i].id, *d = gd.members[i].id;
+        assert_true(!memcmp(m, c[0].m.id, DHT_ID_LEN) || !memcmp(m, c[1].m.id, DHT_ID_LEN));
+        assert_true(!memcmp(d, c[2].m.id, DHT_ID_LEN) || !memcmp(d, c[3].m.id, DHT_ID_LEN));
+    }
+    /* The same members in either mode: another digest; mean's is the one
+     * peers without modes compute. */
+    for (int k = 0; k < 4; k++)
+        c[k].mode = PEER_AVG_MEAN;
+    assert_int_equal(peer_avg_choose_group(c, 4, c[0].m.id, 3000, &gm2), 0);
+    for (int k = 0; k < 4; k++)
+        c[k].mode = PEER_AVG_DILOCO;
+    assert_int_equal(peer_avg_choose_group(c, 4, c[0].m.id, 3000, &gd2), 0);
+    assert_int_equal(gm2.n, 4);
+    assert_int_equal(gd2.n, 4);
+    assert_memory_equal(gm2.members, gd2.members, sizeof gm2.members);
+    assert_memory_not_equal(gm2.digest, gd2.digest, PEER_AVG_DIGEST_LEN);
+    uint8_t ids[4][DHT_ID_LEN], tags[4] = {1, 1, 1, 1}, want[PEER_AVG_DIGEST_LEN];
+    for (int i = 0; i < 4; i++)
+        memcpy(ids[i], gm2.members[i].id, DHT_ID_LEN);
+    peer_allreduce_digest(want, 3000, (const uint8_t(*)[DHT_ID_LEN])ids, tags, 4, PEER_AVG_MEAN);
+    assert_memory_equal(gm2.digest, want, PEER_AVG_DIGEST_LEN);
+    peer_allreduce_digest(want, 3000, (const uint8_t(*)[DHT_ID_LEN])ids, tags, 4, PEER_AVG_DILOCO);
+    assert_memory_equal(gd2.digest, want, PEER_AVG_DIGEST_LEN);
+
+    /* Entries: the mode round-trips; mean is not written (older peers'
+     * entries read as mean). */
+    peer_avg_record r = {0}, back;
+    uint8_t val[3][PEER_ANNOUNCE_MAX_BYTES];
+    r.round = 3000;
+    snprintf(r.addr, sizeof r.addr, "127.0.0.1:4000");
+    r.optim = 1;
+    long nm = peer_avg_record_encode(&r, val[0], sizeof val[0]);
+    r.mode = PEER_AVG_DILOCO;
+    long nd = peer_avg_record_encode(&r, val[1], sizeof val[1]);
+    assert_true(nm > 0 && nd > nm);
+    assert_int_equal(peer_avg_record_decode(&back, val[1], (size_t)nd), 0);
+    assert_int_equal(back.mode, PEER_AVG_DILOCO);
+    assert_int_equal(peer_avg_record_decode(&back, val[0], (size_t)nm), 0);
+    assert_int_equal(back.mode, PEER_AVG_MEAN);
+    r.mode = 256;
+    assert_int_equal(peer_avg_record_encode(&r, val[2], sizeof val[2]), -EINVAL);
+    /* A diloco self reads a mean entry and a diloco one: only the latter
+     * is a candidate; a mean self, the reverse. */
+    peer_avg_candidate self, out[4];
+    cand_of(&self, 9, 1);
+    dht_entry e[2];
+    memset(e, 0, sizeof e);
+    for (int i = 0; i < 2; i++) {
+        e[i].subkey = c[i].m.id;
+        e[i].subkey_len = DHT_ID_LEN;
+        e[i].value = val[i];
+        e[i].value_len = (size_t)(i ? nd : nm);
+        e[i].is_signed = 1;
+    }
+    self.mode = PEER_AVG_DILOCO;
+    assert_int_equal(peer_avg_candidates(e, 2, 3000, &self, 0, out, 4, NULL), 2);
+    assert_memory_equal(out[0].m.id, c[1].m.id, DHT_ID_LEN);
+    assert_int_equal(out[0].mode, PEER_AVG_DILOCO);
+    self.mode = PEER_AVG_MEAN;
+    assert_int_equal(peer_avg_candidates(e, 2, 3000, &self, 0, out, 4, NULL), 2);
+    assert_memory_equal(out[0].m.id, c[0].m.id, DHT_ID_LEN);
+
+    /* Keys: mean's is the old key; diloco's another. */
+    uint8_t k0[DHT_ID_LEN], km[DHT_ID_LEN], kd[DHT_ID_LEN];
+    peer_avg_key(k0, "fmnist-mlp.1", 0x1234);
+    peer_avg_mode_key(km, "fmnist-mlp.1", 0x1234, PEER_AVG_MEAN);
+    peer_avg_mode_key(kd, "fmnist-mlp.1", 0x1234, PEER_AVG_DILOCO);
+    assert_memory_equal(k0, km, DHT_ID_LEN);
+    assert_memory_not_equal(k0, kd, DHT_ID_LEN);
+}
+
 static void test_candidates_from_entries(void **state)
 {
     (void)state;
@@ -244,6 +334,7 @@ int main(void)
         cmocka_unit_test(test_group_for_given_inputs),
         cmocka_unit_test(test_just_over_the_limit),
         cmocka_unit_test(test_candidates_from_entries),
+        cmocka_unit_test(test_modes_apart),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

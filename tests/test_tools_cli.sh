@@ -76,6 +76,12 @@ contains "between 1 and 1048576" "keep-mb message"
 expect 2 "peer --infer-inline-rows > --max-batch" -- "$S" peer --blocks 1 --infer-inline-rows 40 --max-batch 32
 contains "cannot exceed --max-batch" "infer-inline-rows message"
 expect 2 "peer --optimizer" -- "$S" peer --blocks 1 --optimizer adagrad
+expect 2 "peer --average-mode bogus" -- "$S" peer --blocks 1 --average-mode bogus
+contains "--average-mode takes mean or diloco, not 'bogus'" "average-mode message"
+expect 2 "peer --outer-lr without diloco" -- "$S" peer --blocks 1 --outer-lr 0.5
+contains "apply to --average-mode diloco only" "outer-lr needs diloco"
+expect 2 "peer --outer-momentum 1" -- "$S" peer --blocks 1 --average-mode diloco --outer-momentum 1
+expect 2 "peer --outer-lr 0" -- "$S" peer --blocks 1 --average-mode diloco --outer-lr 0
 expect 2 "peer --announce-ttl" -- "$S" peer --blocks 1 --announce-every 30 --announce-ttl 10
 expect 2 "peer --model" -- "$S" peer --blocks 1 --model nope
 contains "unknown model 'nope'" "unknown model message"

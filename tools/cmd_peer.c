@@ -13,6 +13,7 @@
 #include "dht/dht.h"
 #include "expert/expert.h"
 #include "expert/model.h"
+#include "peer/allreduce.h"
 #include "peer/daemon.h"
 #include "peer/peer.h"
 #include "peer/tensorfmt.h"
@@ -110,6 +111,13 @@ static const char peer_help2[] =
     "                         peer first downloads the newest state from a holder)\n"
     "  --average-every S      average each stage with all its replicas (weights and\n"
     "                         optimizer state) every S seconds (default 30; 0 off)\n"
+    "  --average-mode MODE    mean (default: the weighted mean of weights and\n"
+    "                         optimizer state replaces them) or diloco (average\n"
+    "                         only the change since the last round and take an\n"
+    "                         outer Nesterov step: 3x less traffic, moments stay\n"
+    "                         local); replicas average only with the same mode\n"
+    "  --outer-lr X           diloco's outer learning rate (default 0.7)\n"
+    "  --outer-momentum X     diloco's outer Nesterov momentum (default 0.9)\n"
     "  --keep-every S         keep cold copies of other stages' state, refreshed\n"
     "                         every S seconds, so a stage whose only holder dies\n"
     "                         keeps its training (default 60; 0 off)\n"
@@ -173,7 +181,7 @@ enum {
     O_SWARM_KEY, O_THREADS, O_BLAS, O_TPRIO, O_INLINE, O_KEEP, O_MAX_BATCH, O_TARGET, O_OPT, O_LR, O_SEED, O_INIT_WEIGHTS,
     O_METRICS, O_ANN_EVERY, O_ANN_TTL, O_NO_SYNC, O_NUM_BLOCKS, O_REBALANCE, O_AVERAGE, O_KEEP_EVERY,
     O_KEEP_COPIES, O_KEEP_MB, O_GRAD_FACTOR, O_GRAD_MAX, O_GRAD_WARMUP, O_FROZEN, O_MAX_CONNS_IP, O_MAX_CONNS,
-    O_IDLE, O_DHT_LIMITS, O_MODEL_FILE,
+    O_IDLE, O_DHT_LIMITS, O_MODEL_FILE, O_AVG_MODE, O_OUTER_LR, O_OUTER_MOM,
     O_WIRE_FORMATS,
 };
 
@@ -212,6 +220,9 @@ static const struct option peer_opts_table[] = {
     {"num-blocks", required_argument, NULL, O_NUM_BLOCKS},
     {"rebalance-every", required_argument, NULL, O_REBALANCE},
     {"average-every", required_argument, NULL, O_AVERAGE},
+    {"average-mode", required_argument, NULL, O_AVG_MODE},
+    {"outer-lr", required_argument, NULL, O_OUTER_LR},
+    {"outer-momentum", required_argument, NULL, O_OUTER_MOM},
     {"keep-every", required_argument, NULL, O_KEEP_EVERY},
     {"keep-copies", required_argument, NULL, O_KEEP_COPIES},
     {"keep-mb", required_argument, NULL, O_KEEP_MB},
@@ -237,6 +248,8 @@ typedef struct peer_opts {
     const char *model_file;
     const char *init_weights;
     peer_fmt_mask wire_formats;       /* 0: all */
+    int avg_mode;                     /* enum peer_avg_mode */
+    double outer_lr, outer_mom;       /* -1: not given (the defaults) */
 } peer_opts;
 
 static const peer_opts peer_opts_default = {
@@ -245,7 +258,7 @@ static const peer_opts peer_opts_default = {
     .keep_copies = 2, .keep_mb = 2048, .max_conns_ip = 64, .max_conns = 1024,
     .ckpt_every = 300, .lr = -1, .ann_every = 20, .ann_ttl = 60, .rebalance = 60, .average = 30,
     .keep_every = 60, .idle_timeout = 120,
-    .dht_limits = -1,
+    .dht_limits = -1, .outer_lr = -1, .outer_mom = -1,
 };
 
 /* A flag with a numeric value. Returns 0, CLI_EXIT_USAGE (said why), or -1
@@ -257,6 +270,8 @@ static int parse_number_flag(int c, const char *arg, peer_opts *o)
     case O_NUM_BLOCKS:
         return cli_parse_long("peer", "--num-blocks", arg, 1, PEER_SERVICE_MAX_BLOCKS, &o->num_blocks);
     case O_AVERAGE: return cli_parse_double("peer", "--average-every", arg, 0, 86400, &o->average);
+    case O_OUTER_LR: return cli_parse_double("peer", "--outer-lr", arg, 1e-6, 100, &o->outer_lr);
+    case O_OUTER_MOM: return cli_parse_double("peer", "--outer-momentum", arg, 0, 0.999, &o->outer_mom);
     case O_KEEP_EVERY: return cli_parse_double("peer", "--keep-every", arg, 0, 86400, &o->keep_every);
     case O_KEEP_COPIES: return cli_parse_long("peer", "--keep-copies", arg, 1, 64, &o->keep_copies);
     case O_KEEP_MB: return cli_parse_long("peer", "--keep-mb", arg, 1, 1L << 20, &o->keep_mb);
@@ -341,11 +356,21 @@ static int parse_peer_flags(int argc, char **argv, peer_opts *o)
             if ((o->dht_limits = parse_dht_limits(optarg)) < 0)
                 return cli_usage_error("peer", "--dht-limits takes public, all or off, not '%s'", optarg);
             break;
+        case O_AVG_MODE:
+            if (!strcmp(optarg, "mean"))
+                o->avg_mode = PEER_AVG_MEAN;
+            else if (!strcmp(optarg, "diloco"))
+                o->avg_mode = PEER_AVG_DILOCO;
+            else
+                return cli_usage_error("peer", "--average-mode takes mean or diloco, not '%s'", optarg);
+            break;
         default: return cli_bad_option("peer", c, argv);
         }
     }
     if (cli_no_positional("peer", argc, argv))
         return CLI_EXIT_USAGE;
+    if (o->avg_mode != PEER_AVG_DILOCO && (o->outer_lr >= 0 || o->outer_mom >= 0))
+        return cli_usage_error("peer", "--outer-lr and --outer-momentum apply to --average-mode diloco only");
     return -1;
 }
 
@@ -520,6 +545,9 @@ static void fill_daemon_config(const peer_opts *o, run_ctx *r)
     dc->announce_every_s = o->ann_every;
     dc->no_state_download = o->no_sync;
     dc->average_every_s = o->average;
+    dc->average_mode = o->avg_mode;
+    dc->outer_lr = o->outer_lr >= 0 ? o->outer_lr : PEER_AVG_OUTER_LR;
+    dc->outer_momentum = o->outer_mom >= 0 ? o->outer_mom : PEER_AVG_OUTER_MOMENTUM;
     dc->keep_every_s = o->keep_every;
     dc->keep_copies = (int)o->keep_copies;
     dc->keep_max_bytes = (size_t)o->keep_mb << 20;
