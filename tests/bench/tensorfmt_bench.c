@@ -52,6 +52,13 @@ static void run_ef(void *p)
         abort();
 }
 
+static void run_sr(void *p)
+{
+    struct ctx *c = p;
+    if (peer_tensorfmt_encode_sr(c->fmt, c->block, c->x, c->n, 42, c->buf, c->len) != (long)c->len)
+        abort();
+}
+
 static void usage(void)
 {
     fprintf(stderr, "usage: tensorfmt_bench [--n N] [--min-time S]\n");
@@ -106,6 +113,10 @@ int main(int argc, char **argv)
             memset(r, 0, n * sizeof *r);
             double tf = bench(run_ef, &c, min_time, chunks);
             printf(",\"%s_ef_enc_gbs\":%.2f", name, gb / tf);
+        }
+        if (c.fmt == PEER_FMT_Q8) {
+            double ts = bench(run_sr, &c, min_time, chunks);
+            printf(",\"%s_sr_enc_gbs\":%.2f", name, gb / ts);
         }
     }
     printf("}\n");
