@@ -29,6 +29,10 @@
 # where F is the compressed format (not f32) with the highest samples/s on
 # wan, R = F's samples/s on wan / f32's on lan, X = f32's bytes_per_sample /
 # F's and D = f32's test_acc - F's (fractions), X and D from the wan runs.
+# With --model tiny-lm the lines are {"bench":"wan","model":"tiny-lm",
+# "profile":P,"format":F,"tokens":N,"tokens_per_s":X,"bytes_per_token":B,
+# "val_bpb":V} and the summary's third figure is "bpb_increase" (F's val_bpb
+# minus f32's, bits per byte; lower is better).
 # When only f32 ran (or the trainer has no --wire-format), F is f32 itself
 # (R = f32 on wan / f32 on lan, X = 1, D = 0); a figure whose runs are
 # missing is null.
@@ -58,6 +62,9 @@ Options (environment variable in brackets):
   -S, --sync N             starling train --sync: samples per synchronous step
                            group, 0 asynchronous                [SYNC; 128]
       --train-timeout S    give up on one training run after S s [TRAIN_TIMEOUT; 900]
+  -m, --model NAME         fmnist-mlp or tiny-lm                    [MODEL; fmnist-mlp]
+      --steps N            tiny-lm: optimizer steps of 32 windows, evaluated at
+                           the end (-n, -t and -S do not apply)     [STEPS; 30]
   -h, --help               this text
 Also: TRAIN_FLAGS (extra flags for starling train), PEER_ARGS (for the
 peers), STARLING_DELAY_BRIDGE and STARLING_NETPROBE (default: BUILD_DIR/tests/wan/),
@@ -74,6 +81,8 @@ test_samples=${TEST_SAMPLES:-2000}
 seed=${SEED:-0}
 sync=${SYNC:-128}
 train_timeout=${TRAIN_TIMEOUT:-900}
+model=${MODEL:-fmnist-mlp}
+steps=${STEPS:-30}
 build=""
 while [ $# -gt 0 ]; do
     case $1 in
@@ -85,6 +94,8 @@ while [ $# -gt 0 ]; do
         -s|--seed) [ $# -ge 2 ] || { usage >&2; exit 2; }; seed=$2; shift ;;
         -S|--sync) [ $# -ge 2 ] || { usage >&2; exit 2; }; sync=$2; shift ;;
         --train-timeout) [ $# -ge 2 ] || { usage >&2; exit 2; }; train_timeout=$2; shift ;;
+        -m|--model) [ $# -ge 2 ] || { usage >&2; exit 2; }; model=$2; shift ;;
+        --steps) [ $# -ge 2 ] || { usage >&2; exit 2; }; steps=$2; shift ;;
         -*) echo "wan_bench: unknown option $1" >&2; usage >&2; exit 2 ;;
         *) [ -z "$build" ] || { usage >&2; exit 2; }; build=$1 ;;
     esac
@@ -92,7 +103,8 @@ while [ $# -gt 0 ]; do
 done
 profiles=$(echo "$profiles" | tr ',' ' ')
 formats=$(echo "$formats" | tr ',' ' ')
-for v in "$train_samples" "$test_samples" "$seed" "$sync" "$train_timeout"; do
+case $model in fmnist-mlp|tiny-lm) ;; *) echo "wan_bench: --model takes fmnist-mlp or tiny-lm" >&2; exit 2 ;; esac
+for v in "$train_samples" "$test_samples" "$seed" "$sync" "$train_timeout" "$steps"; do
     case $v in ''|*[!0-9]*) echo "wan_bench: not a number: '$v'" >&2; exit 2 ;; esac
 done
 [ -n "$profiles" ] && [ -n "$formats" ] || { echo "wan_bench: no profiles or no formats" >&2; exit 2; }
@@ -171,7 +183,12 @@ json_str() {
 }
 
 # Host 1: bootstrap; hosts 2..4: peers; host 5: trainer (and the monitor).
+# tiny-lm has three stages (embed, decoder, head): one per peer. Its figures
+# are per token: tokens_per_s, bytes_per_token and val_bpb (bits per byte of
+# the validation windows) instead of samples_per_s, bytes_per_sample and
+# test_acc.
 spans="0-1 2-3 4-5"
+[ "$model" = tiny-lm ] && spans="0 1 2"
 trainer_host=5
 
 # wait_announced HOST SECONDS: until the monitor on the trainer's host shows
@@ -182,7 +199,7 @@ wait_announced() {
         id=$(sed -n 's#.*address .*/\([0-9a-f]\{40\}\)$#\1#p' "$work/peer$1.out" | tail -1)
         n=$(sed -n 's/.*online: announcing \([0-9]*\) block.*/\1/p' "$work/peer$1.err" | tail -1)
         if [ -n "$id" ] && [ -n "$n" ]; then
-            wanbed_exec "$trainer_host" "$S" monitor --initial-peers "$BS" --model fmnist-mlp --json \
+            wanbed_exec "$trainer_host" "$S" monitor --initial-peers "$BS" --model "$model" --json \
                 >"$work/mon.json" 2>"$work/mon.err"
             got=$(grep -o "\"id\":\"$id\",\"addr\":\"[^\"]*\",\"state\":\"online\"" "$work/mon.json" | wc -l)
             [ "$got" -ge "$n" ] && return 0
@@ -206,7 +223,7 @@ run_one() {
     for span in $spans; do
         # shellcheck disable=SC2086
         wanbed_exec "$h" "$S" peer --initial-peers "$BS" --listen "$(wanbed_addr "$h"):4001" --blocks "$span" \
-            --blas-threads 1 --seed "$seed" ${PEER_ARGS:-} >"$work/peer$h.out" 2>"$work/peer$h.err" &
+            --model "$model" --blas-threads 1 --seed "$seed" ${PEER_ARGS:-} >"$work/peer$h.out" 2>"$work/peer$h.err" &
         eval "peer_pid$h=$!"
         pids="$pids $!"
         h=$((h + 1))
@@ -224,9 +241,13 @@ run_one() {
     [ "$has_wire" = 1 ] && wire=(--wire-format "$fmt")
     # In the background, so that a signal interrupts the wait at once.
     # shellcheck disable=SC2086
+    if [ "$model" = tiny-lm ]; then
+        what=(--model tiny-lm --steps "$steps" --eval-every "$steps" --seed "$seed")
+    else
+        what=(--train-samples "$train_samples" --test-samples "$test_samples" --seed "$seed" --sync "$sync")
+    fi
     wanbed_exec "$trainer_host" timeout "$train_timeout" "$S" train --initial-peers "$BS" \
-        --train-samples "$train_samples" --test-samples "$test_samples" --seed "$seed" --sync "$sync" "${wire[@]}" \
-        ${TRAIN_FLAGS:-} --json --metrics-log "" --plot "" >"$work/train-$tag.out" 2>"$work/train-$tag.err" &
+        "${what[@]}" "${wire[@]}" ${TRAIN_FLAGS:-} --json --metrics-log "" --plot "" >"$work/train-$tag.out" 2>"$work/train-$tag.err" &
     tr_pid=$!
     pids="$pids $tr_pid"
     wait "$tr_pid"
@@ -235,16 +256,26 @@ run_one() {
     [ "$rc" -eq 0 ] || { show "$work/train-$tag.err"; die "$prof $fmt: starling train exited $rc"; }
     stop_ours
     wanbed_down
-    sps=$(json_num "$work/train-$tag.out" samples_per_s)
-    n=$(json_num "$work/train-$tag.out" samples)
-    acc=$(json_num "$work/train-$tag.out" test_acc)
-    bps=$(json_num "$work/train-$tag.out" bytes_per_sample)
-    [ "$sps" != null ] && [ "$acc" != null ] || { show "$work/train-$tag.out"; die "$prof $fmt: no samples_per_s or test_acc in the trainer's line"; }
+    if [ "$model" = tiny-lm ]; then
+        sps=$(json_num "$work/train-$tag.out" tokens_per_s)
+        n=$(json_num "$work/train-$tag.out" tokens)
+        acc=$(json_num "$work/train-$tag.out" val_bpb)
+        bps=$(json_num "$work/train-$tag.out" bytes_per_token)
+    else
+        sps=$(json_num "$work/train-$tag.out" samples_per_s)
+        n=$(json_num "$work/train-$tag.out" samples)
+        acc=$(json_num "$work/train-$tag.out" test_acc)
+        bps=$(json_num "$work/train-$tag.out" bytes_per_sample)
+    fi
+    [ "$sps" != null ] && [ "$acc" != null ] || { show "$work/train-$tag.out"; die "$prof $fmt: no speed or quality figure in the trainer's line"; }
     got_fmt=$(json_str "$work/train-$tag.out" wire_format)
     [ -z "$got_fmt" ] || [ "$got_fmt" = "$fmt" ] ||
         echo "wan_bench: $prof: asked for $fmt, the trainer says wire_format $got_fmt" >&2
-    echo "{\"bench\":\"wan\",\"profile\":\"$prof\",\"format\":\"$fmt\",\"samples\":$n,\"samples_per_s\":$sps,\"bytes_per_sample\":$bps,\"test_acc\":$acc}" |
-        tee -a "$work/results"
+    if [ "$model" = tiny-lm ]; then
+        echo "{\"bench\":\"wan\",\"model\":\"tiny-lm\",\"profile\":\"$prof\",\"format\":\"$fmt\",\"tokens\":$n,\"tokens_per_s\":$sps,\"bytes_per_token\":$bps,\"val_bpb\":$acc}"
+    else
+        echo "{\"bench\":\"wan\",\"profile\":\"$prof\",\"format\":\"$fmt\",\"samples\":$n,\"samples_per_s\":$sps,\"bytes_per_sample\":$bps,\"test_acc\":$acc}"
+    fi | tee -a "$work/results"
 }
 
 : >"$work/results"
@@ -255,7 +286,7 @@ for prof in $profiles; do
 done
 
 # The summary, from the lines above.
-awk '
+awk -v lm="$([ "$model" = tiny-lm ] && echo 1 || echo 0)" '
 function field(line, key,    m) {
     if (match(line, "\"" key "\":(\"[^\"]*\"|[^,}]*)")) {
         m = substr(line, RSTART + length(key) + 3, RLENGTH - length(key) - 3)
@@ -266,8 +297,9 @@ function field(line, key,    m) {
 }
 {
     p = field($0, "profile"); f = field($0, "format")
-    sps[p, f] = field($0, "samples_per_s"); bps[p, f] = field($0, "bytes_per_sample")
-    acc[p, f] = field($0, "test_acc"); fmts[f] = 1
+    sps[p, f] = field($0, lm ? "tokens_per_s" : "samples_per_s")
+    bps[p, f] = field($0, lm ? "bytes_per_token" : "bytes_per_sample")
+    acc[p, f] = field($0, lm ? "val_bpb" : "test_acc"); fmts[f] = 1
 }
 function ratio(a, b) { return (a == "null" || b == "null" || b + 0 == 0) ? "null" : sprintf("%.3f", a / b) }
 END {
@@ -277,11 +309,11 @@ END {
             best = f
     if (best == "" && (("wan", "f32") in sps)) best = "f32"
     if (best == "") {
-        printf "{\"wan_vs_lan\":null,\"bytes_reduction\":null,\"acc_drop\":null,\"best_format\":null}\n"
+        printf "{\"wan_vs_lan\":null,\"bytes_reduction\":null,\"%s\":null,\"best_format\":null}\n", lm ? "bpb_increase" : "acc_drop"
         exit
     }
     r = (("lan", "f32") in sps) ? ratio(sps["wan", best], sps["lan", "f32"]) : "null"
     x = (("wan", "f32") in bps) ? ratio(bps["wan", "f32"], bps["wan", best]) : "null"
-    d = (("wan", "f32") in acc) ? sprintf("%.4f", acc["wan", "f32"] - acc["wan", best]) : "null"
-    printf "{\"wan_vs_lan\":%s,\"bytes_reduction\":%s,\"acc_drop\":%s,\"best_format\":\"%s\"}\n", r, x, d, best
+    d = (("wan", "f32") in acc) ? sprintf("%.4f", lm ? acc["wan", best] - acc["wan", "f32"] : acc["wan", "f32"] - acc["wan", best]) : "null"
+    printf "{\"wan_vs_lan\":%s,\"bytes_reduction\":%s,\"%s\":%s,\"best_format\":\"%s\"}\n", r, x, lm ? "bpb_increase" : "acc_drop", d, best
 }' "$work/results"
