@@ -118,7 +118,10 @@ export STARLING_NETPROBE=${STARLING_NETPROBE:-$build/tests/wan/netprobe}
 [ -x "$STARLING_NETPROBE" ] || STARLING_NETPROBE=""
 
 # The trainer's wire-format flag: without it, only f32 (what it sends).
-if "$S" train --help 2>&1 | grep -q -- '--wire-format'; then
+# (The help is read whole first: grep -q quits at the first match, and with
+# pipefail the writer's SIGPIPE would fail the test.)
+train_help=$("$S" train --help 2>&1)
+if grep -q -- '--wire-format' <<<"$train_help"; then
     has_wire=1
 else
     has_wire=0
