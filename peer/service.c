@@ -13,6 +13,8 @@
 #include <sys/stat.h>
 #include <time.h>
 
+#include <sodium.h>
+
 #include "expert/block.h"
 #include "expert/guard.h"
 #include "expert/model.h"
@@ -35,7 +37,8 @@ typedef struct svc_task {
     struct svc_task *next_free;
     float *out;                /* (max_batch, max(in, out)) */
     float *in, *gout;          /* compressed requests: inputs and grad_outputs decoded
-                                  ((max_batch, in) and (max_batch, out); made on first use) */
+                                  (grown to the largest request seen) */
+    size_t in_cap, gout_cap;   /* their floats */
     void *enc;                 /* a compressed reply's bytes (made on first use) */
     size_t enc_cap;
     peer_dtype rdtype;         /* the reply's format, as the request asked */
@@ -87,6 +90,7 @@ struct peer_service {
      * infer), format and direction (0 received, 1 sent); any thread. */
     _Atomic uint64_t tensor_bytes[PEER_SERVICE_TRAFFIC_METHODS][PEER_FMT_COUNT][2];
     _Atomic uint64_t sr_count;  /* stochastic rounding: one seed per gradient reply */
+    uint64_t sr_base;           /* ... from this random base */
     struct svc_handler handlers[PEER_SERVICE_MAX_METHODS];
     int closing;
     void (*close_cb)(peer_service *, int, void *);
@@ -211,23 +215,29 @@ static void task_reply(svc_task *t, int status)
         size_t nv = (size_t)peer_tensor_count(&reply.t[0]);
         size_t need = peer_tensorfmt_size((peer_fmt)t->rdtype, t->rblock, nv);
         if (need > t->enc_cap) {
+            /* As large as this reply needs: a pooled task keeps it, so a
+             * stream of small requests must not hold full-size buffers. */
             free(t->enc);
-            size_t most = peer_tensorfmt_size((peer_fmt)t->rdtype, PEER_FMT_Q8_BLOCK_MIN,
-                                              (size_t)b->svc->cfg.max_batch *
-                                                  (size_t)(b->cfg.in > b->cfg.out ? b->cfg.in : b->cfg.out));
-            t->enc_cap = most > need ? most : need;
+            t->enc_cap = need;
             if (!(t->enc = malloc(t->enc_cap)))
                 t->enc_cap = 0;
         }
         /* Gradients (a backward's grad_inputs) with stochastic rounding:
          * unbiased, like the trainer's grad_outputs; activations to nearest. */
-        uint64_t seed = atomic_fetch_add_explicit(&b->svc->sr_count, 1, memory_order_relaxed);
-        seed = (seed ^ (seed >> 31) ^ 0x5851F42D4C957F2Dull) * 0xD6E8FEB86659FD93ull; /* not a multiple of the
-                                                                                  per-value step */
-        long k = !t->enc ? -ENOMEM
-                 : t->method == PEER_METHOD_BACKWARD
-                     ? peer_tensorfmt_encode_sr((peer_fmt)t->rdtype, t->rblock, t->out, nv, seed, t->enc, t->enc_cap)
-                     : peer_tensorfmt_encode((peer_fmt)t->rdtype, t->rblock, t->out, nv, t->enc, t->enc_cap);
+        long k;
+        if (!t->enc) {
+            k = -ENOMEM;
+        } else if (t->method == PEER_METHOD_BACKWARD) {
+            /* Each reply's draws from its own seed: this process's random
+             * base (so peers and restarts differ) and a counter, mixed so
+             * that no two replies' draws line up. */
+            uint64_t seed = atomic_fetch_add_explicit(&b->svc->sr_count, 1, memory_order_relaxed);
+            seed = (seed ^ b->svc->sr_base) * 0xD6E8FEB86659FD93ull;
+            seed ^= seed >> 32;
+            k = peer_tensorfmt_encode_sr((peer_fmt)t->rdtype, t->rblock, t->out, nv, seed, t->enc, t->enc_cap);
+        } else {
+            k = peer_tensorfmt_encode((peer_fmt)t->rdtype, t->rblock, t->out, nv, t->enc, t->enc_cap);
+        }
         uint64_t shape[PEER_WIRE_MAX_DIMS];
         memcpy(shape, reply.t[0].shape, sizeof shape);
         if (k < 0 || peer_tensor_encoded(&reply.t[0], t->rdtype, t->rblock, t->enc, reply.t[0].ndim, shape) != 0) {
@@ -486,11 +496,18 @@ static int formats_ok(peer_service *s, svc_block *b, peer_rpc_request *req, cons
 
 /* Decodes the compressed tensor t into *buf (cap floats, allocated on first
  * use) and points *out at it. Returns 0, -ENOMEM or -EBADMSG. */
-static int decoded(const peer_tensor *t, float **buf, size_t cap, const float **out)
+static int decoded(const peer_tensor *t, float **buf, size_t *cap, const float **out)
 {
-    if (!*buf && !(*buf = malloc(cap * sizeof(float))))
-        return -ENOMEM;
-    int rc = peer_tensor_to_f32(t, *buf, cap);
+    size_t n = (size_t)peer_tensor_count(t); /* rows checked against max_batch already */
+    if (n > *cap) {
+        /* As large as this request needs (see task_reply). */
+        free(*buf);
+        *cap = 0;
+        if (!(*buf = malloc(n * sizeof(float))))
+            return -ENOMEM;
+        *cap = n;
+    }
+    int rc = peer_tensor_to_f32(t, *buf, *cap);
     if (rc == 0)
         *out = *buf;
     return rc == -ENOBUFS ? -EBADMSG : rc;
@@ -517,6 +534,14 @@ static void handle_compute(peer_service *s, svc_block *b, peer_rpc_request *req,
     }
     if (!formats_ok(s, b, req, msg))
         return;
+    if (b->cfg.kind == EXPERT_BLOCK_EMBED && msg->t[0].dtype != PEER_DTYPE_F32) {
+        /* f16 and bf16 would turn large token values into their
+         * neighbours without a trace: tokens come exact or not at all. */
+        snprintf(why, sizeof why, "%s takes token values as f32 tensors, not %s", b->name,
+                 peer_tensorfmt_name((peer_fmt)msg->t[0].dtype));
+        peer_rpc_respond_error(req, EINVAL, why);
+        return;
+    }
     svc_task *t = pool_get(b);
     if (!t) {
         peer_rpc_respond_error(req, EBUSY, "peer overloaded; try another replica");
@@ -525,9 +550,9 @@ static void handle_compute(peer_service *s, svc_block *b, peer_rpc_request *req,
     const float *in = msg->t[0].data, *gout = fwd ? NULL : msg->t[1].data;
     int rc = 0;
     if (msg->t[0].dtype != PEER_DTYPE_F32)
-        rc = decoded(&msg->t[0], &t->in, (size_t)s->cfg.max_batch * (size_t)b->cfg.in, &in);
+        rc = decoded(&msg->t[0], &t->in, &t->in_cap, &in);
     if (rc == 0 && !fwd && msg->t[1].dtype != PEER_DTYPE_F32)
-        rc = decoded(&msg->t[1], &t->gout, (size_t)s->cfg.max_batch * (size_t)b->cfg.out, &gout);
+        rc = decoded(&msg->t[1], &t->gout, &t->gout_cap, &gout);
     for (int i = 0; i < msg->n_tensors; i++)
         traffic(s, msg->method, msg->t[i].dtype, 0, msg->t[i].nbytes);
     if (rc != 0) {
@@ -888,6 +913,7 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
     s->cfg = *cfg;
     s->formats = cfg->formats ? cfg->formats & PEER_FMT_MASK_ALL : PEER_FMT_MASK_ALL;
     s->formats |= PEER_FMT_BIT(PEER_FMT_F32); /* every peer takes float32 */
+    randombytes_buf(&s->sr_base, sizeof s->sr_base);
     s->cfg.blocks = NULL; /* borrowed pointers are not kept */
     s->cfg.self = NULL;
     s->cfg.model = NULL;

@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <sodium.h>
+
 #include "expert/ops.h"
 #include "peer/meta.h"
 #include "peer/tensorfmt.h"
@@ -94,7 +96,8 @@ typedef struct trainer {
      * (sealed before route_caller_send returns, so one buffer serves all) */
     uint8_t *wbuf;
     size_t wbuf_cap;
-    uint64_t sr_count;             /* stochastic rounding: one seed per gradient sent */
+    uint64_t sr_count;             /* stochastic rounding: one seed per gradient sent, */
+    uint64_t sr_base;              /* from a random base (trainers' draws differ) */
 } trainer;
 
 static double now_s(const trainer *t)
@@ -290,7 +293,7 @@ static int build(void *arg, route_caller_call *c, const route_holder *h, int pre
     m->n_tensors = 1;
     if (rc == 0 && call->kind == ROUTE_CALL_BACKWARD) {
         rc = peer_tensor_rows_as(&m->t[1], call->grad_outputs, (uint64_t)call->rows, nout, rout, fmt, block, 1,
-                                 t->cfg.seed ^ (++t->sr_count * 0xD1B54A32D192ED03ull), t->wbuf + half, half);
+                                 (t->sr_base ^ ++t->sr_count) * 0xD1B54A32D192ED03ull, t->wbuf + half, half);
         m->n_tensors = 2;
         if (preferred && t->fwd_version_known[call->slot][call->stage]) {
             m->meta = meta_buf;
@@ -713,6 +716,7 @@ static int trainer_init(trainer *t, uv_loop_t *loop)
         widest = widths[s] > widest ? widths[s] : widest;
     t->wbuf_cap = 2 * (B * (size_t)widest * sizeof(float) + 64);
     t->wbuf = malloc(t->wbuf_cap);
+    randombytes_buf(&t->sr_base, sizeof t->sr_base);
     if (!t->pipe || !t->caller || !t->versions || !t->pends || !t->order || !t->probs || !t->losses ||
         !t->targets || !t->xbuf || !t->ybuf || !t->offs || !t->tbuf || !t->wbuf)
         return -ENOMEM;

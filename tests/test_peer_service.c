@@ -29,6 +29,7 @@ static char dir[256];
 static FILE *svc_log; /* the services' log (NULL: stderr) */
 static struct expert_guard_config svc_guard; /* the services' gradient checks (zeros: defaults) */
 static uint32_t svc_formats; /* the services' accepted tensor formats (0: all) */
+static const char *svc_model = "fmnist-mlp"; /* the services' model */
 
 /* ---- a tiny synchronous call helper on top of the async client ---- */
 
@@ -132,7 +133,7 @@ static peer_service *start_inline(int *port, const int *blocks, int n, int inlin
     peer_service_config c;
     memset(&c, 0, sizeof c);
     c.self = &id_srv;
-    c.model = "fmnist-mlp";
+    c.model = svc_model;
     c.blocks = blocks;
     c.n_blocks = n;
     c.threads = 1;
@@ -755,7 +756,7 @@ typedef struct fresult {
     int block;
     uint64_t shape[2];
     size_t nbytes;
-    uint8_t raw[4 * 16 * 512];
+    uint8_t raw[4 * 2 * 128 * 256]; /* the largest reply: a tiny-lm embed output of 2 rows */
     float data[16 * 512];
     int to_f32; /* peer_tensor_to_f32's result */
 } fresult;
@@ -1113,6 +1114,38 @@ static void test_formats_refused(void **state)
     }
 }
 
+/* An embed stage takes token values only as f32: f16 and bf16 would round
+ * large tokens to their neighbours silently, q8 would blur them. */
+static void test_tokens_only_f32(void **state)
+{
+    (void)state;
+    static const int blocks[] = {0};
+    enum { B = 2, W = 128, N = B * W };
+    static float x[N];
+    static fresult r;
+    for (int i = 0; i < N; i++)
+        x[i] = (float)(i % 256);
+    svc_model = "tiny-lm";
+    int port;
+    peer_service *s = start(&port, blocks, 1);
+    peer_rpc_client *cl = connect_to(port);
+    ftensor f16in = {x, B, W, PEER_DTYPE_F16, 0}, q8in = {x, B, W, PEER_DTYPE_Q8, 64},
+            f32in = {x, B, W, PEER_DTYPE_F32, 0};
+    const ftensor *bad[] = {&f16in, &q8in};
+    for (int i = 0; i < 2; i++) {
+        call_fmt(cl, PEER_METHOD_FORWARD, "tiny-lm.0", bad[i], 1, PEER_DTYPE_F32, 0, &r);
+        assert_int_equal(r.kind, PEER_KIND_ERROR);
+        assert_int_equal(r.err_code, EINVAL);
+        if (!strstr(r.err_msg, "token values as f32"))
+            fail_msg("message \"%s\"", r.err_msg);
+    }
+    /* f32 tokens with a compressed reply are fine */
+    call_fmt(cl, PEER_METHOD_FORWARD, "tiny-lm.0", &f32in, 1, PEER_DTYPE_BF16, 0, &r);
+    assert_int_equal(r.kind, PEER_KIND_REPLY);
+    assert_int_equal(r.dtype, PEER_DTYPE_BF16);
+    stop(&s, &cl);
+}
+
 static int setup(void **state)
 {
     (void)state;
@@ -1131,6 +1164,7 @@ static int teardown(void **state)
     assert_int_equal(uv_loop_close(&loop), 0);
     test_rmtree(dir);
     svc_formats = 0;
+    svc_model = "fmnist-mlp";
     return 0;
 }
 
@@ -1146,6 +1180,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_frozen_replica_reported, setup, teardown),
         cmocka_unit_test_setup_teardown(test_compressed_formats, setup, teardown),
         cmocka_unit_test_setup_teardown(test_formats_refused, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_tokens_only_f32, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -222,15 +222,17 @@ static void json_str(FILE *f, const char *s)
     fputc('"', f);
 }
 
-/* Returns 1 if every stage is covered. */
-/* The wire formats a holder announced ("wf"; none: float32 only). */
+/* The wire formats a holder announced ("wf"; none: float32 only, which
+ * every peer takes, so it is listed also when "wf" holds only formats this
+ * build does not know). */
 static void formats_text(const peer_announce *a, char *buf, size_t cap)
 {
-    peer_fmt_mask m = a->formats ? a->formats & PEER_FMT_MASK_ALL : PEER_FMT_BIT(PEER_FMT_F32);
+    peer_fmt_mask m = (a->formats & PEER_FMT_MASK_ALL) | PEER_FMT_BIT(PEER_FMT_F32);
     if (peer_tensorfmt_mask_format(m, buf, cap) < 0)
         buf[0] = '\0';
 }
 
+/* Returns 1 if every stage is covered. */
 static int render_json(FILE *f, view *v, double min_tput)
 {
     uint64_t now = dht_now_ms();
