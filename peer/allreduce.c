@@ -12,6 +12,7 @@
 #include "dht/addr.h"
 #include "expert/block.h"
 #include "peer/rpc_client.h"
+#include "peer/tensorfmt.h"
 #include "peer/wire.h"
 
 #define RETRY_MS 10
@@ -82,23 +83,63 @@ static int avg_reply_decode(avg_reply *r, const void *meta, size_t len)
 /* ---- the slices on the wire (both sides) ----
  *
  * The one place that chooses how a slice of a round's vector travels in
- * the avg reply: one (1, count) f32 tensor today. */
+ * the avg reply: one (1, count) tensor in the round's format (allreduce.h,
+ * "How slices travel"). f32 slices are the floats themselves; any other
+ * format is encoded once per part (part_encode) and served as byte ranges
+ * of that encoding (slice_encode), which is what encoding the slice alone
+ * would give as long as a q8 slice starts at a multiple of the block from
+ * its part's start (the askers' chunks do: PEER_AVG_MAX_COUNT is a
+ * multiple of every block). */
 
-/* Fills t with src[0..count) (borrowed until the reply is sent). */
-static void slice_encode(peer_tensor *t, const float *src, uint64_t count)
+/* q8's block for h (the default for 0), 0 for the other formats. */
+static int fmt_block_of(const peer_avg_method *h)
 {
-    uint64_t shape[2] = {1, count};
-    peer_tensor_f32(t, (float *)(uintptr_t)src, 2, shape);
+    return h->fmt == PEER_FMT_Q8 ? (h->fmt_block ? h->fmt_block : PEER_FMT_Q8_BLOCK) : 0;
 }
 
-/* Copies a received slice of count floats into dst. Returns 0, or
- * -EBADMSG when t is not such a slice. */
-static int slice_decode(const peer_tensor *t, size_t count, float *dst)
+/* Bytes of n values in (fmt, block); 0 for n = 0. */
+static size_t part_bytes(int fmt, int block, size_t n)
 {
-    if (t->dtype != PEER_DTYPE_F32 || t->nbytes != count * sizeof(float))
+    return n ? peer_tensorfmt_size((peer_fmt)fmt, block, n) : 0;
+}
+
+/* Encodes src[0..n) into dst (part_bytes(fmt, block, n) bytes): rounding
+ * to nearest, or, with residual (n floats), with error feedback
+ * (peer_tensorfmt_encode_ef: sends src + residual, leaves what it lost in
+ * residual). Returns 0 or -EINVAL. */
+static int part_encode(int fmt, int block, const float *src, size_t n, float *residual, uint8_t *dst)
+{
+    if (n == 0)
+        return 0;
+    size_t cap = part_bytes(fmt, block, n);
+    long k = residual ? peer_tensorfmt_encode_ef((peer_fmt)fmt, block, src, n, residual, dst, cap)
+                      : peer_tensorfmt_encode((peer_fmt)fmt, block, src, n, dst, cap);
+    return k >= 0 && (size_t)k == cap ? 0 : -EINVAL;
+}
+
+/* Fills t with the slice [rel, rel + count) of a part: its floats (f32)
+ * or its encoding enc (borrowed until the reply is sent). Returns 0, or
+ * -EINVAL when a q8 slice does not start on a block. */
+static int slice_encode(peer_tensor *t, int fmt, int block, const float *vals, const uint8_t *enc, size_t rel,
+                        uint64_t count)
+{
+    uint64_t shape[2] = {1, count};
+    if (fmt == PEER_FMT_F32)
+        return peer_tensor_f32(t, (float *)(uintptr_t)(vals + rel), 2, shape);
+    if (fmt == PEER_FMT_Q8 && rel % (size_t)block != 0)
+        return -EINVAL;
+    return peer_tensor_encoded(t, (peer_dtype)fmt, block, enc + part_bytes(fmt, block, rel), 2, shape);
+}
+
+/* Decodes a received slice of count values, which must be a (1, count)
+ * tensor in the format asked, into dst. Returns 0, or -EBADMSG when t is
+ * not such a slice or does not decode (a negative q8 scale). */
+static int slice_decode(const peer_tensor *t, int fmt, int block, size_t count, float *dst)
+{
+    if ((int)t->dtype != fmt || t->block != (fmt == PEER_FMT_Q8 ? block : 0) || t->ndim != 2 || t->shape[0] != 1 ||
+        t->shape[1] != count)
         return -EBADMSG;
-    memcpy(dst, t->data, t->nbytes);
-    return 0;
+    return peer_tensor_to_f32(t, dst, count) == 0 ? 0 : -EBADMSG;
 }
 
 /* ---- the serving side ---- */
@@ -106,24 +147,30 @@ static int slice_decode(const peer_tensor *t, size_t count, float *dst)
 /* One hosted block's rounds (loop thread only). */
 typedef struct srv_block {
     uint64_t mark;             /* backward rows at the last applied round */
-    /* Diloco mode: the parameters after the last applied round and the
-     * outer momentum (nparams floats each, one allocation; NULL until the
-     * first anchor). */
-    float *anchor, *outer_m;
+    /* Diloco mode: the parameters after the last applied round, the
+     * outer momentum and the error-feedback residual of lossy slices
+     * (nparams floats each, one allocation; NULL until the first anchor). */
+    float *anchor, *outer_m, *resid;
     size_t nparams;
     struct {
         int active;            /* base frozen */
         uint64_t round;
         uint8_t digest[PEER_AVG_DIGEST_LEN];
-        peer_avg_method how;
+        peer_avg_method how;   /* fmt_block normalized (fmt_block_of) */
         double weight;
         uint64_t mark;         /* backward rows when the base was frozen */
         float *base;           /* the round's vector at its start (nflat floats); in diloco
-                                  mode followed by the parameters it came from (nflat more) */
+                                  mode followed by the parameters it came from (nflat more)
+                                  and the residual the round leaves once applied (nflat more) */
         size_t cap;            /* floats allocated at base */
         size_t nflat;
+        int n, me;             /* members, and our index */
         size_t part_off, part_len;
-        float *reduced;        /* our part, averaged */
+        uint8_t *enc;          /* a lossy format: the base encoded part by part, or NULL */
+        size_t enc_cap;
+        size_t enc_off[PEER_ALLREDUCE_MAX_MEMBERS + 1]; /* part j's bytes at enc + enc_off[j] */
+        float *reduced;        /* our part, averaged (as every member decodes it) */
+        uint8_t *reduced_enc;  /* a lossy format: its encoding, served */
         int reduced_state;     /* 0 pending, 1 ready, < 0 failed (negative errno) */
     } cur;
     /* The previous round's reduced part, still served to members that
@@ -132,9 +179,17 @@ typedef struct srv_block {
         uint64_t round;
         uint8_t digest[PEER_AVG_DIGEST_LEN];
         double weight;
+        int fmt, fmt_block;
         size_t nflat, part_off, part_len;
         float *reduced;        /* NULL: none */
+        uint8_t *reduced_enc;  /* its encoding (a lossy format) */
     } prev;
+    /* Averaging tensor bytes (peer_allreduce_server_bytes), and those sent
+     * for each of the last two rounds served. */
+    uint64_t bytes_received, bytes_sent;
+    struct {
+        uint64_t round, bytes;
+    } sent_round[2];
 } srv_block;
 
 struct peer_allreduce_server {
@@ -144,8 +199,23 @@ struct peer_allreduce_server {
     srv_block b[PEER_SERVICE_MAX_BLOCKS];
 };
 
-static void avg_respond(peer_rpc_request *req, uint64_t round, double weight, size_t nflat, const float *src,
-                        uint64_t count)
+static void count_sent(srv_block *b, uint64_t round, size_t nbytes)
+{
+    b->bytes_sent += nbytes;
+    int s = b->sent_round[0].round == round   ? 0
+            : b->sent_round[1].round == round ? 1
+            : b->sent_round[0].round < b->sent_round[1].round ? 0 : 1;
+    if (b->sent_round[s].round != round) {
+        b->sent_round[s].round = round;
+        b->sent_round[s].bytes = 0;
+    }
+    b->sent_round[s].bytes += nbytes;
+}
+
+/* Answers with the slice [rel, rel + count) of a part (slice_encode), or
+ * EINVAL when it cannot be served in the round's format. */
+static void avg_respond(srv_block *b, peer_rpc_request *req, uint64_t round, double weight, size_t nflat, int fmt,
+                        int block, const float *vals, const uint8_t *enc, size_t rel, uint64_t count)
 {
     uint8_t meta[AVG_REPLY_META];
     avg_reply_encode(meta, &(avg_reply){round, weight, nflat});
@@ -154,24 +224,45 @@ static void avg_respond(peer_rpc_request *req, uint64_t round, double weight, si
     reply.meta = meta;
     reply.meta_len = sizeof meta;
     reply.n_tensors = 1;
-    slice_encode(&reply.t[0], src, count);
+    if (slice_encode(&reply.t[0], fmt, block, vals, enc, rel, count) != 0) {
+        peer_rpc_respond_error(req, EINVAL, "avg slice does not start on a q8 block of its part");
+        return;
+    }
+    count_sent(b, round, reply.t[0].nbytes);
     peer_rpc_respond(req, &reply);
+}
+
+/* Whether msg asks for the slices in (fmt, block); else answers EINVAL. */
+static int format_ok(peer_rpc_request *req, const peer_msg *msg, int fmt, int block)
+{
+    if ((int)msg->reply_dtype == fmt && msg->reply_block == (fmt == PEER_FMT_Q8 ? block : 0))
+        return 1;
+    char why[128], spec[16] = "";
+    if (fmt == PEER_FMT_Q8)
+        snprintf(spec, sizeof spec, ":%d", block);
+    const char *asked = peer_tensorfmt_name((peer_fmt)msg->reply_dtype);
+    snprintf(why, sizeof why, "this averaging round's slices travel as %s%s, not %s",
+             peer_tensorfmt_name((peer_fmt)fmt), spec, asked ? asked : "?");
+    peer_rpc_respond_error(req, EINVAL, why);
+    return 0;
 }
 
 /* A slower member of our last round fetching our reduced part (whether or
  * not we have begun another round since). Returns 0 when it answered. */
-static int serve_prev(srv_block *b, peer_rpc_request *req, const avg_request *q)
+static int serve_prev(srv_block *b, peer_rpc_request *req, const peer_msg *msg, const avg_request *q)
 {
     if (q->kind != 1 || !b->prev.reduced || b->prev.round != q->round ||
         memcmp(b->prev.digest, q->digest, PEER_AVG_DIGEST_LEN))
         return -ENOENT;
+    if (!format_ok(req, msg, b->prev.fmt, b->prev.fmt_block))
+        return 0;
     if (q->off < b->prev.part_off || q->count < 1 || q->count > PEER_AVG_MAX_COUNT ||
         q->off > b->prev.part_off + b->prev.part_len || q->count > b->prev.part_off + b->prev.part_len - q->off) {
         peer_rpc_respond_error(req, EINVAL, "avg range outside this member's part");
         return 0;
     }
-    avg_respond(req, q->round, b->prev.weight, b->prev.nflat, b->prev.reduced + (q->off - b->prev.part_off),
-                q->count);
+    avg_respond(b, req, q->round, b->prev.weight, b->prev.nflat, b->prev.fmt, b->prev.fmt_block, b->prev.reduced,
+                b->prev.reduced_enc, q->off - b->prev.part_off, q->count);
     return 0;
 }
 
@@ -188,7 +279,7 @@ static int serve_avg(void *ctx, peer_rpc_request *req, const peer_msg *msg, int 
         peer_rpc_respond_error(req, EINVAL, "avg takes meta = round, digest, kind, offset, count (48 bytes)");
         return 0;
     }
-    if (serve_prev(b, req, &q) == 0)
+    if (serve_prev(b, req, msg, &q) == 0)
         return 0;
     if (!b->cur.active && b->prev.reduced && q.round <= b->prev.round) {
         peer_rpc_respond_error(req, ESTALE, "another averaging round");
@@ -214,28 +305,47 @@ static int serve_avg(void *ctx, peer_rpc_request *req, const peer_msg *msg, int 
         peer_rpc_respond_error(req, EAGAIN, "another group for this averaging round; looking again");
         return 0;
     }
+    const int fmt = b->cur.how.fmt, fb = b->cur.how.fmt_block;
+    if (!format_ok(req, msg, fmt, fb))
+        return 0;
     if (q.kind > 1 || q.count < 1 || q.count > PEER_AVG_MAX_COUNT || q.off > b->cur.nflat ||
         q.count > b->cur.nflat - q.off) {
         peer_rpc_respond_error(req, EINVAL, "avg range outside the state");
         return 0;
     }
-    const float *src = b->cur.base + q.off;
-    if (q.kind == 1) {
-        if (b->cur.reduced_state < 0) {
-            peer_rpc_respond_error(req, ECANCELED, "the averaging round failed here");
+    if (q.kind == 0) {
+        /* A slice of our base: within one part when it is encoded. */
+        if (fmt == PEER_FMT_F32) {
+            avg_respond(b, req, q.round, b->cur.weight, b->cur.nflat, fmt, fb, b->cur.base, NULL, q.off, q.count);
             return 0;
         }
-        if (q.off < b->cur.part_off || q.off + q.count > b->cur.part_off + b->cur.part_len) {
-            peer_rpc_respond_error(req, EINVAL, "avg range outside this member's part");
-            return 0;
+        for (int j = 0; j < b->cur.n; j++) {
+            size_t off, len;
+            peer_avg_part(b->cur.nflat, b->cur.n, j, &off, &len);
+            if (q.off >= off && q.off + q.count <= off + len) {
+                avg_respond(b, req, q.round, b->cur.weight, b->cur.nflat, fmt, fb, NULL,
+                            b->cur.enc + b->cur.enc_off[j], q.off - off, q.count);
+                return 0;
+            }
         }
-        if (b->cur.reduced_state == 0) {
-            peer_rpc_respond_error(req, EAGAIN, "this member's part is not reduced yet");
-            return 0;
-        }
-        src = b->cur.reduced + (q.off - b->cur.part_off);
+        peer_rpc_respond_error(req, EINVAL, "avg range across two members' parts");
+        return 0;
     }
-    avg_respond(req, q.round, b->cur.weight, b->cur.nflat, src, q.count);
+    /* A slice of our reduced part. */
+    if (b->cur.reduced_state < 0) {
+        peer_rpc_respond_error(req, ECANCELED, "the averaging round failed here");
+        return 0;
+    }
+    if (q.off < b->cur.part_off || q.off + q.count > b->cur.part_off + b->cur.part_len) {
+        peer_rpc_respond_error(req, EINVAL, "avg range outside this member's part");
+        return 0;
+    }
+    if (b->cur.reduced_state == 0) {
+        peer_rpc_respond_error(req, EAGAIN, "this member's part is not reduced yet");
+        return 0;
+    }
+    avg_respond(b, req, q.round, b->cur.weight, b->cur.nflat, fmt, fb, b->cur.reduced, b->cur.reduced_enc,
+                q.off - b->cur.part_off, q.count);
     return 0;
 }
 
@@ -244,8 +354,11 @@ static void server_free(void *ctx)
     peer_allreduce_server *srv = ctx;
     for (int i = 0; i < PEER_SERVICE_MAX_BLOCKS; i++) {
         free(srv->b[i].cur.base);
+        free(srv->b[i].cur.enc);
         free(srv->b[i].cur.reduced);
+        free(srv->b[i].cur.reduced_enc);
         free(srv->b[i].prev.reduced);
+        free(srv->b[i].prev.reduced_enc);
         free(srv->b[i].anchor);
     }
     free(srv);
@@ -277,41 +390,68 @@ static srv_block *srv_block_of(peer_allreduce_server *srv, int i)
     return srv && i >= 0 && i < peer_service_n_blocks(srv->svc) ? &srv->b[i] : NULL;
 }
 
+void peer_allreduce_server_bytes(const peer_allreduce_server *srv, int i, uint64_t *received, uint64_t *sent)
+{
+    const srv_block *b = srv && i >= 0 && i < peer_service_n_blocks(srv->svc) ? &srv->b[i] : NULL;
+    if (received)
+        *received = b ? b->bytes_received : 0;
+    if (sent)
+        *sent = b ? b->bytes_sent : 0;
+}
+
+uint64_t peer_allreduce_server_round_sent(const peer_allreduce_server *srv, int i, uint64_t round)
+{
+    const srv_block *b = srv && i >= 0 && i < peer_service_n_blocks(srv->svc) ? &srv->b[i] : NULL;
+    for (int s = 0; b && s < 2; s++)
+        if (b->sent_round[s].round == round)
+            return b->sent_round[s].bytes;
+    return 0;
+}
+
 /* Moves a finished round's reduced part to prev (slower members may still
  * fetch it) and frees the rest. */
 static void retire(srv_block *b)
 {
     if (b->cur.active && b->cur.reduced_state == 1 && b->cur.reduced) {
         free(b->prev.reduced);
+        free(b->prev.reduced_enc);
         b->prev.round = b->cur.round;
         memcpy(b->prev.digest, b->cur.digest, PEER_AVG_DIGEST_LEN);
         b->prev.weight = b->cur.weight;
+        b->prev.fmt = b->cur.how.fmt;
+        b->prev.fmt_block = b->cur.how.fmt_block;
         b->prev.nflat = b->cur.nflat;
         b->prev.part_off = b->cur.part_off;
         b->prev.part_len = b->cur.part_len;
         b->prev.reduced = b->cur.reduced;
+        b->prev.reduced_enc = b->cur.reduced_enc;
         b->cur.reduced = NULL;
+        b->cur.reduced_enc = NULL;
     }
     free(b->cur.base);
+    free(b->cur.enc);
     free(b->cur.reduced);
+    free(b->cur.reduced_enc);
     memset(&b->cur, 0, sizeof b->cur);
 }
 
-/* Diloco: block i's anchor := params (np floats), momentum := 0, and the
- * next round's samples count from `rows`. */
+/* Diloco: block i's anchor := params (np floats), momentum and residual
+ * := 0, and the next round's samples count from `rows`. */
 static int set_anchor(srv_block *b, const float *params, size_t np, uint64_t rows)
 {
     if (!b->anchor || b->nparams != np) {
         free(b->anchor);
-        b->outer_m = NULL;
+        b->outer_m = b->resid = NULL;
         b->nparams = 0;
-        if (!(b->anchor = malloc(2 * np * sizeof(float))))
+        if (!(b->anchor = malloc((np ? 3 * np : 1) * sizeof(float))))
             return -ENOMEM;
         b->outer_m = b->anchor + np;
+        b->resid = b->anchor + 2 * np;
         b->nparams = np;
     }
     memcpy(b->anchor, params, np * sizeof(float));
     memset(b->outer_m, 0, np * sizeof(float));
+    memset(b->resid, 0, np * sizeof(float));
     b->mark = rows;
     return 0;
 }
@@ -351,10 +491,59 @@ int peer_allreduce_server_anchor(peer_allreduce_server *srv, int i)
 
 static int method_ok(const peer_avg_method *h)
 {
+    if (peer_tensorfmt_check((peer_fmt)h->fmt, fmt_block_of(h)) != 0 ||
+        (h->fmt != PEER_FMT_Q8 && h->fmt_block != 0))
+        return 0;
     if (h->mode == PEER_AVG_MEAN)
         return 1;
     return h->mode == PEER_AVG_DILOCO && h->outer_lr > 0 && isfinite(h->outer_lr) && h->outer_momentum >= 0 &&
            h->outer_momentum < 1;
+}
+
+/* A lossy format: encodes the frozen base part by part into b->cur.enc
+ * (allreduce.h, "How slices travel"). In diloco mode first makes the base
+ * v = delta + residual, encoding the others' parts with error feedback
+ * into the residual the round leaves (base + 2 nflat; 0 over our part, which
+ * never travels). Returns 0, -ENOMEM or -EINVAL. */
+static int encode_base(srv_block *b, int diloco)
+{
+    const int fmt = b->cur.how.fmt, fb = b->cur.how.fmt_block, n = b->cur.n;
+    const size_t nflat = b->cur.nflat;
+    size_t total = 0;
+    for (int j = 0; j < n; j++) {
+        size_t off, len;
+        peer_avg_part(nflat, n, j, &off, &len);
+        b->cur.enc_off[j] = total;
+        total += part_bytes(fmt, fb, len);
+    }
+    b->cur.enc_off[n] = total;
+    if (!b->cur.enc || b->cur.enc_cap < total) {
+        free(b->cur.enc);
+        b->cur.enc_cap = 0;
+        if (!(b->cur.enc = malloc(total ? total : 1)))
+            return -ENOMEM;
+        b->cur.enc_cap = total;
+    }
+    float *base = b->cur.base, *rnext = diloco ? b->cur.base + 2 * nflat : NULL;
+    if (diloco)
+        memcpy(rnext, b->resid, nflat * sizeof(float));
+    for (int j = 0; j < n; j++) {
+        size_t off, len;
+        peer_avg_part(nflat, n, j, &off, &len);
+        if (j == b->cur.me)
+            continue;
+        if (part_encode(fmt, fb, base + off, len, rnext ? rnext + off : NULL, b->cur.enc + b->cur.enc_off[j]) != 0)
+            return -EINVAL;
+    }
+    if (diloco) {
+        /* What encode_ef sent is decode(v) with v = delta + residual: make
+         * that our base too (our own part enters our reduce exact, so its
+         * residual is spent). */
+        for (size_t k = 0; k < nflat; k++)
+            base[k] += b->resid[k];
+        memset(rnext + b->cur.part_off, 0, b->cur.part_len * sizeof(float));
+    }
+    return part_encode(fmt, fb, base + b->cur.part_off, b->cur.part_len, NULL, b->cur.enc + b->cur.enc_off[b->cur.me]);
 }
 
 int peer_allreduce_server_begin(peer_allreduce_server *srv, int i, uint64_t round,
@@ -363,12 +552,14 @@ int peer_allreduce_server_begin(peer_allreduce_server *srv, int i, uint64_t roun
 {
     srv_block *b = srv_block_of(srv, i);
     peer_avg_method h = how ? *how : (peer_avg_method){.mode = PEER_AVG_MEAN};
-    if (!b || !digest || n < 1 || me < 0 || me >= n || !method_ok(&h))
+    if (!b || !digest || n < 1 || n > PEER_ALLREDUCE_MAX_MEMBERS || me < 0 || me >= n || !method_ok(&h))
         return -EINVAL;
+    h.fmt_block = fmt_block_of(&h);
+    const int lossy = h.fmt != PEER_FMT_F32;
     expert_block *blk = peer_service_block(srv->svc, i);
     int diloco = h.mode == PEER_AVG_DILOCO;
     size_t np = expert_block_nparams(blk);
-    size_t nflat = diloco ? np : expert_block_flat_len(blk), cap = diloco ? 2 * np : nflat;
+    size_t nflat = diloco ? np : expert_block_flat_len(blk), cap = diloco ? 3 * np : nflat;
     if (b->cur.active && b->cur.reduced_state == 1)
         retire(b); /* a finished round: keep its part for slower members */
     if (!b->cur.base || b->cur.cap != cap) {
@@ -383,7 +574,11 @@ int peer_allreduce_server_begin(peer_allreduce_server *srv, int i, uint64_t roun
     size_t off, len;
     peer_avg_part(nflat, n, me, &off, &len);
     free(b->cur.reduced);
-    if (!(b->cur.reduced = malloc((len ? len : 1) * sizeof(float)))) {
+    free(b->cur.reduced_enc);
+    b->cur.reduced_enc = NULL;
+    size_t rbytes = lossy ? part_bytes(h.fmt, h.fmt_block, len) : 0;
+    if (!(b->cur.reduced = malloc((len ? len : 1) * sizeof(float))) ||
+        (lossy && !(b->cur.reduced_enc = malloc(rbytes ? rbytes : 1)))) {
         b->cur.active = 0;
         return -ENOMEM;
     }
@@ -416,10 +611,19 @@ int peer_allreduce_server_begin(peer_allreduce_server *srv, int i, uint64_t roun
     }
     b->cur.how = h;
     b->cur.nflat = nflat;
+    b->cur.n = n;
+    b->cur.me = me;
     b->cur.round = round;
     memcpy(b->cur.digest, digest, PEER_AVG_DIGEST_LEN);
     b->cur.part_off = off;
     b->cur.part_len = len;
+    if (lossy) {
+        int rc = encode_base(b, diloco);
+        if (rc != 0) {
+            b->cur.active = 0;
+            return rc;
+        }
+    }
     b->cur.reduced_state = 0;
     b->cur.active = 1;
     if (weight_out)
@@ -440,9 +644,29 @@ int peer_allreduce_server_reduced(peer_allreduce_server *srv, int i, const float
     srv_block *b = srv_block_of(srv, i);
     if (!b || !part || !b->cur.active)
         return -EINVAL;
-    memcpy(b->cur.reduced, part, b->cur.part_len * sizeof(float));
+    const int fmt = b->cur.how.fmt, fb = b->cur.how.fmt_block;
+    size_t len = b->cur.part_len;
+    if (fmt == PEER_FMT_F32) {
+        memcpy(b->cur.reduced, part, len * sizeof(float));
+    } else if (len > 0) {
+        /* Encoded once, rounding to nearest; what we apply ourselves is
+         * what the others decode. */
+        if (part_encode(fmt, fb, part, len, NULL, b->cur.reduced_enc) != 0 ||
+            peer_tensorfmt_decode((peer_fmt)fmt, fb, b->cur.reduced_enc, part_bytes(fmt, fb, len), len,
+                                  b->cur.reduced) != 0)
+            return -EINVAL;
+        for (size_t k = 0; k < len; k++)
+            if (!isfinite(b->cur.reduced[k]))
+                return -ERANGE;
+    }
     b->cur.reduced_state = 1;
     return 0;
+}
+
+const float *peer_allreduce_server_reduced_part(peer_allreduce_server *srv, int i)
+{
+    srv_block *b = srv_block_of(srv, i);
+    return b && b->cur.active && b->cur.reduced_state == 1 ? b->cur.reduced : NULL;
 }
 
 void peer_allreduce_server_fail(peer_allreduce_server *srv, int i, int err)
@@ -474,6 +698,9 @@ static int apply_outer(srv_block *b, expert_block *blk, const float *dbar, doubl
     if (rc == 0) {
         memcpy(b->outer_m, buf, np * sizeof(float));
         memcpy(b->anchor, theta_new, np * sizeof(float));
+        /* Error feedback: what this round's slices lost goes out next. */
+        if (b->cur.how.fmt != PEER_FMT_F32)
+            memcpy(b->resid, b->cur.base + 2 * np, np * sizeof(float));
     }
     free(buf);
     return rc;
@@ -528,6 +755,7 @@ struct peer_allreduce {
     uint64_t round;
     uint8_t digest[PEER_AVG_DIGEST_LEN];
     int n, me, with_optim;
+    int fmt, fmt_block;            /* the slices' format (fmt_block normalized) */
     size_t nflat, part_off, part_len;
     int nseg;                      /* segments of the vector: 3 (params, m, v) or 1 */
     float *acc;                    /* our part's (robust) average */
@@ -547,6 +775,13 @@ struct peer_allreduce {
 void peer_allreduce_digest(uint8_t out[PEER_AVG_DIGEST_LEN], uint64_t round,
                            const uint8_t (*ids)[DHT_ID_LEN], const uint8_t *tags, int n, int mode)
 {
+    peer_allreduce_digest_fmt(out, round, ids, tags, n, mode, PEER_FMT_F32, 0);
+}
+
+void peer_allreduce_digest_fmt(uint8_t out[PEER_AVG_DIGEST_LEN], uint64_t round,
+                               const uint8_t (*ids)[DHT_ID_LEN], const uint8_t *tags, int n, int mode, int fmt,
+                               int block)
+{
     crypto_generichash_state st;
     uint8_t r[8];
     peer_put_le64(r, round);
@@ -557,7 +792,13 @@ void peer_allreduce_digest(uint8_t out[PEER_AVG_DIGEST_LEN], uint64_t round,
         crypto_generichash_update(&st, ids[i], DHT_ID_LEN);
         crypto_generichash_update(&st, tags ? &tags[i] : (const uint8_t *)"", 1);
     }
-    if (mode != PEER_AVG_MEAN) {
+    if (fmt != PEER_FMT_F32) {
+        /* The mode byte always, then the format (and q8's block). */
+        if (fmt == PEER_FMT_Q8 && !block)
+            block = PEER_FMT_Q8_BLOCK;
+        uint8_t t[4] = {(uint8_t)mode, (uint8_t)fmt, (uint8_t)(block & 0xff), (uint8_t)((unsigned)block >> 8)};
+        crypto_generichash_update(&st, t, fmt == PEER_FMT_Q8 ? 4 : 2);
+    } else if (mode != PEER_AVG_MEAN) {
         uint8_t m = (uint8_t)mode;
         crypto_generichash_update(&st, &m, 1);
     }
@@ -864,8 +1105,14 @@ static void start_phase2(peer_allreduce *ar)
             finish(ar, -ERANGE);
             return;
         }
-    peer_allreduce_server_reduced(ar->srv, ar->bi, ar->acc);
-    memcpy(ar->avg + ar->part_off, ar->acc, ar->part_len * sizeof(float));
+    /* Published in the round's format; we apply what the others decode. */
+    rc = peer_allreduce_server_reduced(ar->srv, ar->bi, ar->acc);
+    const float *mine = rc == 0 ? peer_allreduce_server_reduced_part(ar->srv, ar->bi) : NULL;
+    if (!mine) {
+        finish(ar, rc ? rc : -EINVAL);
+        return;
+    }
+    memcpy(ar->avg + ar->part_off, mine, ar->part_len * sizeof(float));
     double wsum = 0;
     for (int j = 0; j < ar->n; j++)
         if (!(st.dropped >> j & 1))
@@ -1053,8 +1300,14 @@ static void on_reply(void *arg, int status, const peer_msg *m)
     /* Phase 1 keeps member j's values whole (the robust reduce needs every
      * member's); phase 2 fills in the average. */
     float *dst = ar->phase == 1 ? l->part + l->pos : ar->avg + l->off + l->pos;
+    if (m->n_tensors == 1) {
+        /* Counted whether or not the slice is any good: it came in. */
+        srv_block *sb = srv_block_of(ar->srv, ar->bi);
+        if (sb)
+            sb->bytes_received += m->t[0].nbytes;
+    }
     if (avg_reply_decode(&rm, m->meta, m->meta_len) != 0 || rm.round != ar->round || rm.nflat != ar->nflat ||
-        m->n_tensors != 1 || slice_decode(&m->t[0], count, dst) != 0) {
+        m->n_tensors != 1 || slice_decode(&m->t[0], ar->fmt, ar->fmt_block, count, dst) != 0) {
         finish(ar, -EBADMSG);
         return;
     }
@@ -1097,6 +1350,8 @@ static void pull(ar_link *l)
     snprintf(req.block, sizeof req.block, "%s", ar->block);
     req.meta = meta;
     req.meta_len = sizeof meta;
+    req.reply_dtype = (peer_dtype)ar->fmt;
+    req.reply_block = ar->fmt_block;
     int rc = peer_rpc_call(l->cl, &req, 0, on_reply, l, NULL);
     if (rc != 0)
         finish(ar, rc);
@@ -1145,6 +1400,8 @@ int peer_allreduce_start(const peer_allreduce_config *c, peer_allreduce **out)
     ar->n = c->n;
     ar->me = c->me;
     ar->with_optim = c->with_optim;
+    ar->fmt = c->method.fmt;
+    ar->fmt_block = fmt_block_of(&c->method);
     ar->cb = c->cb;
     ar->arg = c->arg;
     ar->res.n = c->n;

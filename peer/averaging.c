@@ -13,6 +13,7 @@
 #include "dht/mp.h"
 #include "peer/announce.h"
 #include "peer/log.h"
+#include "peer/tensorfmt.h"
 #include "peer/wire.h"
 
 /* A replica that finds no other entry looks again this many times while the
@@ -43,6 +44,7 @@ typedef struct avg_block {
     uint64_t done_round;         /* the last round applied here (0: none) */
     uint64_t rounds, abandoned;
     uint64_t dropped, clipped;   /* contributions (peer_averaging_stats) */
+    uint64_t last_bytes_in;      /* fetched by the round last applied */
     peer_avg_group cur;          /* the group ar runs */
     uint64_t said_round;         /* members already named for this round: */
     uint8_t said[PEER_ALLREDUCE_MAX_MEMBERS * 2][DHT_ID_LEN];
@@ -68,15 +70,31 @@ struct peer_averaging {
 
 /* ---- the matchmaking entry ---- */
 
+/* q8's block (the default for 0); 0 for the other formats. */
+static int norm_block(int fmt, int block)
+{
+    return fmt == PEER_FMT_Q8 ? (block ? block : PEER_FMT_Q8_BLOCK) : 0;
+}
+
+void peer_avg_fmt_key(uint8_t key[DHT_ID_LEN], const char *block, uint64_t stage_hash, int mode, int fmt,
+                      int fmt_block)
+{
+    char m[16] = "", f[24] = "", name[200];
+    if (mode == PEER_AVG_DILOCO)
+        snprintf(m, sizeof m, ".diloco");
+    else if (mode != PEER_AVG_MEAN)
+        snprintf(m, sizeof m, ".%d", mode);
+    if (fmt == PEER_FMT_Q8)
+        snprintf(f, sizeof f, ".q8-%d", norm_block(fmt, fmt_block));
+    else if (fmt != PEER_FMT_F32)
+        snprintf(f, sizeof f, ".%s", peer_tensorfmt_name((peer_fmt)fmt) ? peer_tensorfmt_name((peer_fmt)fmt) : "?");
+    int n = snprintf(name, sizeof name, "starling.avg%s%s:%.64s:%016" PRIx64, m, f, block, stage_hash);
+    dht_id_of_bytes(key, name, (size_t)n);
+}
+
 void peer_avg_mode_key(uint8_t key[DHT_ID_LEN], const char *block, uint64_t stage_hash, int mode)
 {
-    char name[160];
-    int n = mode == PEER_AVG_MEAN
-                ? snprintf(name, sizeof name, "starling.avg:%.64s:%016" PRIx64, block, stage_hash)
-            : mode == PEER_AVG_DILOCO
-                ? snprintf(name, sizeof name, "starling.avg.diloco:%.64s:%016" PRIx64, block, stage_hash)
-                : snprintf(name, sizeof name, "starling.avg.%d:%.64s:%016" PRIx64, mode, block, stage_hash);
-    dht_id_of_bytes(key, name, (size_t)n);
+    peer_avg_fmt_key(key, block, stage_hash, mode, PEER_FMT_F32, 0);
 }
 
 void peer_avg_key(uint8_t key[DHT_ID_LEN], const char *block, uint64_t stage_hash)
@@ -87,11 +105,12 @@ void peer_avg_key(uint8_t key[DHT_ID_LEN], const char *block, uint64_t stage_has
 long peer_avg_record_encode(const peer_avg_record *m, uint8_t *buf, size_t cap)
 {
     if (!m || !buf || !m->addr[0] || !peer__printable(m->addr, 64) || m->optim < 0 || m->optim > 255 ||
-        m->mode < 0 || m->mode > 255)
+        m->mode < 0 || m->mode > 255 || m->fmt < 0 || m->fmt > 255 || m->fmt_block < 0 || m->fmt_block > 65535)
         return -EINVAL;
+    const int q8 = m->fmt == PEER_FMT_Q8;
     dht_mp_writer w;
     dht_mp_writer_init(&w, buf, cap);
-    msgpack_pack_map(&w.pk, 4 + (m->period_ms > 0) + (m->mode != PEER_AVG_MEAN));
+    msgpack_pack_map(&w.pk, 4 + (m->period_ms > 0) + (m->mode != PEER_AVG_MEAN) + (m->fmt != PEER_FMT_F32) + q8);
     dht_mp_pack_cstr(&w.pk, "v");
     msgpack_pack_uint64(&w.pk, PEER_ANNOUNCE_VERSION);
     dht_mp_pack_cstr(&w.pk, "r");
@@ -107,6 +126,14 @@ long peer_avg_record_encode(const peer_avg_record *m, uint8_t *buf, size_t cap)
     if (m->mode != PEER_AVG_MEAN) {
         dht_mp_pack_cstr(&w.pk, "m");
         msgpack_pack_uint64(&w.pk, (uint64_t)m->mode);
+    }
+    if (m->fmt != PEER_FMT_F32) {
+        dht_mp_pack_cstr(&w.pk, "f");
+        msgpack_pack_uint64(&w.pk, (uint64_t)m->fmt);
+    }
+    if (q8) {
+        dht_mp_pack_cstr(&w.pk, "fb");
+        msgpack_pack_uint64(&w.pk, (uint64_t)norm_block(m->fmt, m->fmt_block));
     }
     return dht_mp_writer_finish(&w);
 }
@@ -135,6 +162,14 @@ static int avg_field(dht_mp_reader *r, const char *key, void *outp, int *have)
         if (dht_mp_uint(r, &u) || u > 255)
             return -1;
         out->mode = (int)u;
+    } else if (!strcmp(key, "f")) {
+        if (dht_mp_uint(r, &u) || u > 255)
+            return -1;
+        out->fmt = (int)u;
+    } else if (!strcmp(key, "fb")) {
+        if (dht_mp_uint(r, &u) || u > 65535)
+            return -1;
+        out->fmt_block = (int)u;
     } else {
         return 1;
     }
@@ -164,12 +199,15 @@ int peer_avg_candidates(const dht_entry *e, size_t n, uint64_t round, const peer
             *other_period_ms = r.period_ms;
         if (r.round != round || !memcmp(e[i].subkey, self->m.id, DHT_ID_LEN))
             continue; /* we are a member whether or not our own entry came back */
-        if (r.mode != self->mode)
+        if (r.mode != self->mode || r.fmt != self->fmt ||
+            norm_block(r.fmt, r.fmt_block) != norm_block(self->fmt, self->fmt_block))
             continue; /* averages otherwise: never in our group */
         memcpy(out[nc].m.id, e[i].subkey, DHT_ID_LEN);
         snprintf(out[nc].m.addr, sizeof out[nc].m.addr, "%s", r.addr);
         out[nc].optim = (uint8_t)r.optim;
         out[nc].mode = (uint8_t)r.mode;
+        out[nc].fmt = (uint8_t)r.fmt;
+        out[nc].fmt_block = (uint16_t)norm_block(r.fmt, r.fmt_block);
         nc++;
     }
     out[nc++] = *self;
@@ -208,11 +246,12 @@ int peer_avg_choose_group(const peer_avg_candidate *cand, int nc, const uint8_t 
             found = i;
     if (found < 0)
         return -ENOENT;
-    /* Only members that average as we do. */
-    const uint8_t mode = cand[found].mode;
+    /* Only members that average as we do, in our format. */
+    const uint8_t mode = cand[found].mode, fmt = cand[found].fmt;
+    const int fblock = norm_block(fmt, cand[found].fmt_block);
     int kept = 0;
     for (int i = 0; i < nc; i++) {
-        if (cand[i].mode != mode)
+        if (cand[i].mode != mode || cand[i].fmt != fmt || norm_block(cand[i].fmt, cand[i].fmt_block) != fblock)
             continue;
         all[kept].c = cand[i];
         crypto_generichash_state st;
@@ -255,7 +294,9 @@ int peer_avg_choose_group(const peer_avg_candidate *cand, int nc, const uint8_t 
     }
     out->n = gn;
     out->mode = mode;
-    peer_allreduce_digest(out->digest, round, (const uint8_t(*)[DHT_ID_LEN])ids, tags, gn, mode);
+    out->fmt = fmt;
+    out->fmt_block = fblock;
+    peer_allreduce_digest_fmt(out->digest, round, (const uint8_t(*)[DHT_ID_LEN])ids, tags, gn, mode, fmt, fblock);
     return 0;
 }
 
@@ -403,17 +444,25 @@ static void on_round_done(void *arg, int status, const peer_allreduce_result *re
         c->rounds++;
         c->group = res->n;
         c->alone_said = 0;
-        if (av->cfg.method.mode == PEER_AVG_DILOCO)
+        c->last_bytes_in = res->bytes_in;
+        /* The slices' format, when not f32 ("q8:64 slices, "). */
+        char how[40] = "";
+        const peer_avg_method *h = &av->cfg.method;
+        if (h->fmt == PEER_FMT_Q8)
+            snprintf(how, sizeof how, "q8:%d slices, ", norm_block(h->fmt, h->fmt_block));
+        else if (h->fmt != PEER_FMT_F32)
+            snprintf(how, sizeof how, "%s slices, ", peer_tensorfmt_name((peer_fmt)h->fmt));
+        if (h->mode == PEER_AVG_DILOCO)
             say(av,
-                "%s: averaged in a group of %d (diloco, round %" PRIu64 ", our weight %.3g, %.1f MB in %.2f s; "
+                "%s: averaged in a group of %d (diloco, round %" PRIu64 ", our weight %.3g, %s%.3f MB in %.2f s; "
                 "distance to the new anchor %.6g -> %.6g)",
-                info.name, res->n, c->round, res->weight_self, (double)res->bytes_in / 1e6, res->seconds,
+                info.name, res->n, c->round, res->weight_self, how, (double)res->bytes_in / 1e6, res->seconds,
                 res->dist_before, res->dist_after);
         else
             say(av,
-                "%s: averaged in a group of %d (round %" PRIu64 ", our weight %.3g, %.1f MB in %.2f s; distance "
+                "%s: averaged in a group of %d (round %" PRIu64 ", our weight %.3g, %s%.3f MB in %.2f s; distance "
                 "to the group average %.6g -> %.6g)",
-                info.name, res->n, c->round, res->weight_self, (double)res->bytes_in / 1e6, res->seconds,
+                info.name, res->n, c->round, res->weight_self, how, (double)res->bytes_in / 1e6, res->seconds,
                 res->dist_before, res->dist_after);
         return;
     }
@@ -490,6 +539,8 @@ static void on_group(dht *dh, int status, const dht_entry *e, size_t n, void *ud
     snprintf(me.m.addr, sizeof me.m.addr, "%s", av->addr);
     me.optim = (uint8_t)av->cfg.optim_kind;
     me.mode = (uint8_t)av->cfg.method.mode;
+    me.fmt = (uint8_t)av->cfg.method.fmt;
+    me.fmt_block = (uint16_t)norm_block(av->cfg.method.fmt, av->cfg.method.fmt_block);
     uint64_t theirs = 0;
     int nc = peer_avg_candidates(e, status == 0 ? n : 0, c->round, &me, av->period_ms, cand, MAX_CANDIDATES,
                                  &theirs);
@@ -520,7 +571,8 @@ static void look_up_group(avg_block *c)
     peer_block_info info;
     uint8_t key[DHT_ID_LEN];
     block_name(av, c->block, &info);
-    peer_avg_mode_key(key, info.name, info.stage_hash, av->cfg.method.mode);
+    peer_avg_fmt_key(key, info.name, info.stage_hash, av->cfg.method.mode, av->cfg.method.fmt,
+                     av->cfg.method.fmt_block);
     c->last_get_ms = uv_now(av->cfg.loop);
     if (dht_get(av->cfg.dht, key, on_group, c) == 0)
         c->getting = 1;
@@ -589,10 +641,12 @@ static void on_tick(uv_timer_t *t)
         r.optim = av->cfg.optim_kind;
         r.period_ms = av->period_ms;
         r.mode = av->cfg.method.mode;
+        r.fmt = av->cfg.method.fmt;
+        r.fmt_block = norm_block(r.fmt, av->cfg.method.fmt_block);
         long n = peer_avg_record_encode(&r, val, sizeof val);
         if (n < 0)
             continue;
-        peer_avg_mode_key(key, info.name, info.stage_hash, r.mode);
+        peer_avg_fmt_key(key, info.name, info.stage_hash, r.mode, r.fmt, r.fmt_block);
         /* Lives as long as the round may (late members look it up), and
          * expires strictly later each round. */
         if (dht_put(av->cfg.dht, key, NULL, 0, val, (size_t)n, now + timeout_ms + 5000, 1, NULL, NULL) == 0) {
@@ -617,6 +671,9 @@ peer_averaging *peer_averaging_start(const peer_averaging_config *cfg)
     const peer_avg_method *h = &cfg->method;
     if (h->mode != PEER_AVG_MEAN &&
         (h->mode != PEER_AVG_DILOCO || !(h->outer_lr > 0) || !(h->outer_momentum >= 0 && h->outer_momentum < 1)))
+        return NULL;
+    if (peer_tensorfmt_check((peer_fmt)h->fmt, norm_block(h->fmt, h->fmt_block)) != 0 ||
+        (h->fmt != PEER_FMT_Q8 && h->fmt_block != 0))
         return NULL;
     peer_averaging *av = calloc(1, sizeof *av);
     if (!av)
@@ -667,6 +724,10 @@ void peer_averaging_get_stats(const peer_averaging *av, int i, peer_averaging_st
     out->group = av->b[i].group;
     out->dropped = av->b[i].dropped;
     out->clipped = av->b[i].clipped;
+    peer_allreduce_server_bytes(av->cfg.rounds, i, &out->bytes_received, &out->bytes_sent);
+    out->last_bytes_received = av->b[i].last_bytes_in;
+    out->last_bytes_sent =
+        av->b[i].rounds ? peer_allreduce_server_round_sent(av->cfg.rounds, i, av->b[i].done_round) : 0;
 }
 
 static void on_timer_closed(uv_handle_t *h)

@@ -33,12 +33,16 @@
  *     period, so peers with periods that are multiples of each other meet),
  *     "a" str tensor RPC address, "o" u optimizer kind (expert_optim_kind),
  *     "p" u the holder's averaging period in ms (optional),
- *     "m" u the averaging mode (enum peer_avg_mode; absent: mean).
+ *     "m" u the averaging mode (enum peer_avg_mode; absent: mean),
+ *     "f" u the slices' format (peer_fmt; absent: f32), "fb" u q8's block
+ *     (written with q8 only; absent: 64).
  * Holders averaging in another mode than mean store and read their
  * entries under another key, "starling.avg.<mode>:<block>:<hash>"
- * ("starling.avg.diloco:..."), so peers that predate the modes never see
- * them; a candidate whose mode differs from ours is left out all the same,
- * and the mode is part of the group digest.
+ * ("starling.avg.diloco:..."), and holders whose slices are not f32 under
+ * one naming the format too ("starling.avg.q8-64:...",
+ * "starling.avg.diloco.f16:..."), so peers that predate the modes or the
+ * formats never see them; a candidate whose mode or format differs from
+ * ours is left out all the same, and both are part of the group digest.
  *
  * Loop thread only.
  */
@@ -62,14 +66,20 @@ typedef struct peer_avg_record {
     int optim;                    /* 0..255 */
     uint64_t period_ms;           /* 0: not given */
     int mode;                     /* enum peer_avg_mode, 0..255; 0 (mean) is not written */
+    int fmt;                      /* peer_fmt of the slices, 0..255; 0 (f32) is not written */
+    int fmt_block;                /* q8's block (0: the default); 0 for the others */
 } peer_avg_record;
 
 /* The matchmaking key of a block (see above) for mean mode, and for any
  * mode. */
 void peer_avg_key(uint8_t key[DHT_ID_LEN], const char *block, uint64_t stage_hash);
 void peer_avg_mode_key(uint8_t key[DHT_ID_LEN], const char *block, uint64_t stage_hash, int mode);
+/* ... and for any mode and slice format (fmt_block: q8's, 0 the default). */
+void peer_avg_fmt_key(uint8_t key[DHT_ID_LEN], const char *block, uint64_t stage_hash, int mode, int fmt,
+                      int fmt_block);
 /* Encodes m into buf. Returns the length, -EINVAL (no address, one too
- * long or with control characters, optim or mode out of range) or -EMSGSIZE. */
+ * long or with control characters, optim, mode or format out of range) or
+ * -EMSGSIZE. */
 long peer_avg_record_encode(const peer_avg_record *m, uint8_t *buf, size_t cap);
 /* Decodes an untrusted value: 0 or -EBADMSG (out zeroed). */
 int peer_avg_record_decode(peer_avg_record *out, const uint8_t *buf, size_t len);
@@ -80,6 +90,8 @@ typedef struct peer_avg_candidate {
     peer_allreduce_member m;
     uint8_t optim;                 /* expert_optim_kind of its optimizer */
     uint8_t mode;                  /* enum peer_avg_mode */
+    uint8_t fmt;                   /* the slices' peer_fmt (0: f32) */
+    uint16_t fmt_block;            /* q8's block (0: the default) */
 } peer_avg_candidate;
 
 typedef struct peer_avg_group {
@@ -87,12 +99,13 @@ typedef struct peer_avg_group {
     int n, me;
     int with_optim;                /* every member has the same optimizer kind */
     int mode;                      /* every member's (self's) */
+    int fmt, fmt_block;            /* likewise (fmt_block: q8's, normalized; else 0) */
     uint8_t digest[PEER_AVG_DIGEST_LEN];
 } peer_avg_group;
 
 /* The group of round `round` that self belongs to, from every member's
  * entry (cand[0..nc), self included, IDs distinct); candidates whose mode
- * is not self's are left out first. More than
+ * or slice format is not self's are left out first. More than
  * PEER_ALLREDUCE_MAX_MEMBERS candidates split into near-equal groups by a
  * per-round hash of the IDs, alike on every member. Returns 0, -ENOENT
  * when self is not among the candidates or would be alone, -EINVAL. */
@@ -101,8 +114,9 @@ int peer_avg_choose_group(const peer_avg_candidate *cand, int nc, const uint8_t 
 
 /* The candidates of round `round` from the matchmaking entries e[0..n)
  * read under a block's key: the signed entries (subkey a node ID) whose
- * value decodes and names that round and self's mode (an entry without
- * one: mean), other than self's own, then self,
+ * value decodes and names that round, self's mode (an entry without
+ * one: mean) and self's format (without one: f32), other than self's own,
+ * then self,
  * last (a member whether or not its own entry came back). At most cap
  * (>= 1) candidates in out, self included. *other_period_ms (may be
  * NULL): the first period a decoded entry names (of any round) other than
@@ -122,7 +136,8 @@ typedef struct peer_averaging_config {
                                       borrowed likewise */
     const char *addr;              /* our tensor RPC "HOST:PORT" (copied) */
     int optim_kind;
-    peer_avg_method method;        /* how rounds average (zeros: PEER_AVG_MEAN) */
+    peer_avg_method method;        /* how rounds average and their slices travel
+                                      (zeros: PEER_AVG_MEAN in f32) */
     double every_s;                /* > 0 */
     double round_timeout_s;        /* one round, all attempts; 0 = 30 */
     int (*ready)(void *arg);       /* nonzero once the blocks may average (online) */
@@ -141,13 +156,20 @@ typedef struct peer_averaging_stats {
      * peer_allreduce_check_parts); pulled in toward the group's median because they were far
      * from it (clipped). See peer_allreduce_robust_mean. */
     uint64_t dropped, clipped;
+    /* Averaging tensor bytes (slices in their format) since start:
+     * fetched by our rounds, and served to the other members. */
+    uint64_t bytes_received, bytes_sent;
+    /* The last completed round's: what it fetched, and what we served for
+     * it so far (members that finish after us still fetch our part). */
+    uint64_t last_bytes_received, last_bytes_sent;
 } peer_averaging_stats;
 
 typedef struct peer_averaging peer_averaging;
 
 /* Starts the period timer and installs the rounds' hint. Returns
  * NULL on bad arguments (an unknown mode, diloco's outer_lr not > 0 or
- * outer_momentum not in [0, 1)) or out of memory. */
+ * outer_momentum not in [0, 1), a format or q8 block that is not one) or
+ * out of memory. */
 peer_averaging *peer_averaging_start(const peer_averaging_config *cfg);
 
 /* The blocks' state is final (the daemon went online, after restoring or

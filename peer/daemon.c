@@ -311,7 +311,7 @@ static peer_daemon *daemon_new(uv_loop_t *loop, const peer_daemon_config *cfg,
     d->optim_kind = cfg->svc.optim.kind;
     d->average_every_s = cfg->average_every_s;
     d->avg_method = (peer_avg_method){cfg->average_mode, cfg->outer_lr > 0 ? cfg->outer_lr : PEER_AVG_OUTER_LR,
-                                      cfg->outer_momentum};
+                                      cfg->outer_momentum, cfg->average_format, cfg->average_format_block};
     d->log = cfg->log ? cfg->log : stderr;
     d->on_refused = cfg->on_refused;
     d->refused_arg = cfg->refused_arg;

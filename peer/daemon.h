@@ -52,6 +52,8 @@ typedef struct peer_daemon_config {
     int no_state_download;             /* keep our own state even if holders have newer */
     double average_every_s;            /* replica averaging period; 0 = off */
     int average_mode;                  /* enum peer_avg_mode (peer/allreduce.h); 0 = mean */
+    int average_format;                /* the rounds' slices: peer_fmt (peer/tensorfmt.h); 0 = f32 */
+    int average_format_block;          /* q8's block; 0 = PEER_FMT_Q8_BLOCK (0 for the others) */
     double outer_lr, outer_momentum;   /* diloco's outer step: lr (0 = 0.7) and Nesterov
                                           momentum (as given, 0..<1) */
     double keep_every_s;               /* cold copies of other stages (peer/keeper.h); 0 = off */

@@ -144,12 +144,12 @@ static size_t emit_integrity(peer_service *svc, char *buf, size_t cap, size_t of
     return off;
 }
 
-/* One per-block averaging counter family with two results, each a
- * uint64_t field of peer_averaging_stats (by offset), appended at off.
- * Returns the new offset (at most cap). */
+/* One per-block averaging counter family with two values of a label
+ * (result, direction), each a uint64_t field of peer_averaging_stats (by
+ * offset), appended at off. Returns the new offset (at most cap). */
 static size_t emit_avg_family(const peer_metrics_sources *src, char *buf, size_t cap, size_t off,
-                              const char *name, const char *help, const char *res_a, size_t field_a,
-                              const char *res_b, size_t field_b)
+                              const char *name, const char *help, const char *label, const char *res_a,
+                              size_t field_a, const char *res_b, size_t field_b)
 {
     EMIT("# HELP %s %s\n# TYPE %s counter\n", name, help, name);
     int nb = peer_service_n_blocks(src->svc);
@@ -162,8 +162,8 @@ static size_t emit_avg_family(const peer_metrics_sources *src, char *buf, size_t
         uint64_t a, b;
         memcpy(&a, (const char *)&as + field_a, sizeof a);
         memcpy(&b, (const char *)&as + field_b, sizeof b);
-        EMIT("%s{block=\"%s\",result=\"%s\"} %" PRIu64 "\n%s{block=\"%s\",result=\"%s\"} %" PRIu64 "\n", name,
-             info.name, res_a, a, name, info.name, res_b, b);
+        EMIT("%s{block=\"%s\",%s=\"%s\"} %" PRIu64 "\n%s{block=\"%s\",%s=\"%s\"} %" PRIu64 "\n", name,
+             info.name, label, res_a, a, name, info.name, label, res_b, b);
     }
     return off;
 }
@@ -281,14 +281,19 @@ size_t peer_metrics_text_render(char *buf, size_t cap, const peer_metrics_source
     if (src->avg) {
         off = emit_avg_family(src, buf, cap, off, "starling_avg_rounds_total",
                               "Replica averaging rounds, by block and result (abandoned: weights unchanged).",
-                              "completed", offsetof(peer_averaging_stats, rounds), "abandoned",
+                              "result", "completed", offsetof(peer_averaging_stats, rounds), "abandoned",
                               offsetof(peer_averaging_stats, abandoned));
         off = emit_avg_family(src, buf, cap, off, "starling_avg_contributions_total",
                               "Other members' contributions to averaging rounds the robust reduce did not take "
                               "as sent (dropped: non-finite, or a reduced part far from the others'; clipped: "
                               "pulled in toward the group's median).",
-                              "dropped", offsetof(peer_averaging_stats, dropped), "clipped",
+                              "result", "dropped", offsetof(peer_averaging_stats, dropped), "clipped",
                               offsetof(peer_averaging_stats, clipped));
+        off = emit_avg_family(src, buf, cap, off, "starling_avg_bytes_total",
+                              "Averaging tensor bytes (round slices, in their --average-format), by block and "
+                              "direction (received: fetched by our rounds; sent: served to other members).",
+                              "direction", "received", offsetof(peer_averaging_stats, bytes_received), "sent",
+                              offsetof(peer_averaging_stats, bytes_sent));
     }
     off = emit_rpc(src->svc, buf, cap, off);
     off = emit_endpoint(src->endpoint, buf, cap, off);

@@ -82,6 +82,16 @@ expect 2 "peer --outer-lr without diloco" -- "$S" peer --blocks 1 --outer-lr 0.5
 contains "apply to --average-mode diloco only" "outer-lr needs diloco"
 expect 2 "peer --outer-momentum 1" -- "$S" peer --blocks 1 --average-mode diloco --outer-momentum 1
 expect 2 "peer --outer-lr 0" -- "$S" peer --blocks 1 --average-mode diloco --outer-lr 0
+expect 2 "peer --average-format bogus" -- "$S" peer --blocks 1 --average-format f8
+contains "--average-format takes f32, f16, bf16, q8 or q8:BLOCK" "average-format message"
+contains "not 'f8'" "average-format message names the value"
+expect 2 "peer --average-format q8:100" -- "$S" peer --blocks 1 --average-format q8:100
+expect 2 "peer --average-format q8:8192" -- "$S" peer --blocks 1 --average-format q8:8192
+expect 2 "peer --average-format f16:64" -- "$S" peer --blocks 1 --average-format f16:64
+expect 2 "peer --average-format empty" -- "$S" peer --blocks 1 --average-format ""
+expect 2 "peer --average-format missing value" -- "$S" peer --blocks 1 --average-format
+expect 0 "peer --average-format q8:128 accepted" -- "$S" peer --average-format q8:128 --average-mode diloco --help
+"$S" peer --help | grep -q -- "--average-format F" || fail "peer help lacks --average-format"
 expect 2 "peer --announce-ttl" -- "$S" peer --blocks 1 --announce-every 30 --announce-ttl 10
 expect 2 "peer --model" -- "$S" peer --blocks 1 --model nope
 contains "unknown model 'nope'" "unknown model message"
