@@ -91,6 +91,9 @@ expect 2 "peer --average-format f16:64" -- "$S" peer --blocks 1 --average-format
 expect 2 "peer --average-format empty" -- "$S" peer --blocks 1 --average-format ""
 expect 2 "peer --average-format missing value" -- "$S" peer --blocks 1 --average-format
 expect 0 "peer --average-format q8:128 accepted" -- "$S" peer --average-format q8:128 --average-mode diloco --help
+expect 2 "peer --average-format q8 with mean" -- "$S" peer --blocks 1 --average-format q8
+contains "needs --average-mode diloco" "q8 with mean: message"
+expect 2 "peer --average-format f16 with mean" -- "$S" peer --blocks 1 --average-mode mean --average-format f16
 "$S" peer --help | grep -q -- "--average-format F" || fail "peer help lacks --average-format"
 expect 2 "peer --announce-ttl" -- "$S" peer --blocks 1 --announce-every 30 --announce-ttl 10
 expect 2 "peer --model" -- "$S" peer --blocks 1 --model nope

@@ -118,8 +118,9 @@ static const char peer_help2[] =
     "                         local); replicas average only with the same mode\n"
     "  --average-format F     how averaging slices travel: f32 (default, exact),\n"
     "                         f16, bf16 or q8[:BLOCK] (2x, 2x, 3.8x fewer bytes;\n"
-    "                         rounding error, error feedback in diloco); replicas\n"
-    "                         average only with the same format\n"
+    "                         rounding error, error feedback in diloco; f16 and\n"
+    "                         q8 with diloco only); replicas average only with\n"
+    "                         the same format\n"
     "  --outer-lr X           diloco's outer learning rate (default 0.7)\n"
     "  --outer-momentum X     diloco's outer Nesterov momentum (default 0.9)\n"
     "  --keep-every S         keep cold copies of other stages' state, refreshed\n"
@@ -383,6 +384,14 @@ static int parse_peer_flags(int argc, char **argv, peer_opts *o)
         return CLI_EXIT_USAGE;
     if (o->avg_mode != PEER_AVG_DILOCO && (o->outer_lr >= 0 || o->outer_mom >= 0))
         return cli_usage_error("peer", "--outer-lr and --outer-momentum apply to --average-mode diloco only");
+    /* Mean mode averages AdamW's second moments too: f16 flushes the small
+     * ones to 0 and q8 rounds those under 1/254 of their block's largest
+     * to 0, and a zero second moment next to a nonzero first one makes a
+     * step of up to lr * m / eps. bf16 keeps float32's range. */
+    if (o->avg_mode != PEER_AVG_DILOCO && (o->avg_fmt == PEER_FMT_F16 || o->avg_fmt == PEER_FMT_Q8))
+        return cli_usage_error("peer", "--average-format %s needs --average-mode diloco: mean mode averages AdamW's "
+                               "second moments, which %s rounds to 0 when small; use bf16 (or f32) with mean",
+                               peer_tensorfmt_name(o->avg_fmt), peer_tensorfmt_name(o->avg_fmt));
     return -1;
 }
 
