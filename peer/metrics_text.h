@@ -3,8 +3,10 @@
  * The families, in order: starling_up; per block and kind, requests and
  * samples; per block, the batcher's counters and gauges, the weight
  * version and throughput; the training-integrity refusals and frozen
- * weights; per block, the averaging rounds and the contributions the
- * robust reduce dropped or clipped (only with averaging); the tensor RPC
+ * weights; the compute methods' tensor bytes by method, format and
+ * direction, and the formats accepted; per block, the averaging rounds,
+ * the contributions the robust reduce dropped or clipped and the
+ * averaging bytes (only with averaging); the tensor RPC
  * server and its limits (docs/rpc.md, "Limits"); the metrics endpoint's
  * own limits (peer/metrics.h); the DHT's datagrams, bytes, drops and
  * refusals. Tests and dashboards read these names and labels: renaming
