@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdarg.h>
 #include <stdlib.h>
@@ -670,7 +671,7 @@ peer_averaging *peer_averaging_start(const peer_averaging_config *cfg)
         return NULL;
     const peer_avg_method *h = &cfg->method;
     if (h->mode != PEER_AVG_MEAN &&
-        (h->mode != PEER_AVG_DILOCO || !(h->outer_lr > 0) || !(h->outer_momentum >= 0 && h->outer_momentum < 1)))
+        (h->mode != PEER_AVG_DILOCO || !(h->outer_lr > 0 && isfinite(h->outer_lr)) || !(h->outer_momentum >= 0 && h->outer_momentum < 1)))
         return NULL;
     if (peer_tensorfmt_check((peer_fmt)h->fmt, norm_block(h->fmt, h->fmt_block)) != 0 ||
         (h->fmt != PEER_FMT_Q8 && h->fmt_block != 0))

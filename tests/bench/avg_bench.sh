@@ -130,6 +130,7 @@ done
 [ -n "$groups" ] && [ -n "$modes" ] && [ -n "$formats" ] || { echo "avg_bench: no groups, modes or formats" >&2; exit 2; }
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
+. "$root/tests/bench/bench_lib.sh"
 build=$(cd "${build:-$root/build}" && pwd) || exit 1
 S=$build/tools/starling
 [ -x "$S" ] || { echo "avg_bench: build first ($S)" >&2; exit 1; }
@@ -154,24 +155,6 @@ fi
 work=$(mktemp -d "${TMPDIR:-/tmp}/starling-avgbench-XXXXXX") || exit 1
 pids=""
 
-# stop_ours: SIGTERM to the processes this script started, at most 10 s for
-# all of them, then SIGKILL; reaps them.
-stop_ours() {
-    [ -n "$pids" ] || return 0
-    # shellcheck disable=SC2086
-    kill -TERM $pids 2>/dev/null
-    for _ in $(seq 1 100); do
-        alive=0
-        for p in $pids; do
-            kill -0 "$p" 2>/dev/null &&
-                [ "$(sed -n 's/.*) \([A-Z]\).*/\1/p' "/proc/$p/stat" 2>/dev/null)" != Z ] && alive=1
-        done
-        [ "$alive" = 1 ] || break
-        sleep 0.1
-    done
-    for p in $pids; do kill -KILL "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
-    pids=""
-}
 cleanup() {
     stop_ours
     if [ -n "${KEEP_T:-}" ]; then echo "avg_bench: logs kept in $work" >&2; else rm -rf "$work"; fi
@@ -180,35 +163,12 @@ trap cleanup EXIT
 trap 'exit 1' HUP INT TERM
 
 export OPENBLAS_NUM_THREADS=1
-show() { for f in "$@"; do echo "--- $f" >&2; tail -20 "$f" >&2; done; }
 die() { echo "avg_bench: $*" >&2; exit 1; }
-
-# wait_for FILE REGEX SECONDS PID: until FILE has a line matching REGEX;
-# fails early once PID has exited.
-wait_for() {
-    for _ in $(seq 1 $(($3 * 10))); do
-        grep -Eq "$2" "$1" 2>/dev/null && return 0
-        kill -0 "$4" 2>/dev/null || break
-        sleep 0.1
-    done
-    grep -Eq "$2" "$1" 2>/dev/null
-}
 
 # wait_announced I SECONDS: until `starling monitor` shows peer I online on
 # as many stages as it announces (swarm_lib.sh's way).
 wait_announced() {
-    end=$(( $(date +%s) + $2 ))
-    while :; do
-        id=$(sed -n 's#.*address .*/\([0-9a-f]\{40\}\)$#\1#p' "$work/p$1.out" | tail -1)
-        n=$(sed -n 's/.*online: announcing \([0-9]*\) block.*/\1/p' "$work/p$1.err" | tail -1)
-        if [ -n "$id" ] && [ -n "$n" ]; then
-            "$S" monitor --initial-peers "$BS" --model fmnist-mlp --json >"$work/mon.json" 2>"$work/mon.err"
-            got=$(grep -o "\"id\":\"$id\",\"addr\":\"[^\"]*\",\"state\":\"online\"" "$work/mon.json" | wc -l)
-            [ "$got" -ge "$n" ] && return 0
-        fi
-        [ "$(date +%s)" -lt "$end" ] || return 1
-        sleep 0.3
-    done
+    wait_announced_peer "$work/p$1.out" "$work/p$1.err" "$2" fmnist-mlp
 }
 
 # scrape I FILE: peer I's /metrics into FILE.
@@ -218,11 +178,6 @@ scrape() {
     curl -fsS --max-time 10 "$url" >"$2" 2>/dev/null && return 0
     "$PY" -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())' \
         "$url" >"$2" 2>/dev/null
-}
-
-json_num() {
-    v=$(tail -1 "$1" | sed -n "s/.*\"$2\":\([-0-9.eE+]*\)[,}].*/\1/p")
-    echo "${v:-null}"
 }
 
 # run_one G MODE FORMAT: one training run on a fresh swarm; prints its line.
@@ -322,7 +277,7 @@ bytes_per_round = round(statistics.mean(per_block)) if has_bytes and per_block e
 
 # The peers' logs since the training run began: one line per block round.
 line = re.compile(r'fmnist-mlp\.(\d): averaged in a group of (\d+) \((?:diloco, )?round (\d+), '
-                  r'our weight [^,]*, ([0-9.]+) MB in ([0-9.]+) s;')
+                  r'our weight [^,]*, (?:[a-z0-9:]+ slices, )?([0-9.]+) MB in ([0-9.]+) s;')
 per_round, mb, full, logged = {}, {}, 0, 0
 for i in range(1, g + 1):
     skip = int(open(f"{work}/p{i}.skip").read())

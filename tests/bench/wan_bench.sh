@@ -110,6 +110,7 @@ done
 [ -n "$profiles" ] && [ -n "$formats" ] || { echo "wan_bench: no profiles or no formats" >&2; exit 2; }
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
+. "$root/tests/bench/bench_lib.sh"
 build=$(cd "${build:-$root/build}" && pwd) || exit 1
 S=$build/tools/starling
 [ -x "$S" ] || { echo "wan_bench: build first ($S)" >&2; exit 1; }
@@ -135,24 +136,6 @@ fi
 work=$(mktemp -d "${TMPDIR:-/tmp}/starling-wanbench-XXXXXX") || exit 1
 pids=""
 
-# stop_ours: SIGTERM to the processes this script started, at most 5 s for
-# all of them, then SIGKILL; reaps them.
-stop_ours() {
-    [ -n "$pids" ] || return 0
-    # shellcheck disable=SC2086
-    kill -TERM $pids 2>/dev/null
-    for _ in $(seq 1 50); do
-        alive=0
-        for p in $pids; do
-            kill -0 "$p" 2>/dev/null &&
-                [ "$(sed -n 's/.*) \([A-Z]\).*/\1/p' "/proc/$p/stat" 2>/dev/null)" != Z ] && alive=1
-        done
-        [ "$alive" = 1 ] || break
-        sleep 0.1
-    done
-    for p in $pids; do kill -KILL "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
-    pids=""
-}
 cleanup() {
     stop_ours
     wanbed_down
@@ -162,28 +145,7 @@ trap cleanup EXIT
 trap 'exit 1' HUP INT TERM
 
 export OPENBLAS_NUM_THREADS=1
-show() { for f in "$@"; do echo "--- $f" >&2; tail -20 "$f" >&2; done; }
 die() { echo "wan_bench: $*" >&2; exit 1; }
-
-# wait_for FILE REGEX SECONDS PID: until FILE has a line matching REGEX;
-# fails early once PID has exited.
-wait_for() {
-    for _ in $(seq 1 $(($3 * 10))); do
-        grep -Eq "$2" "$1" 2>/dev/null && return 0
-        kill -0 "$4" 2>/dev/null || break
-        sleep 0.1
-    done
-    grep -Eq "$2" "$1" 2>/dev/null
-}
-
-# json_num FILE KEY: a number field of FILE's last line, or "null".
-json_num() {
-    v=$(tail -1 "$1" | sed -n "s/.*\"$2\":\([-0-9.eE+]*\)[,}].*/\1/p")
-    echo "${v:-null}"
-}
-json_str() {
-    tail -1 "$1" | sed -n "s/.*\"$2\":\"\([^\"]*\)\".*/\1/p"
-}
 
 # Host 1: bootstrap; hosts 2..4: peers; host 5: trainer (and the monitor).
 # tiny-lm has three stages (embed, decoder, head): one per peer. Its figures
@@ -197,19 +159,7 @@ trainer_host=5
 # wait_announced HOST SECONDS: until the monitor on the trainer's host shows
 # the peer on HOST online on as many stages as it announces.
 wait_announced() {
-    end=$(( $(date +%s) + $2 ))
-    while :; do
-        id=$(sed -n 's#.*address .*/\([0-9a-f]\{40\}\)$#\1#p' "$work/peer$1.out" | tail -1)
-        n=$(sed -n 's/.*online: announcing \([0-9]*\) block.*/\1/p' "$work/peer$1.err" | tail -1)
-        if [ -n "$id" ] && [ -n "$n" ]; then
-            wanbed_exec "$trainer_host" "$S" monitor --initial-peers "$BS" --model "$model" --json \
-                >"$work/mon.json" 2>"$work/mon.err"
-            got=$(grep -o "\"id\":\"$id\",\"addr\":\"[^\"]*\",\"state\":\"online\"" "$work/mon.json" | wc -l)
-            [ "$got" -ge "$n" ] && return 0
-        fi
-        [ "$(date +%s)" -lt "$end" ] || return 1
-        sleep 0.3
-    done
+    wait_announced_peer "$work/peer$1.out" "$work/peer$1.err" "$2" "$model" wanbed_exec "$trainer_host"
 }
 
 # run_one PROFILE FORMAT: one training run on a fresh test bed; prints its line.
