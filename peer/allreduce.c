@@ -100,7 +100,7 @@ static int fmt_block_of(const peer_avg_method *h)
 /* Bytes of n values in (fmt, block); 0 for n = 0. */
 static size_t part_bytes(int fmt, int block, size_t n)
 {
-    return n ? peer_tensorfmt_size((peer_fmt)fmt, block, n) : 0;
+    return peer_tensorfmt_size((peer_fmt)fmt, block, n);
 }
 
 /* Encodes src[0..n) into dst (part_bytes(fmt, block, n) bytes): rounding
@@ -392,7 +392,7 @@ static srv_block *srv_block_of(peer_allreduce_server *srv, int i)
 
 void peer_allreduce_server_bytes(const peer_allreduce_server *srv, int i, uint64_t *received, uint64_t *sent)
 {
-    const srv_block *b = srv && i >= 0 && i < peer_service_n_blocks(srv->svc) ? &srv->b[i] : NULL;
+    const srv_block *b = srv_block_of((peer_allreduce_server *)(uintptr_t)srv, i);
     if (received)
         *received = b ? b->bytes_received : 0;
     if (sent)
@@ -401,7 +401,7 @@ void peer_allreduce_server_bytes(const peer_allreduce_server *srv, int i, uint64
 
 uint64_t peer_allreduce_server_round_sent(const peer_allreduce_server *srv, int i, uint64_t round)
 {
-    const srv_block *b = srv && i >= 0 && i < peer_service_n_blocks(srv->svc) ? &srv->b[i] : NULL;
+    const srv_block *b = srv_block_of((peer_allreduce_server *)(uintptr_t)srv, i);
     for (int s = 0; b && s < 2; s++)
         if (b->sent_round[s].round == round)
             return b->sent_round[s].bytes;

@@ -453,7 +453,7 @@ int peer__conn_send(peer__conn *c, uint8_t *rec, size_t head_len, const peer_msg
     size_t off = head_len;
     static const uint8_t zeros[4];
     for (int i = 0; m && rc == 0 && i < m->n_tensors; i++) {
-        size_t nb = m->t[i].nbytes, pad = (4 - (nb & 3)) & 3; /* each tensor ends 4-aligned */
+        size_t nb = m->t[i].nbytes, pad = peer_wire_pad4(nb); /* each tensor ends 4-aligned */
         rc = seal_piece(&s, p + off, m->t[i].data, nb);
         off += nb;
         if (rc == 0 && pad) {

@@ -23,11 +23,6 @@ _Static_assert((int)PEER_DTYPE_F16 == (int)PEER_FMT_F16 && (int)PEER_DTYPE_BF16 
                    (int)PEER_DTYPE_Q8 == (int)PEER_FMT_Q8 && PEER_FMT_COUNT == 4,
                "wire dtypes are the tensor formats");
 
-static size_t pad4(size_t n)
-{
-    return (4 - (n & 3)) & 3;
-}
-
 /* 0 if (dtype, block) names a format with a valid block (0 unless q8). */
 static int check_fmt(uint64_t dtype, int64_t block)
 {
@@ -40,10 +35,11 @@ static int check_fmt(uint64_t dtype, int64_t block)
                : -EINVAL;
 }
 
-/* Encoded bytes of n values (n already bounded so 4n fits a size_t). */
+/* Encoded bytes of n values (n already bounded so 4n fits a size_t; 0
+ * values take 0 bytes). */
 static size_t fmt_bytes(peer_dtype dtype, int block, uint64_t n)
 {
-    return n ? peer_tensorfmt_size((peer_fmt)dtype, block, (size_t)n) : 0;
+    return peer_tensorfmt_size((peer_fmt)dtype, block, (size_t)n);
 }
 
 int peer_tensor_rows(peer_tensor *t, const float *data, uint64_t rows, int nrow, const uint64_t *row)
@@ -196,7 +192,7 @@ static long check_msg(const peer_msg *m, size_t *data_len)
         if (n > SIZE_MAX / 4 || fmt_bytes(t->dtype, t->block, n) != t->nbytes || (t->nbytes && !t->data) ||
             t->nbytes + 3 > SIZE_MAX - total)
             return -EINVAL;
-        total += t->nbytes + pad4(t->nbytes);
+        total += t->nbytes + peer_wire_pad4(t->nbytes);
     }
     *data_len = total;
     return 0;
@@ -266,7 +262,7 @@ long peer_wire_size(const peer_msg *m)
     msgpack_packer_init(&pk, &w, wbuf_write);
     pack_header(&pk, m);
     size_t n = 4 + w.len;
-    n += pad4(n);
+    n += peer_wire_pad4(n);
     if (data_len > (size_t)LONG_MAX - n)
         return -EINVAL;
     return (long)(n + data_len);
@@ -284,7 +280,7 @@ long peer_wire_encode_head(const peer_msg *m, uint8_t *out, size_t cap, size_t *
     msgpack_packer pk;
     msgpack_packer_init(&pk, &w, wbuf_write);
     pack_header(&pk, m);
-    size_t off = 4 + w.len, pad = pad4(off);
+    size_t off = 4 + w.len, pad = peer_wire_pad4(off);
     if (w.overflow || pad > cap - off)
         return -ENOBUFS;
     uint32_t hlen = (uint32_t)w.len;
@@ -308,7 +304,7 @@ long peer_wire_encode(const peer_msg *m, uint8_t *out, size_t cap)
         return head;
     size_t off = (size_t)head;
     for (int i = 0; i < m->n_tensors; i++) {
-        size_t nb = m->t[i].nbytes, pad = pad4(nb);
+        size_t nb = m->t[i].nbytes, pad = peer_wire_pad4(nb);
         if (nb)
             memcpy(out + off, m->t[i].data, nb);
         memset(out + off + nb, 0, pad);
@@ -642,7 +638,7 @@ int peer_wire_decode(const uint8_t *p, size_t len, const peer_wire_limits *lim_i
     if ((seen & 7u) != 7u)
         return -EBADMSG; /* kind, method and id are required */
     size_t off = 4 + hlen;
-    size_t pad = pad4(off);
+    size_t pad = peer_wire_pad4(off);
     if (pad > len - off)
         return -EBADMSG;
     for (size_t i = 0; i < pad; i++)
@@ -655,7 +651,7 @@ int peer_wire_decode(const uint8_t *p, size_t len, const peer_wire_limits *lim_i
         return -EBADMSG;
     size_t left = len - off;
     for (int i = 0; i < out->n_tensors; i++) {
-        size_t nb = out->t[i].nbytes, tpad = pad4(nb);
+        size_t nb = out->t[i].nbytes, tpad = peer_wire_pad4(nb);
         if (nb > left || tpad > left - nb)
             return -EBADMSG;
         out->t[i].data = nb ? p + off : NULL;

@@ -88,6 +88,13 @@ typedef struct peer_wire_limits {
     int max_tensors;                   /* 0 = PEER_WIRE_MAX_TENSORS */
 } peer_wire_limits;
 
+/* Zero bytes that follow n bytes so the next part starts at a multiple of
+ * 4 (after the header, and after each tensor's bytes). */
+static inline size_t peer_wire_pad4(size_t n)
+{
+    return (4 - (n & 3)) & 3;
+}
+
 /* Little-endian u64 fields of meta blobs (weight versions, offsets). */
 static inline uint64_t peer_get_le64(const void *p)
 {

@@ -91,6 +91,13 @@ expect 2 "peer --average-format f16:64" -- "$S" peer --blocks 1 --average-format
 expect 2 "peer --average-format empty" -- "$S" peer --blocks 1 --average-format ""
 expect 2 "peer --average-format missing value" -- "$S" peer --blocks 1 --average-format
 expect 0 "peer --average-format q8:128 accepted" -- "$S" peer --average-format q8:128 --average-mode diloco --help
+expect 2 "peer --wire-formats bogus" -- "$S" peer --blocks 1 --wire-formats f32,q9
+contains "--wire-formats takes a comma-separated list" "wire-formats message"
+contains "not 'f32,q9'" "wire-formats message names the value"
+expect 2 "peer --wire-formats empty item" -- "$S" peer --blocks 1 --wire-formats "f32,,q8"
+expect 2 "train --wire-format bogus" -- "$S" train --initial-peers 127.0.0.1:1/0000000000000000000000000000000000000000 --wire-format q4
+contains "--wire-format takes f32, f16, bf16, q8 or q8:BLOCK" "wire-format message"
+expect 2 "train --wire-format block on f16" -- "$S" train --initial-peers 127.0.0.1:1/0000000000000000000000000000000000000000 --wire-format f16:64
 expect 2 "peer --average-format q8 with mean" -- "$S" peer --blocks 1 --average-format q8
 contains "needs --average-mode diloco" "q8 with mean: message"
 expect 2 "peer --average-format f16 with mean" -- "$S" peer --blocks 1 --average-mode mean --average-format f16
