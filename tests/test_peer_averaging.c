@@ -3,6 +3,7 @@
  * whatever order they came back; groups over the size limit split alike
  * everywhere; a different view gives a different digest (which is how the
  * members notice that they must look again). */
+#include <errno.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -11,6 +12,7 @@
 #include <string.h>
 
 #include <cmocka.h>
+#include <msgpack.h>
 
 #include "peer/announce.h"
 #include "peer/averaging.h"
@@ -325,6 +327,61 @@ static void test_candidates_from_entries(void **state)
     assert_int_equal(peer_avg_candidates(e, 7, 6000, NULL, 10000, out, 8, NULL), -EINVAL);
 }
 
+/* An entry with the required fields and one more, key k, packed by put. */
+static size_t entry_with(uint8_t *out, size_t cap, const char *k, void (*put)(msgpack_packer *))
+{
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 5);
+    const char *keys[4] = {"v", "r", "a", "o"};
+    for (int i = 0; i < 4; i++) {
+        msgpack_pack_str(&pk, 1);
+        msgpack_pack_str_body(&pk, keys[i], 1);
+        if (i == 2) {
+            msgpack_pack_str(&pk, 14);
+            msgpack_pack_str_body(&pk, "127.0.0.1:4000", 14);
+        } else {
+            msgpack_pack_uint64(&pk, i == 1 ? 3000 : 1);
+        }
+    }
+    msgpack_pack_str(&pk, strlen(k));
+    msgpack_pack_str_body(&pk, k, strlen(k));
+    put(&pk);
+    assert_true(sb.size <= cap);
+    memcpy(out, sb.data, sb.size);
+    size_t n = sb.size;
+    msgpack_sbuffer_destroy(&sb);
+    return n;
+}
+static void put_str(msgpack_packer *pk) { msgpack_pack_str(pk, 2); msgpack_pack_str_body(pk, "q8", 2); }
+static void put_300(msgpack_packer *pk) { msgpack_pack_uint64(pk, 300); }
+static void put_70000(msgpack_packer *pk) { msgpack_pack_uint64(pk, 70000); }
+static void put_neg(msgpack_packer *pk) { msgpack_pack_int64(pk, -1); }
+static void put_3(msgpack_packer *pk) { msgpack_pack_uint64(pk, 3); }
+
+/* The mode and format fields of a matchmaking entry reject garbage. */
+static void test_entry_fields_garbage(void **state)
+{
+    (void)state;
+    uint8_t buf[PEER_ANNOUNCE_MAX_BYTES];
+    peer_avg_record back;
+    struct { const char *k; void (*put)(msgpack_packer *); int ok; } cases[] = {
+        {"m", put_str, 0}, {"m", put_300, 0}, {"m", put_neg, 0},
+        {"f", put_str, 0}, {"f", put_300, 0}, {"f", put_neg, 0},
+        {"fb", put_str, 0}, {"fb", put_70000, 0}, {"fb", put_neg, 0},
+        {"f", put_3, 1},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        size_t n = entry_with(buf, sizeof buf, cases[i].k, cases[i].put);
+        int rc = peer_avg_record_decode(&back, buf, n);
+        if (cases[i].ok ? rc != 0 : rc != -EBADMSG)
+            fail_msg("case %zu (%s): %d", i, cases[i].k, rc);
+    }
+    assert_int_equal(back.fmt, 3);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -335,6 +392,7 @@ int main(void)
         cmocka_unit_test(test_just_over_the_limit),
         cmocka_unit_test(test_candidates_from_entries),
         cmocka_unit_test(test_modes_apart),
+        cmocka_unit_test(test_entry_fields_garbage),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
