@@ -176,15 +176,15 @@ static void info_next(model_job *mj)
     for (int i = 0; i < m->n_stages; i++) {
         struct expert_block_config c;
         expert_model_stage(m, i, &c);
-        expert_block *blk = expert_block_create(&c, 1);
-        if (!blk) {
-            free(b.p);
-            capi_done(&mj->job, capi_err(mj->job.err, mj->job.err_len, -ENOMEM, "cannot create stage %d", i));
-            return;
-        }
         int nt = 0;
         size_t total = 0;
-        const struct expert_tensor_info *t = expert_block_tensors(blk, &nt, &total);
+        struct expert_tensor_info t[EXPERT_BLOCK_MAX_TENSORS];
+        nt = expert_block_config_tensors(&c, t, &total);
+        if (nt < 0) {
+            free(b.p);
+            capi_done(&mj->job, capi_err(mj->job.err, mj->job.err_len, -EINVAL, "stage %d is not a valid block", i));
+            return;
+        }
         capi_buf_printf(&b, "%s{\"index\":%d,\"kind\":\"%s\",\"in_shape\":", i ? "," : "", i,
                         expert_block_kind_name(c.kind));
         shape_json(&b, &c, 0);
@@ -197,7 +197,6 @@ static void info_next(model_job *mj)
             capi_buf_printf(&b, ",\"offset\":%zu,\"shape\":[%d,%d]}", t[k].offset, t[k].rows, t[k].cols);
         }
         capi_buf_printf(&b, "]}");
-        expert_block_destroy(&blk);
     }
     capi_buf_printf(&b, "]}");
     capi_done(&mj->job, capi_buf_take(&b, mj->json, mj->job.err, mj->job.err_len));
@@ -219,23 +218,17 @@ static void init_next(model_job *mj)
     const struct expert_model_spec *m = mj->spec;
     struct expert_block_config c;
     expert_model_stage(m, mj->stage, &c);
-    expert_block *blk = expert_block_create(&c, expert_stage_seed(0, mj->stage)); /* a peer's default --seed */
-    if (!blk) {
-        capi_done(&mj->job, capi_err(mj->job.err, mj->job.err_len, -ENOMEM, "cannot create stage %d", mj->stage));
-        return;
-    }
-    size_t n = expert_block_nparams(blk);
+    size_t n = 0;
+    struct expert_tensor_info t[EXPERT_BLOCK_MAX_TENSORS];
     int rc = 0;
-    if (n != mj->n)
+    if (expert_block_config_tensors(&c, t, &n) < 0)
+        rc = capi_err(mj->job.err, mj->job.err_len, -EINVAL, "stage %d of '%s' is not a valid block",
+                      mj->stage, m->name);
+    else if (n != mj->n)
         rc = capi_err(mj->job.err, mj->job.err_len, -EINVAL, "stage %d of '%s' has %zu parameters, not %zu",
                       mj->stage, m->name, n, mj->n);
-    else {
-        struct expert_snapshot snap;
-        expert_block_snapshot_acquire(blk, &snap);
-        memcpy(mj->params, snap.params, n * sizeof(float));
-        expert_block_snapshot_release(blk, &snap);
-    }
-    expert_block_destroy(&blk);
+    else /* a peer's default --seed */
+        expert_block_init_params(&c, expert_stage_seed(0, mj->stage), mj->params);
     capi_done(&mj->job, rc);
 }
 
@@ -488,6 +481,8 @@ static void on_holders(dht *d, int status, const dht_entry *e, size_t n, void *u
                         a.state == PEER_STATE_ONLINE && a.stage_hash == g->hash ? "true" : "false", a.throughput,
                         a.load, (unsigned long long)a.weight_version);
         capi_buf_json_str(&b, a.device);
+        capi_buf_printf(&b, ",\"precision\":");
+        capi_buf_json_str(&b, a.precision[0] ? a.precision : "fp32");
         capi_buf_printf(&b, ",\"age_s\":%.3f,\"avg_rounds\":%llu,\"grads_refused\":%llu,\"frozen\":%s}",
                         now > a.time_ms ? (double)(now - a.time_ms) / 1000.0 : 0.0,
                         (unsigned long long)a.avg_rounds, (unsigned long long)a.grads_refused,

@@ -23,13 +23,34 @@ int cuda_device_count(void);
 int cuda_device_describe(int index, char *buf, size_t len);
 
 struct expert_ops;
+struct expert_backend;
 
-/* Fills ops with the CUDA backend (cuda/<op>.cu twins of expert/<op>.c) on
- * the current device, creating the backend's context (cuBLASLt handle,
- * stream, matmul workspace) on first use. Every pointer the CUDA ops take is
- * device memory; ops are asynchronous on the backend's stream (call
- * cuda_sync before reading results on the host) except crossentropy_forward,
- * which synchronises to report an out-of-range target.
+/* The CUDA backend (expert/backend.h) on device `index` at `precision`
+ * (EXPERT_PRECISION_FP32 or _BF16), created on first use and kept for the
+ * process's life (a block carries it: it must outlive every block). One
+ * process uses one device: asking for another once one is in use is
+ * -EBUSY. On success *out is set; on failure err (may be NULL) receives a
+ * sentence for users. Returns 0, -ENOSYS (no CUDA in this build), -ENODEV
+ * (no such device, or the driver fails), -EBUSY, -EINVAL or -ENOMEM. */
+int cuda_backend_get(int index, int precision, const struct expert_backend **out, char *err,
+                     size_t errlen);
+
+/* Free and total bytes of device memory on device `index` (as the driver
+ * reports them now). Returns 0, -ENOSYS, -ENODEV. */
+int cuda_mem_info(int index, size_t *free_out, size_t *total_out);
+
+/* The driver's version ("13.0") and the runtime's, for reports. Returns 0,
+ * -ENOSYS, -ENODEV. */
+int cuda_versions(char *driver, size_t dlen, char *runtime, size_t rlen);
+
+/* Fills ops with the CUDA backend's fp32 ops (cuda/<op>.cu twins of
+ * expert/<op>.c) on the process's device (device 0 unless cuda_backend_get
+ * chose another), creating the calling thread's context (stream, matmul
+ * workspace) on first use. Every pointer the CUDA ops take is device
+ * memory; ops are asynchronous on the calling thread's stream (call
+ * cuda_sync before reading results on the host) except the ones that
+ * return a host value (crossentropy_forward reports an out-of-range
+ * target; sqnorm and the updates return sums).
  * Returns 0, -ENOSYS (no CUDA in this build), -ENODEV (no device) or -ENOMEM. */
 int cuda_ops_init(struct expert_ops *ops);
 
@@ -45,7 +66,7 @@ int cuda_memcpy_h2d(void *dst, const void *src, size_t bytes);
 int cuda_memcpy_d2h(void *dst, const void *src, size_t bytes);
 int cuda_memset(void *dst, int byte, size_t bytes);
 
-/* Waits for all work on the backend's stream. Returns 0, -EIO, -ENOSYS. */
+/* Waits for the work the calling thread queued. Returns 0, -EIO, -ENOSYS. */
 int cuda_sync(void);
 
 /* A sentence for users explaining err from the functions above. Static. */

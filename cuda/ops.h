@@ -2,7 +2,11 @@
  *
  * Same names (cuda_ instead of expert_), same argument order, same
  * accumulation contract (+= into parameter grads, = into activation grads).
- * Every pointer is device memory. Work is queued on the backend's stream.
+ * Every pointer is device memory, except the embedding ops' tokens (host
+ * memory, as expert/ops.h says). Work is queued on the calling thread's
+ * stream (cuda/common.cuh); ops return 0, -EINVAL (bad arguments), -ENODEV
+ * (no device), -ENOMEM (scratch) or -EIO (a launch failed). Results are
+ * deterministic for a fixed configuration: no op sums with atomics.
  * Plain C: no CUDA header is needed to call these.
  */
 #ifndef CUDA_OPS_H
@@ -28,6 +32,37 @@ decl_residual_fwd_fn(cuda_residual_forward);
 decl_residual_bwd_fn(cuda_residual_backward);
 decl_crossentropy_fwd_fn(cuda_crossentropy_forward);
 decl_crossentropy_bwd_fn(cuda_crossentropy_backward);
+decl_softmax_fwd_fn(cuda_softmax_forward);
+decl_softmax_bwd_fn(cuda_softmax_backward);
+
+/* Flash-style causal attention (cuda/attention.cu): the forward saves one
+ * log-sum-exp per (sequence, head, row), never the T×T probabilities; the
+ * backward recomputes them tile by tile. saved and scratch are
+ * cuda_attention_sizes' NH·T floats per sequence. */
+decl_attention_fwd_fn(cuda_attention_forward);
+decl_attention_bwd2_fn(cuda_attention_backward);
+decl_attention_sizes_fn(cuda_attention_sizes);
+
+/* Token + position embedding (cuda/embedding.cu); tok is host memory. The
+ * backward adds each token's rows in a fixed order (positions sorted by
+ * token on the host), without atomics. */
+decl_embedding_fwd_fn(cuda_embedding_forward);
+decl_embedding_bwd_fn(cuda_embedding_backward);
+
+/* The linear layer through cuBLASLt (cuda/matmul.cu): fp32 (full fp32
+ * products, or TF32 after cuda_set_tf32(1)), and bf16 (bf16 inputs from
+ * w16 or converted on the fly, fp32 accumulation and outputs). */
+decl_matmul_fwd_fn(cuda_matmul_forward);
+decl_matmul_bwd_fn(cuda_matmul_backward);
+decl_matmul_fwd_fn(cuda_matmul_forward_bf16);
+decl_matmul_bwd_fn(cuda_matmul_backward_bf16);
+
+/* The step (cuda/step.cu): deterministic sums (fixed blocks, then the
+ * blocks' sums in order, in double), the checked updates, the bf16 cast. */
+decl_sqnorm_fn(cuda_sqnorm);
+decl_adamw_fn(cuda_adamw_update);
+decl_sgd_fn(cuda_sgd_update);
+decl_cast_bf16_fn(cuda_cast_bf16);
 
 #ifdef __cplusplus
 }

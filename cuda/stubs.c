@@ -55,3 +55,26 @@ int cuda_memset(void *dst, int byte, size_t bytes)
 }
 
 int cuda_sync(void) { return -ENOSYS; }
+
+int cuda_backend_get(int index, int precision, const struct expert_backend **out, char *err,
+                     size_t errlen)
+{
+    (void)index, (void)precision;
+    if (out)
+        *out = NULL;
+    if (err && errlen)
+        snprintf(err, errlen, "cannot use a CUDA device: %s", cuda_strerror(-ENOSYS));
+    return -ENOSYS;
+}
+
+int cuda_mem_info(int index, size_t *free_out, size_t *total_out)
+{
+    (void)index, (void)free_out, (void)total_out;
+    return -ENOSYS;
+}
+
+int cuda_versions(char *driver, size_t dlen, char *runtime, size_t rlen)
+{
+    (void)driver, (void)dlen, (void)runtime, (void)rlen;
+    return -ENOSYS;
+}

@@ -59,113 +59,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "expert/backend.h"
+#include "expert/blockcfg.h"
 #include "expert/guard.h"
 #include "expert/optim.h"
 
-enum expert_block_kind {
-    EXPERT_BLOCK_LINEAR = 1,
-    EXPERT_BLOCK_RESFFN = 2,
-    EXPERT_BLOCK_HEAD = 3,
-    EXPERT_BLOCK_EMBED = 4,
-    EXPERT_BLOCK_DECODER = 5,
-    EXPERT_BLOCK_LMHEAD = 6,
-};
-
-/* Decoder layers one stage may hold, and so its tensors: 2 + 12·layers + 4. */
-#define EXPERT_BLOCK_MAX_LAYERS 16
-#define EXPERT_BLOCK_MAX_TENSORS (6 + 12 * EXPERT_BLOCK_MAX_LAYERS)
-#define EXPERT_TENSOR_NAME_LEN 24
-/* Largest width a block accepts, so sizes stay far from int overflow. */
-#define EXPERT_BLOCK_MAX_DIM (1 << 16)
-/* Largest row (in, out) of a transformer kind: seq·dim or seq·vocab. */
-#define EXPERT_BLOCK_MAX_ROW (1 << 22)
-/* Largest context length and vocabulary of the transformer kinds. */
-#define EXPERT_BLOCK_MAX_SEQ 4096
-#define EXPERT_BLOCK_MAX_VOCAB (1 << 18)
-
-struct expert_block_config {
-    int kind;    /* enum expert_block_kind */
-    int in;      /* input width of one row */
-    int out;     /* output width of one row (RESFFN, DECODER: = in) */
-    int hidden;  /* RESFFN, decoder layers: the MLP's hidden width; 0 otherwise */
-    /* The transformer kinds only (0 for the others): */
-    int dim;     /* model width d */
-    int heads;   /* attention heads; dim % heads == 0 */
-    int seq;     /* context length T: positions per row */
-    int layers;  /* decoder layers in the stage (DECODER >= 1; EMBED, LMHEAD >= 0) */
-    int vocab;   /* EMBED, LMHEAD: tokens; 0 for DECODER */
-};
-
-/* Which kinds are transformer kinds (rows are sequences). */
-int expert_block_kind_is_seq(int kind);
-/* The kind's name in model files ("linear", "resffn", "head", "embed",
- * "decoder", "lm_head"), or NULL for an unknown kind. */
-const char *expert_block_kind_name(int kind);
-/* The kind named name, or 0. */
-int expert_block_kind_from_name(const char *name);
-
-/* How a tensor's first values are drawn (torch's defaults). */
-enum expert_tensor_init {
-    EXPERT_INIT_FANIN = 0,  /* U(±1/√fan_in): Linear weights and biases */
-    EXPERT_INIT_ONE = 1,    /* LayerNorm weights */
-    EXPERT_INIT_ZERO = 2,   /* LayerNorm biases */
-    EXPERT_INIT_NORMAL = 3, /* N(0, 1): embeddings */
-};
-
-/* One tensor of a block: a named view into the flat arrays. */
-struct expert_tensor_info {
-    const char *name;   /* static, e.g. "fc1_w" (repeats for each decoder layer) */
-    size_t offset;      /* in floats, into params/grads/m/v */
-    size_t count;
-    int rows, cols;     /* cols = 1 for vectors */
-    int init;           /* enum expert_tensor_init */
-    int fan_in;         /* EXPERT_INIT_FANIN: the layer's input width */
-};
-
 typedef struct expert_block expert_block;
 typedef struct expert_workspace expert_workspace;
-
-/* -EINVAL for an unknown kind, dims out of [1, EXPERT_BLOCK_MAX_DIM], RESFFN
- * with in != out or hidden < 1, or hidden set on other kinds. Transformer
- * kinds: dim, hidden in [1, EXPERT_BLOCK_MAX_DIM], heads >= 1 dividing
- * dim, seq in [1, EXPERT_BLOCK_MAX_SEQ], layers in [0 (1 for DECODER),
- * EXPERT_BLOCK_MAX_LAYERS], vocab in [1, EXPERT_BLOCK_MAX_VOCAB] for EMBED
- * and LMHEAD (0 for DECODER), and in/out the widths the kind derives from
- * them (at most EXPERT_BLOCK_MAX_ROW). */
-int expert_block_config_check(const struct expert_block_config *cfg);
-
-/* Fills out[] (capacity EXPERT_BLOCK_MAX_TENSORS) with the tensor list and
- * returns its length, or -EINVAL. *total_out (may be NULL) = total floats. */
-int expert_block_config_tensors(const struct expert_block_config *cfg,
-                                struct expert_tensor_info *out, size_t *total_out);
-
-/* 64-bit FNV-1a over the canonical encoding of the config (docs/expert.md):
- * "starling.block.v1", then kind, in, out, hidden as u32 little-endian, then
- * the fixed numerics (LN eps as f32 bits, GELU variant 1 = exact erf). The
- * transformer kinds use "starling.block.v2": kind, in, out, hidden, dim,
- * heads, seq, layers, vocab, then the numerics (LN eps, GELU variant 1,
- * attention variant 1 = causal, scale before the mask, learned absolute
- * positions). Stable across builds and machines; 0 for an invalid config. */
-uint64_t expert_block_config_hash(const struct expert_block_config *cfg);
-
-/* The shape of one row of a block's input (out == 0) or output (out != 0),
- * as the RPC carries it after the batch dimension: (in) or (out) for
- * LINEAR, RESFFN and HEAD; a transformer kind's row is a sequence: EMBED's
- * input (seq), LMHEAD's output (seq, vocab), the others (seq, dim). Writes
- * the dims into dims[0..1] and returns their count (1 or 2), or -EINVAL. */
-int expert_block_row_shape(const struct expert_block_config *cfg, int out, uint64_t dims[2]);
-
-/* Checks what only the values can say about B rows of input inp: for
- * EMBED every value must be a token, an integer in [0, vocab) (a forward
- * or backward refuses the whole call otherwise); the other kinds take any
- * floats. Returns 0, or -EINVAL with a sentence in why naming the first bad
- * value's row and position. Servers check each client's request with it
- * before joining requests into one batch. */
-int expert_block_input_check(const struct expert_block_config *cfg, const float *inp, int B,
-                             char *why, size_t why_len);
-
-/* Matmul FLOPs of one forward over B samples (2·m·n·k); fwd+bwd is 3×. */
-double expert_block_config_flops(const struct expert_block_config *cfg, int B);
 
 /* Creates a block with parameters initialised from seed as PyTorch's
  * defaults draw them (Linear w and b ~ U(±1/√fan_in), LayerNorm w=1 b=0),
@@ -173,11 +73,25 @@ double expert_block_config_flops(const struct expert_block_config *cfg, int B);
  * weights on every machine. Gradients and optimizer state start at zero,
  * weight version 0. Returns NULL on a bad config or out of memory. */
 expert_block *expert_block_create(const struct expert_block_config *cfg, uint64_t seed);
+/* The same on backend be (expert/backend.h): the block's weights,
+ * gradients and optimizer state are be's memory, and every forward,
+ * backward and step computes on be. The same seed gives the same first
+ * weights on every backend (they are drawn on the host, then uploaded).
+ * NULL also when be has not enough memory (expert_block_bytes says how
+ * much it needs). */
+expert_block *expert_block_create_on(const struct expert_block_config *cfg, uint64_t seed,
+                                     const expert_backend *be);
+/* The backend memory a block of config cfg takes on be: two weight slots,
+ * gradients, two optimizer moments (5 floats per parameter), plus two bf16
+ * copies of the weights in bf16 precision. 0 for a bad config. */
+size_t expert_block_bytes(const struct expert_block_config *cfg, const expert_backend *be);
 
 /* Frees the block; NULL-safe, sets *p = NULL. No call may be in flight. */
 void expert_block_destroy(expert_block **p);
 
 const struct expert_block_config *expert_block_config(const expert_block *b);
+/* The backend the block was created on. */
+const expert_backend *expert_block_backend(const expert_block *b);
 /* Tensor list (static per config) and count; total floats in *total_out. */
 const struct expert_tensor_info *expert_block_tensors(const expert_block *b, int *n_out,
                                                       size_t *total_out);
@@ -189,11 +103,22 @@ size_t expert_block_nparams(const expert_block *b);
  * expert_workspace_destroy. NULL on bad arguments or out of memory. */
 expert_workspace *expert_workspace_create(const struct expert_block_config *cfg,
                                           int max_batch);
+/* The same on backend be, for blocks created on be (a block refuses a
+ * workspace of another backend with -EINVAL). Its activations are be's
+ * memory; on a backend without host memory it also stages each call's
+ * host tensors (max_batch rows of input, output and their gradients). */
+expert_workspace *expert_workspace_create_on(const struct expert_block_config *cfg,
+                                             int max_batch, const expert_backend *be);
 void expert_workspace_destroy(expert_workspace **p);
 int expert_workspace_max_batch(const expert_workspace *ws);
+const expert_backend *expert_workspace_backend(const expert_workspace *ws);
+/* The backend memory expert_workspace_create_on takes (0 for bad arguments). */
+size_t expert_workspace_bytes(const struct expert_block_config *cfg, const expert_backend *be,
+                              int max_batch);
 
 /* A pinned weight version. params points at the slot's flat parameters
- * (read-only, expert_block_nparams floats), valid until release. */
+ * (read-only, expert_block_nparams floats, memory of the block's backend:
+ * host code may read it only on the CPU backend), valid until release. */
 struct expert_snapshot {
     const float *params;
     uint64_t version;
@@ -203,6 +128,11 @@ struct expert_snapshot {
  * paired with exactly one release; keep pins short (a step waits for them). */
 void expert_block_snapshot_acquire(expert_block *b, struct expert_snapshot *s);
 void expert_block_snapshot_release(expert_block *b, struct expert_snapshot *s);
+
+/* Copies the current weights (nparams floats) into out (host memory), in
+ * one consistent version (*version_out, may be NULL). Returns 0, -EINVAL
+ * or the backend's error. */
+int expert_block_read_params(expert_block *b, float *out, uint64_t *version_out);
 
 /* The current weight version: 0 after create, +1 per step or load. */
 uint64_t expert_block_version(expert_block *b);
@@ -270,10 +200,15 @@ int expert_block_forward_train(expert_block *b, expert_workspace *ws, float *out
  * each), plus LMHEAD's final LN (seq·(2·dim + 2)); 0 for an EMBED without
  * layers). */
 size_t expert_workspace_kept_floats(const expert_workspace *ws);
+/* The same for a workspace of config cfg on backend be, without one (0
+ * for bad arguments). */
+size_t expert_kept_floats(const struct expert_block_config *cfg, const expert_backend *be);
 
 /* Copies rows [row0, row0+rows) of the kept activations into dst
- * (rows · kept_floats floats, packed view by view), or back from src.
- * Returns 0 or -EINVAL (bad range). */
+ * (rows · kept_floats floats, packed view by view), or back from src. dst
+ * and src are memory of the workspace's backend (expert_backend_alloc:
+ * kept activations stay on the device). Returns 0, -EINVAL (bad range) or
+ * the backend's error. */
 int expert_workspace_save_rows(const expert_workspace *ws, int row0, int rows, float *dst);
 int expert_workspace_load_rows(expert_workspace *ws, int row0, int rows, const float *src);
 
@@ -285,6 +220,23 @@ int expert_workspace_load_rows(expert_workspace *ws, int row0, int rows, const f
 int expert_block_backward_kept(expert_block *b, expert_workspace *ws, float *dinp,
                                const float *dout, const float *inp, int B, uint64_t version,
                                uint64_t *version_out);
+
+/* ---- Tensors already on the device ----
+ * The same calls with out, inp, dout and dinp in the block's backend
+ * memory (expert_backend_alloc), so stages that follow each other on one
+ * device pass activations without copies through the host; EMBED's input
+ * (its tokens) is host memory all the same. On the CPU backend they are
+ * the calls above. */
+
+/* As expert_block_forward (keep: as expert_block_forward_train). */
+int expert_block_forward_dev(expert_block *b, expert_workspace *ws, float *out, const float *inp,
+                             int B, int keep, uint64_t *version_out);
+/* version EXPERT_VERSION_CURRENT: as expert_block_backward (recomputes the
+ * forward); otherwise as expert_block_backward_kept(version): the
+ * workspace holds the forward of inp from expert_block_forward_dev(keep
+ * 1) on that version (-ESTALE when the block no longer holds it). */
+int expert_block_backward_dev(expert_block *b, expert_workspace *ws, float *dinp, const float *dout,
+                              const float *inp, int B, uint64_t version, uint64_t *version_out);
 
 /* Samples accumulated in the gradients since the last step. */
 int expert_block_accumulated(expert_block *b);
@@ -342,8 +294,9 @@ void expert_block_health(expert_block *b, struct expert_block_health *out);
 /* Optimizer steps taken (the AdamW t). */
 uint64_t expert_block_steps(expert_block *b);
 
-/* Copies the current gradients (nparams floats) into out. Test/diagnostic. */
-void expert_block_copy_grads(expert_block *b, float *out);
+/* Copies the current gradients (nparams floats) into out (host memory).
+ * Test/diagnostic. Returns 0, -EINVAL or the backend's error. */
+int expert_block_copy_grads(expert_block *b, float *out);
 /* Replaces the parameters with params (nparams floats) as a new version. */
 int expert_block_set_params(expert_block *b, const float *params);
 

@@ -3,19 +3,20 @@
  * Tensors: w (out, in), b (out). It keeps nothing for its backward, which
  * reads only the input. */
 #include "expert/kinds_internal.h"
-#include "expert/ops.h"
 
-void expert__dense_forward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                           const float *params, float *out, const float *inp, int B)
+#define P(i) EXPERT__P(x, i)
+#define P16(i) EXPERT__P16(x, i)
+#define G(i) EXPERT__G(x, i)
+
+int expert__dense_forward(const struct expert__exec *x, float *out, const float *inp, int B)
 {
-    if (out)
-        expert_linear_forward(out, inp, params + t[0].offset, params + t[1].offset, B, c->in, c->out);
+    if (!out)
+        return 0;
+    return x->o->matmul_forward(out, NULL, inp, P(0), P16(0), P(1), B, x->c->in, x->c->out);
 }
 
-void expert__dense_backward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                            const float *params, float *grads, float *dinp, const float *dout,
-                            const float *inp, int B)
+int expert__dense_backward(const struct expert__exec *x, float *dinp, const float *dout,
+                           const float *inp, int B)
 {
-    expert_linear_backward(dinp, grads + t[0].offset, grads + t[1].offset, dout, inp,
-                           params + t[0].offset, B, c->in, c->out);
+    return x->o->matmul_backward(dinp, G(0), G(1), dout, inp, P(0), P16(0), B, x->c->in, x->c->out);
 }

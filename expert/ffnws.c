@@ -1,13 +1,11 @@
 /* expert/ffnws.c: the workspace layout of the LINEAR, RESFFN and HEAD
- * kinds (the views of struct expert__ffn_ws in expert/kinds_internal.h), one
- * allocation per workspace. */
+ * kinds (the views of struct expert__ffn_ws in expert/kinds_internal.h),
+ * in one allocation of backend memory per workspace. */
 #include "expert/kinds_internal.h"
 
-#include <errno.h>
-#include <stdlib.h>
-
-/* Each view rounded up to 16 floats so every one starts on a cache line. */
-#define R16(x) (((x) + 15) & ~(size_t)15)
+/* Each view rounded up to 64 floats (256 bytes), so every one starts on a
+ * cache line and on the alignment the GPU's vector loads want. */
+#define R64(x) (((x) + 63) & ~(size_t)63)
 
 int expert__ffn_kept_views(const struct expert_block_config *c, const struct expert__ffn_ws *ws,
                            float **v, size_t *w)
@@ -25,23 +23,20 @@ int expert__ffn_kept_views(const struct expert_block_config *c, const struct exp
     return n;
 }
 
-int expert__ffn_ws_init(struct expert__ffn_ws *ws, const struct expert_block_config *c,
-                        int max_batch, float **buf_out)
+size_t expert__ffn_ws_layout(struct expert__ffn_ws *ws, const struct expert_block_config *c,
+                             int max_batch, float *buf)
 {
     size_t B = (size_t)max_batch, in = (size_t)c->in, h = (size_t)c->hidden;
     size_t n_ln = 0, n_stat = 0, n_h = 0;
     if (c->kind != EXPERT_BLOCK_LINEAR) {
-        n_ln = R16(B * in);
-        n_stat = R16(B);
+        n_ln = R64(B * in);
+        n_stat = R64(B);
     }
     if (c->kind == EXPERT_BLOCK_RESFFN)
-        n_h = R16(B * h);
+        n_h = R64(B * h);
     size_t total = 2 * n_ln + 2 * n_stat + 2 * n_h;
-    float *buf = NULL;
-    /* 64-byte alignment: full cache lines and AVX-512 vectors. LINEAR
-     * needs no view but gets one float, so the buffer is never NULL. */
-    if (posix_memalign((void **)&buf, 64, (total ? total : 1) * sizeof(float)) != 0)
-        return -ENOMEM;
+    if (!buf)
+        return total;
     float *p = buf;
     ws->ln = p;    p += n_ln;
     ws->dln = p;   p += n_ln;
@@ -49,6 +44,5 @@ int expert__ffn_ws_init(struct expert__ffn_ws *ws, const struct expert_block_con
     ws->rstd = p;  p += n_stat;
     ws->act = p;   p += n_h;
     ws->dgelu = p;
-    *buf_out = buf;
-    return 0;
+    return total;
 }

@@ -18,7 +18,31 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "expert/backend.h"
 #include "expert/block.h"
+
+/* What a kind's forward or backward runs with: the block's backend, config
+ * and tensor list, the weights of one slot and the gradients (all backend
+ * memory). */
+struct expert__exec {
+    const expert_backend *be;
+    const struct expert_ops *o;           /* &be->ops */
+    const struct expert_block_config *c;
+    const struct expert_tensor_info *t;   /* expert_block_config_tensors */
+    const float *params;                  /* the slot's weights */
+    const uint16_t *params16;             /* their bf16 copy (bf16 precision), else NULL */
+    float *grads;                         /* NULL in a forward */
+};
+
+/* Runs a backend call and returns its error, if any, from the function
+ * (kinds return 0 or the first op's error: -EINVAL for refused input,
+ * -EIO and the like from a device). */
+#define EXPERT__TRY(call) do { int rc_ = (call); if (rc_ != 0) return rc_; } while (0)
+
+/* Tensor i's weights, their bf16 copy (or NULL), its gradient. */
+#define EXPERT__P(x, i) ((x)->params + (x)->t[i].offset)
+#define EXPERT__P16(x, i) ((x)->params16 ? (x)->params16 + (x)->t[i].offset : NULL)
+#define EXPERT__G(x, i) ((x)->grads + (x)->t[i].offset)
 
 struct expert__ffn_ws {
     float *ln;           /* (B,in)     LN(x) (RESFFN, HEAD; kept) */
@@ -35,31 +59,27 @@ struct expert__ffn_ws {
 int expert__ffn_kept_views(const struct expert_block_config *c, const struct expert__ffn_ws *ws,
                            float **v, size_t *w);
 
-/* Allocates the views of a block of config c for max_batch rows out of one
- * buffer (*buf_out, the caller frees it; never NULL, even for LINEAR, which
- * has no view). Returns 0 or -ENOMEM. */
-int expert__ffn_ws_init(struct expert__ffn_ws *ws, const struct expert_block_config *c,
-                        int max_batch, float **buf_out);
+/* The floats a workspace of config c for max_batch rows needs for its
+ * views (0 for LINEAR), and lays them out from buf (backend memory of that
+ * many floats; NULL: only count). */
+size_t expert__ffn_ws_layout(struct expert__ffn_ws *ws, const struct expert_block_config *c,
+                             int max_batch, float *buf);
 
-/* want_dgelu: keep gelu' for a backward. out may be NULL (a backward's
- * recompute that only needs the kept views). */
-void expert__dense_forward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                           const float *params, float *out, const float *inp, int B);
-void expert__dense_backward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                            const float *params, float *grads, float *dinp, const float *dout,
-                            const float *inp, int B);
-void expert__resffn_forward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                            const float *params, struct expert__ffn_ws *ws, float *out,
-                            const float *inp, int B, int want_dgelu);
-void expert__resffn_backward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                             const float *params, float *grads, struct expert__ffn_ws *ws,
-                             float *dinp, const float *dout, const float *inp, int B);
-void expert__head_forward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                          const float *params, struct expert__ffn_ws *ws, float *out,
-                          const float *inp, int B);
-void expert__head_backward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                           const float *params, float *grads, struct expert__ffn_ws *ws,
-                           float *dinp, const float *dout, const float *inp, int B);
+/* Each returns 0 or the first backend call's error.
+ * want_dgelu: keep gelu' for a backward. out may be NULL (a backward's
+ * recompute that only needs the kept views). Backward: x->grads +=, dinp
+ * = (may be NULL: not wanted). */
+int expert__dense_forward(const struct expert__exec *x, float *out, const float *inp, int B);
+int expert__dense_backward(const struct expert__exec *x, float *dinp, const float *dout,
+                           const float *inp, int B);
+int expert__resffn_forward(const struct expert__exec *x, struct expert__ffn_ws *ws, float *out,
+                           const float *inp, int B, int want_dgelu);
+int expert__resffn_backward(const struct expert__exec *x, struct expert__ffn_ws *ws, float *dinp,
+                            const float *dout, const float *inp, int B);
+int expert__head_forward(const struct expert__exec *x, struct expert__ffn_ws *ws, float *out,
+                         const float *inp, int B);
+int expert__head_backward(const struct expert__exec *x, struct expert__ffn_ws *ws, float *dinp,
+                          const float *dout, const float *inp, int B);
 
 /* ---- EMBED, DECODER, LMHEAD ----
  *
@@ -78,7 +98,8 @@ struct expert__seq_layer {
     float *ln1;          /* (T,d)     LN1(x) */
     float *m1, *r1;      /* (T)       its mean and 1/std */
     float *qkv;          /* (T,3d)    ln1·Wqkvᵀ + b */
-    float *att;          /* (NH,T,T)  attention probabilities */
+    float *att;          /* attention's saved state: (NH,T,T) probabilities on
+                            the CPU, (NH,T) log-sum-exps on CUDA (attention_sizes) */
     float *atty;         /* (T,d)     attention output, heads concatenated */
     float *x1;           /* (T,d)     x + proj(atty) */
     float *ln2;          /* (T,d)     LN2(x1) */
@@ -97,12 +118,12 @@ struct expert__seq_ws {
     float *lnf;          /* (T,d)     LN_f(xf) */
     float *mf, *rf;      /* (T) */
     /* Not kept: */
-    int32_t *tok;        /* (T)       EMBED: the tokens of each row */
+    int32_t *tok;        /* (T)       EMBED: the tokens of each row (host memory) */
     float *g0, *g1;      /* (T,d)     residual-stream gradients between layers */
     float *gf;           /* (T,d)     LMHEAD: the gradient of xf */
     float *dres;         /* (T,d)     a layer's gradient of x1 */
     float *dqkv;         /* (T,3d) */
-    float *datt;         /* (NH,T,T)  attention backward scratch */
+    float *datt;         /* attention backward scratch (attention_sizes) */
     float *dln;          /* (T,d) */
 };
 
@@ -111,58 +132,51 @@ struct expert__seq_ws {
 
 /* The kept views of ws in packing order, their floats per row. Returns
  * the count (at most EXPERT__SEQ_MAX_VIEWS). */
-int expert__seq_kept_views(const struct expert_block_config *c, const struct expert__seq_ws *ws,
-                           float **v, size_t *w);
+int expert__seq_kept_views(const struct expert_block_config *c, const struct expert_ops *ops,
+                           const struct expert__seq_ws *ws, float **v, size_t *w);
 
-/* Allocates the views of a stage of config c for max_batch rows out of one
- * buffer (*buf_out, the caller frees it). Returns 0 or -ENOMEM. */
-int expert__seq_ws_init(struct expert__seq_ws *ws, const struct expert_block_config *c,
-                        int max_batch, float **buf_out);
+/* The floats a workspace of config c for max_batch rows needs on backend
+ * ops (its attention sizes), and lays the views out from buf (backend
+ * memory of that many floats; NULL: only count). ws->tok is not among
+ * them: it is host memory (expert/block.c allocates it). */
+size_t expert__seq_ws_layout(struct expert__seq_ws *ws, const struct expert_block_config *c,
+                             const struct expert_ops *ops, int max_batch, float *buf);
 
-/* The 12 parameter (or gradient) tensors of decoder layer l, from the flat
- * array base (offsets from the block's tensor list t). */
-void expert__seq_layer_tensors(const struct expert_tensor_info *t, int first, const float *base,
-                               const float *p[12]);
-
-/* Tokens of B rows (T floats each) into tok: -EINVAL unless every value is
- * an integer in [0, V). */
+/* Tokens of B rows (T floats each, host memory) into tok (host memory):
+ * -EINVAL unless every value is an integer in [0, V). */
 int expert__seq_tokens(int32_t *tok, const float *inp, long n, int V);
 
 /* ---- decoder layers (expert/decoder.c) ---- */
 
 /* Runs layers [0, c->layers) of a stage whose first tensor of layer 0 is
- * t[first], on x (B rows; copied into layer 0's view), leaving the result in
- * out (B, T·d). */
-void expert__layers_forward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                            int first, const float *params, struct expert__seq_ws *ws,
-                            const float *x, float *out, int B);
+ * x->t[first], on in (B rows; copied into layer 0's view), leaving the
+ * result in out (B, T·d). */
+int expert__layers_forward(const struct expert__exec *x, int first, struct expert__seq_ws *ws,
+                           const float *in, float *out, int B);
 /* Back-propagates dout (B, T·d), the gradient of the last layer's output
  * (not ws->g0, g1, dres or dln), through the layers: parameter gradients
- * += (grads, same offsets as params), dx (B, T·d) = the gradient of layer
- * 0's input (=); dx NULL: not wanted (it lands in ws->g0). c->layers >= 1. */
-void expert__layers_backward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                             int first, const float *params, float *grads,
-                             struct expert__seq_ws *ws, const float *dout, float *dx, int B);
+ * += (x->grads), dx (B, T·d) = the gradient of layer 0's input (=); dx
+ * NULL: not wanted (it lands in ws->g0). c->layers >= 1. */
+int expert__layers_backward(const struct expert__exec *x, int first, struct expert__seq_ws *ws,
+                            const float *dout, float *dx, int B);
 
-/* ---- the kinds (forward: returns 0 or -EINVAL for bad tokens) ---- */
+/* ---- the kinds ----
+ * EMBED's inp is host memory (tokens as floats: checked and converted on
+ * the host, never uploaded); its forward returns 0 or -EINVAL for a value
+ * that is not a token. EMBED writes no input gradient (tokens have none:
+ * expert/block.c zeroes the caller's dinp). */
 
-int expert__embed_forward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                          const float *params, struct expert__seq_ws *ws, float *out,
-                          const float *inp, int B);
-int expert__embed_backward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                           const float *params, float *grads, struct expert__seq_ws *ws,
-                           float *dinp, const float *dout, const float *inp, int B);
-void expert__decoder_forward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                             const float *params, struct expert__seq_ws *ws, float *out,
-                             const float *inp, int B);
-void expert__decoder_backward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                              const float *params, float *grads, struct expert__seq_ws *ws,
-                              float *dinp, const float *dout, int B);
-void expert__lmhead_forward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                            const float *params, struct expert__seq_ws *ws, float *out,
+int expert__embed_forward(const struct expert__exec *x, struct expert__seq_ws *ws, float *out,
+                          const float *inp_host, int B);
+int expert__embed_backward(const struct expert__exec *x, struct expert__seq_ws *ws,
+                           const float *dout, const float *inp_host, int B);
+int expert__decoder_forward(const struct expert__exec *x, struct expert__seq_ws *ws, float *out,
                             const float *inp, int B);
-void expert__lmhead_backward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                             const float *params, float *grads, struct expert__seq_ws *ws,
-                             float *dinp, const float *dout, int B);
+int expert__decoder_backward(const struct expert__exec *x, struct expert__seq_ws *ws, float *dinp,
+                             const float *dout, int B);
+int expert__lmhead_forward(const struct expert__exec *x, struct expert__seq_ws *ws, float *out,
+                           const float *inp, int B);
+int expert__lmhead_backward(const struct expert__exec *x, struct expert__seq_ws *ws, float *dinp,
+                            const float *dout, int B);
 
 #endif

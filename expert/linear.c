@@ -45,3 +45,44 @@ int expert_linear_backward(float *dinp, float *dw, float *dbias, const float *do
         return expert_bias_backward(dbias, dout, B, OC);
     return 0;
 }
+
+int expert_matmul_forward(float *out, const float *res, const float *inp, const float *w,
+                          const uint16_t *w16, const float *bias, int B, int C, int OC)
+{
+    (void)w16; /* the CPU computes in fp32 */
+    if (!res)
+        return expert_linear_forward(out, inp, w, bias, B, C, OC);
+    if (!out || !inp || !w || B < 0 || C <= 0 || OC <= 0)
+        return -EINVAL;
+    if (B == 0)
+        return 0;
+    /* out = res + bias first, then sgemm accumulates inp·wᵀ onto it (beta
+     * 1): bias and residual cost one pass, fused with the GEMM's C read. */
+    if (bias)
+        expert_bias_forward(out, res, bias, B, OC);
+    else if (out != res)
+        memcpy(out, res, (size_t)B * (size_t)OC * sizeof *out);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, B, OC, C,
+                1.0f, inp, C, w, C, 1.0f, out, OC);
+    return 0;
+}
+
+int expert_matmul_backward(float *dinp, float *dw, float *dbias, const float *dout,
+                           const float *inp, const float *w, const uint16_t *w16, int B, int C,
+                           int OC)
+{
+    (void)w16;
+    if (!dw || !dout || !inp || !w || B < 0 || C <= 0 || OC <= 0)
+        return -EINVAL;
+    if (B == 0)
+        return 0;
+    if (dbias)
+        expert_bias_backward(dbias, dout, B, OC);
+    /* dw first: dinp may alias inp. */
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, B,
+                1.0f, dout, OC, inp, C, 1.0f, dw, C);
+    if (dinp)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, B, C, OC,
+                    1.0f, dout, OC, w, C, 0.0f, dinp, C);
+    return 0;
+}

@@ -29,7 +29,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "expert/block.h"
+#include "expert/blockcfg.h"
 
 #define EXPERT_STAGE_NAME_MAX 64
 

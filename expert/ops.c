@@ -24,7 +24,14 @@ void expert_ops_init_cpu(struct expert_ops *ops)
     ops->softmax_forward = expert_softmax_forward;
     ops->softmax_backward = expert_softmax_backward;
     ops->attention_forward = expert_attention_forward;
-    ops->attention_backward = expert_attention_backward;
+    ops->attention_backward = expert_attention_backward2;
     ops->embedding_forward = expert_embedding_forward;
     ops->embedding_backward = expert_embedding_backward;
+    ops->matmul_forward = expert_matmul_forward;
+    ops->matmul_backward = expert_matmul_backward;
+    ops->attention_sizes = expert_attention_sizes;
+    ops->sqnorm = expert_sqnorm_op;
+    ops->adamw_update = expert_adamw_op;
+    ops->sgd_update = expert_sgd_op;
+    ops->cast_bf16 = expert_cast_bf16;
 }

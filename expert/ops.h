@@ -131,12 +131,66 @@ int (name)(float *out, const int32_t *tok, const float *wte, const float *wpe, \
 int (name)(float *dwte, float *dwpe, const float *dout, const int32_t *tok, \
            int B, int T, int C, int V)
 
+/* ---- The ops the block kinds run (the backend table's own forms) ---- */
+
+/* The linear layer as the kinds use it, with its epilogues:
+ *   out = [res +] inp · wᵀ [+ bias]
+ * res (B,OC) may be NULL (nothing added) and may alias out; bias (OC) may
+ * be NULL. w16 (OC,C) is w as bf16 (the block keeps it when the backend's
+ * precision is bf16; a backend in fp32 ignores it, one in bf16 converts w
+ * itself when it is NULL). out (B,OC), inp (B,C), w (OC,C). */
+#define decl_matmul_fwd_fn(name) \
+int (name)(float *out, const float *res, const float *inp, const float *w, \
+           const uint16_t *w16, const float *bias, int B, int C, int OC)
+/* dw += doutᵀ·inp and dbias += Σ_b dout (when dbias is not NULL) first,
+ * then dinp = dout·w (=; skipped when dinp is NULL), so dinp may alias inp.
+ * dinp (B,C), dw (OC,C), dbias (OC), dout (B,OC), inp (B,C), w and w16
+ * (OC,C) as for the forward. */
+#define decl_matmul_bwd_fn(name) \
+int (name)(float *dinp, float *dw, float *dbias, const float *dout, const float *inp, \
+           const float *w, const uint16_t *w16, int B, int C, int OC)
+
+/* Attention as the kinds use it: the forward as attention_forward, where
+ * saved holds what this backend's backward needs (per sequence:
+ * attention_sizes' saved floats); the backward also takes the forward's
+ * output `out` (B,T,C) and a scratch of attention_sizes' scratch floats per
+ * sequence. */
+#define decl_attention_bwd2_fn(name) \
+int (name)(float *dqkv, float *scratch, const float *dout, const float *out, \
+           const float *qkv, const float *saved, int B, int T, int C, int NH)
+/* Floats per sequence of attention's saved state and backward scratch:
+ * the CPU keeps the probabilities (NH·T·T each); a flash-style backend
+ * keeps one log-sum-exp per row and head (NH·T). */
+#define decl_attention_sizes_fn(name) \
+void (name)(int T, int NH, size_t *saved_out, size_t *scratch_out)
+
+/* *out = Σ x² in double, summed in an order that depends on n alone (the
+ * same result for any number of threads). Waits for the result. */
+#define decl_sqnorm_fn(name) \
+int (name)(double *out, const float *x, size_t n)
+/* expert_adamw_update_checked and expert_sgd_update_checked (expert/optim.h)
+ * over the backend's memory: the same formulas element for element, and
+ * sums[0] += Σ (p_out − p_in)², sums[1] += Σ p_out² + 0·(moments) in host
+ * memory (waits for them). The arrays must not overlap. */
+#define decl_adamw_fn(name) \
+int (name)(float *p_out, const float *p_in, const float *g, float *m, float *v, size_t n, \
+           float gscale, const struct expert_optim *o, uint64_t t, double sums[2])
+#define decl_sgd_fn(name) \
+int (name)(float *p_out, const float *p_in, const float *g, float *buf, size_t n, \
+           float gscale, const struct expert_optim *o, double sums[2])
+/* dst (n) = src rounded to bfloat16 (round to nearest even; NaN stays NaN). */
+#define decl_cast_bf16_fn(name) \
+int (name)(uint16_t *dst, const float *src, size_t n)
+
 #define EXPERT_LN_EPS 1e-5f
 
-/* The function table a backend fills in. The CUDA backend leaves the
- * transformer ops (softmax, attention, embedding) NULL: they are CPU only. */
+struct expert_optim;
+
+/* The function table a backend fills in. Every entry is set by every
+ * backend; pointers are the backend's memory, except the embedding ops'
+ * tokens (host memory: they were checked on the host). */
 struct expert_ops {
-    const char *name;                          /* "cpu", "cuda" */
+    const char *name;                          /* "cpu", "cuda", "sim" */
     decl_linear_fwd_fn(*linear_forward);
     decl_linear_bwd_fn(*linear_backward);
     decl_bias_fwd_fn(*bias_forward);
@@ -154,9 +208,16 @@ struct expert_ops {
     decl_softmax_fwd_fn(*softmax_forward);
     decl_softmax_bwd_fn(*softmax_backward);
     decl_attention_fwd_fn(*attention_forward);
-    decl_attention_bwd_fn(*attention_backward);
+    decl_attention_bwd2_fn(*attention_backward); /* the kinds' form (expert_attention_backward2) */
     decl_embedding_fwd_fn(*embedding_forward);
     decl_embedding_bwd_fn(*embedding_backward);
+    decl_matmul_fwd_fn(*matmul_forward);
+    decl_matmul_bwd_fn(*matmul_backward);
+    decl_attention_sizes_fn(*attention_sizes);
+    decl_sqnorm_fn(*sqnorm);
+    decl_adamw_fn(*adamw_update);
+    decl_sgd_fn(*sgd_update);
+    decl_cast_bf16_fn(*cast_bf16);
 };
 
 /* Fills ops with the CPU reference backend. Always available. */
@@ -183,5 +244,13 @@ decl_attention_fwd_fn(expert_attention_forward);
 decl_attention_bwd_fn(expert_attention_backward);
 decl_embedding_fwd_fn(expert_embedding_forward);
 decl_embedding_bwd_fn(expert_embedding_backward);
+decl_matmul_fwd_fn(expert_matmul_forward);
+decl_matmul_bwd_fn(expert_matmul_backward);
+decl_attention_bwd2_fn(expert_attention_backward2);
+decl_attention_sizes_fn(expert_attention_sizes);
+decl_sqnorm_fn(expert_sqnorm_op);
+decl_adamw_fn(expert_adamw_op);
+decl_sgd_fn(expert_sgd_op);
+decl_cast_bf16_fn(expert_cast_bf16);
 
 #endif

@@ -13,6 +13,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* The kernels' restrict, also in the C++ of cuda/ (which includes this
+ * header for struct expert_optim). */
+#ifdef __cplusplus
+#define EXPERT__RESTRICT __restrict__
+extern "C" {
+#else
+#define EXPERT__RESTRICT restrict
+#endif
+
 enum expert_optim_kind {
     EXPERT_OPTIM_ADAMW = 1,
     EXPERT_OPTIM_SGD = 2,
@@ -58,14 +67,20 @@ void expert_sgd_update(float *p_out, const float *p_in, const float *g,
  * + 0·buf (SGD), which is NaN or Inf when any new weight or moment is. The
  * block's step uses them to refuse a non-finite update and to see a step
  * that changed nothing, without a second pass over memory. */
-void expert_adamw_update_checked(float *restrict p_out, const float *restrict p_in, const float *restrict g,
-                                 float *restrict m, float *restrict v, size_t n, float gscale,
+void expert_adamw_update_checked(float *EXPERT__RESTRICT p_out, const float *EXPERT__RESTRICT p_in,
+                                 const float *EXPERT__RESTRICT g, float *EXPERT__RESTRICT m,
+                                 float *EXPERT__RESTRICT v, size_t n, float gscale,
                                  const struct expert_optim *o, uint64_t t, double sums[2]);
-void expert_sgd_update_checked(float *restrict p_out, const float *restrict p_in, const float *restrict g,
-                               float *restrict buf, size_t n, float gscale, const struct expert_optim *o,
+void expert_sgd_update_checked(float *EXPERT__RESTRICT p_out, const float *EXPERT__RESTRICT p_in,
+                               const float *EXPERT__RESTRICT g, float *EXPERT__RESTRICT buf, size_t n,
+                               float gscale, const struct expert_optim *o,
                                double sums[2]);
 
 /* Σ g² in double (for global-norm clipping across several blocks). */
 double expert_sqnorm(const float *g, size_t n);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -6,52 +6,37 @@
  * Tensors: ln_w, ln_b (d), fc1_w (H, d), fc1_b (H), fc2_w (d, H), fc2_b (d).
  * Kept: ln, mean, rstd, act, dgelu. */
 #include "expert/kinds_internal.h"
-#include "expert/ops.h"
 
-#include <cblas.h>
+#define P(i) EXPERT__P(x, i)
+#define P16(i) EXPERT__P16(x, i)
+#define G(i) EXPERT__G(x, i)
 
-#define P(i) (params + t[i].offset)
-#define G(i) (grads + t[i].offset)
-
-void expert__resffn_forward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                            const float *params, struct expert__ffn_ws *ws, float *out,
-                            const float *inp, int B, int want_dgelu)
+int expert__resffn_forward(const struct expert__exec *x, struct expert__ffn_ws *ws, float *out,
+                           const float *inp, int B, int want_dgelu)
 {
-    int d = c->in, h = c->hidden;
-    expert_layernorm_forward(ws->ln, ws->mean, ws->rstd, inp, P(0), P(1), B, d);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, B, h, d,
-                1.0f, ws->ln, d, P(2), d, 0.0f, ws->act, h);
-    expert_bias_gelu_forward(ws->act, want_dgelu ? ws->dgelu : NULL, ws->act, P(3), B, h);
-    if (out) {
-        /* out = x + b2 first, then sgemm accumulates W2·act onto it (beta=1):
-         * bias and residual cost one pass, fused with the GEMM's C read. */
-        expert_bias_forward(out, inp, P(5), B, d);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, B, d, h,
-                    1.0f, ws->act, h, P(4), h, 1.0f, out, d);
-    }
+    const struct expert_ops *o = x->o;
+    int d = x->c->in, h = x->c->hidden;
+    EXPERT__TRY(o->layernorm_forward(ws->ln, ws->mean, ws->rstd, inp, P(0), P(1), B, d));
+    EXPERT__TRY(o->matmul_forward(ws->act, NULL, ws->ln, P(2), P16(2), NULL, B, d, h));
+    EXPERT__TRY(o->bias_gelu_forward(ws->act, want_dgelu ? ws->dgelu : NULL, ws->act, P(3), B, h));
+    if (!out)
+        return 0;
+    return o->matmul_forward(out, inp, ws->act, P(4), P16(4), P(5), B, h, d); /* x + act·W2ᵀ + b2 */
 }
 
-void expert__resffn_backward(const struct expert_block_config *c, const struct expert_tensor_info *t,
-                             const float *params, float *grads, struct expert__ffn_ws *ws,
-                             float *dinp, const float *dout, const float *inp, int B)
+int expert__resffn_backward(const struct expert__exec *x, struct expert__ffn_ws *ws, float *dinp,
+                            const float *dout, const float *inp, int B)
 {
-    int in = c->in, h = c->hidden;
-    /* fc2: db2 += Σ dout; dW2 += doutᵀ·act; then dact = dout·W2 may
-     * overwrite act, which nothing reads any more. */
-    expert_bias_backward(G(5), dout, B, in);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, in, h, B,
-                1.0f, dout, in, ws->act, h, 1.0f, G(4), h);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, B, h, in,
-                1.0f, dout, in, P(4), h, 0.0f, ws->act, h);
+    const struct expert_ops *o = x->o;
+    int in = x->c->in, h = x->c->hidden;
+    /* fc2: db2 += Σ dout; dW2 += doutᵀ·act; then dact = dout·W2
+     * overwrites act, which nothing reads any more. */
+    EXPERT__TRY(o->matmul_backward(ws->act, G(4), G(5), dout, ws->act, P(4), P16(4), B, h, in));
     /* GELU and b1 in one pass: dpre = dact·gelu'(pre), db1 += Σ dpre. */
-    expert_bias_gelu_backward(ws->act, G(3), ws->act, ws->dgelu, B, h);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, h, in, B,
-                1.0f, ws->act, h, ws->ln, in, 1.0f, G(2), in);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, B, in, h,
-                1.0f, ws->act, h, P(2), in, 0.0f, ws->dln, in);
+    EXPERT__TRY(o->bias_gelu_backward(ws->act, G(3), ws->act, ws->dgelu, B, h));
+    EXPERT__TRY(o->matmul_backward(ws->dln, G(2), NULL, ws->act, ws->ln, P(2), P16(2), B, in, h));
     /* LN's grads are needed even when dinp is not; ln is free now. */
     float *dx = dinp ? dinp : ws->ln;
-    expert_layernorm_backward(dx, G(0), G(1), ws->dln, inp, P(0), ws->mean, ws->rstd, B, in);
-    if (dinp)
-        expert_residual_forward(dinp, dinp, dout, (long)B * in);
+    EXPERT__TRY(o->layernorm_backward(dx, G(0), G(1), ws->dln, inp, P(0), ws->mean, ws->rstd, B, in));
+    return dinp ? o->residual_forward(dinp, dinp, dout, (long)B * in) : 0;
 }

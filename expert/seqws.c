@@ -1,29 +1,31 @@
 /* expert/seqws.c: the workspace layout of the transformer kinds (the
- * views of expert/kinds_internal.h), one allocation per workspace. */
+ * views of expert/kinds_internal.h), one allocation of backend memory per
+ * workspace. Attention's saved state and scratch are as large as the
+ * backend says (attention_sizes). */
 #include "expert/kinds_internal.h"
 
-#include <errno.h>
-#include <stdlib.h>
-
-/* Each view rounded up to 16 floats so every one starts on a cache line. */
-#define R16(x) (((x) + 15) & ~(size_t)15)
+/* Each view rounded up to 64 floats (256 bytes), so every one starts on a
+ * cache line and on the alignment the GPU's vector loads want. */
+#define R64(x) (((x) + 63) & ~(size_t)63)
 
 /* Floats per row of each kept view of a layer, in packing order. */
-static void layer_widths(const struct expert_block_config *c, size_t w[EXPERT__SEQ_LAYER_VIEWS])
+static void layer_widths(const struct expert_block_config *c, const struct expert_ops *ops,
+                         size_t w[EXPERT__SEQ_LAYER_VIEWS])
 {
-    size_t T = (size_t)c->seq, d = (size_t)c->dim, H = (size_t)c->hidden, NH = (size_t)c->heads;
-    size_t v[EXPERT__SEQ_LAYER_VIEWS] = { T * d, T * d, T, T, 3 * T * d, NH * T * T, T * d,
+    size_t T = (size_t)c->seq, d = (size_t)c->dim, H = (size_t)c->hidden, att = 0;
+    ops->attention_sizes(c->seq, c->heads, &att, NULL);
+    size_t v[EXPERT__SEQ_LAYER_VIEWS] = { T * d, T * d, T, T, 3 * T * d, att, T * d,
                                           T * d, T * d, T, T, T * H, T * H };
     for (int i = 0; i < EXPERT__SEQ_LAYER_VIEWS; i++)
         w[i] = v[i];
 }
 
-int expert__seq_kept_views(const struct expert_block_config *c, const struct expert__seq_ws *ws,
-                           float **v, size_t *w)
+int expert__seq_kept_views(const struct expert_block_config *c, const struct expert_ops *ops,
+                           const struct expert__seq_ws *ws, float **v, size_t *w)
 {
     int n = 0;
     size_t lw[EXPERT__SEQ_LAYER_VIEWS];
-    layer_widths(c, lw);
+    layer_widths(c, ops, lw);
     for (int l = 0; l < c->layers; l++) {
         const struct expert__seq_layer *L = &ws->l[l];
         float *lv[EXPERT__SEQ_LAYER_VIEWS] = { L->x,  L->ln1, L->m1, L->r1,  L->qkv,
@@ -46,24 +48,23 @@ int expert__seq_kept_views(const struct expert_block_config *c, const struct exp
     return n;
 }
 
-int expert__seq_ws_init(struct expert__seq_ws *ws, const struct expert_block_config *c,
-                        int max_batch, float **buf_out)
+size_t expert__seq_ws_layout(struct expert__seq_ws *ws, const struct expert_block_config *c,
+                             const struct expert_ops *ops, int max_batch, float *buf)
 {
-    size_t B = (size_t)max_batch, T = (size_t)c->seq, d = (size_t)c->dim;
-    size_t NH = (size_t)c->heads;
+    size_t B = (size_t)max_batch, T = (size_t)c->seq, d = (size_t)c->dim, scratch = 0;
     size_t lw[EXPERT__SEQ_LAYER_VIEWS];
-    layer_widths(c, lw);
+    layer_widths(c, ops, lw);
+    ops->attention_sizes(c->seq, c->heads, NULL, &scratch);
     size_t per_layer = 0;
     for (int i = 0; i < EXPERT__SEQ_LAYER_VIEWS; i++)
-        per_layer += R16(B * lw[i]);
+        per_layer += R64(B * lw[i]);
     int head = c->kind == EXPERT_BLOCK_LMHEAD;
-    size_t n_final = head ? 2 * R16(B * T * d) + 2 * R16(B * T) : 0;
-    /* scratch: tok, g0, g1, gf, dres, dqkv, datt, dln */
-    size_t n_scratch = R16(B * T) + 5 * R16(B * T * d) + R16(3 * B * T * d) + R16(NH * B * T * T);
+    size_t n_final = head ? 2 * R64(B * T * d) + 2 * R64(B * T) : 0;
+    /* scratch: g0, g1, gf, dres, dln, dqkv, datt */
+    size_t n_scratch = 5 * R64(B * T * d) + R64(3 * B * T * d) + R64(B * scratch);
     size_t total = per_layer * (size_t)c->layers + n_final + n_scratch;
-    float *buf = NULL;
-    if (posix_memalign((void **)&buf, 64, total * sizeof(float)) != 0)
-        return -ENOMEM;
+    if (!buf)
+        return total;
     float *p = buf;
     ws->layers = c->layers;
     for (int l = 0; l < c->layers; l++) {
@@ -73,23 +74,21 @@ int expert__seq_ws_init(struct expert__seq_ws *ws, const struct expert_block_con
                                                   &L->r2,  &L->act,  &L->dgelu };
         for (int i = 0; i < EXPERT__SEQ_LAYER_VIEWS; i++) {
             *slot[i] = p;
-            p += R16(B * lw[i]);
+            p += R64(B * lw[i]);
         }
     }
     if (head) {
-        ws->xf = p;  p += R16(B * T * d);
-        ws->lnf = p; p += R16(B * T * d);
-        ws->mf = p;  p += R16(B * T);
-        ws->rf = p;  p += R16(B * T);
+        ws->xf = p;  p += R64(B * T * d);
+        ws->lnf = p; p += R64(B * T * d);
+        ws->mf = p;  p += R64(B * T);
+        ws->rf = p;  p += R64(B * T);
     }
-    ws->tok = (int32_t *)(void *)p; p += R16(B * T);
-    ws->g0 = p;   p += R16(B * T * d);
-    ws->g1 = p;   p += R16(B * T * d);
-    ws->gf = p;   p += R16(B * T * d);
-    ws->dres = p; p += R16(B * T * d);
-    ws->dln = p;  p += R16(B * T * d);
-    ws->dqkv = p; p += R16(3 * B * T * d);
+    ws->g0 = p;   p += R64(B * T * d);
+    ws->g1 = p;   p += R64(B * T * d);
+    ws->gf = p;   p += R64(B * T * d);
+    ws->dres = p; p += R64(B * T * d);
+    ws->dln = p;  p += R64(B * T * d);
+    ws->dqkv = p; p += R64(3 * B * T * d);
     ws->datt = p;
-    *buf_out = buf;
-    return 0;
+    return total;
 }

@@ -266,7 +266,9 @@ long expert_block_serialize(expert_block *b, int with_optim, void *buf, size_t c
     struct expert__block_state st;
 
     /* The lock keeps a step from changing m/v or the weights while we copy. */
-    expert__block_state_lock(b, &st);
+    int rc = expert__block_state_lock(b, &st);
+    if (rc != 0)
+        return rc;
     memset(p, 0, data_off);
     put_header(p, expert_block_config(b), &st, with_optim, ne);
     const float *src[3] = { st.params, st.m, st.v };
@@ -283,7 +285,7 @@ long expert_block_serialize(expert_block *b, int with_optim, void *buf, size_t c
         memcpy(p + off, src[role] + te->offset, te->count * sizeof(float));
         off += te->count * sizeof(float);
     }
-    expert__block_state_unlock(b);
+    expert__block_state_unlock(b, &st);
     put_u32(p + off, (uint32_t)crc32_z(0L, p, off));
     return (long)len;
 }
@@ -356,9 +358,7 @@ int expert_block_deserialize(expert_block *b, const void *buf, size_t len)
             return -EBADMSG;
     }
     if (with_optim) /* (else weights alone: the optimizer starts afresh on them) */
-        expert__block_restore(b, src, src + n * sizeof(float), src + 2 * n * sizeof(float),
-                              version, steps, (int)okind);
-    else
-        expert__block_restore(b, src, NULL, NULL, version, 0, 0);
-    return 0;
+        return expert__block_restore(b, src, src + n * sizeof(float), src + 2 * n * sizeof(float),
+                                     version, steps, (int)okind);
+    return expert__block_restore(b, src, NULL, NULL, version, 0, 0);
 }

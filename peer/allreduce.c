@@ -456,14 +456,14 @@ static int set_anchor(srv_block *b, const float *params, size_t np, uint64_t row
     return 0;
 }
 
-/* Copies block i's current parameters (np floats) into out. */
-static void copy_params(peer_allreduce_server *srv, int i, float *out, size_t np)
+/* Copies block i's current parameters (np floats) into out (host memory,
+ * from whichever device the block is on). Returns 0 or the backend's error. */
+static int copy_params(peer_allreduce_server *srv, int i, float *out, size_t np)
 {
-    struct expert_snapshot snap;
     expert_block *blk = peer_service_block(srv->svc, i);
-    expert_block_snapshot_acquire(blk, &snap);
-    memcpy(out, snap.params, np * sizeof(float));
-    expert_block_snapshot_release(blk, &snap);
+    if (expert_block_nparams(blk) != np)
+        return -EINVAL;
+    return expert_block_read_params(blk, out, NULL);
 }
 
 static uint64_t backward_rows(peer_allreduce_server *srv, int i, peer_block_info *info)
@@ -483,8 +483,9 @@ int peer_allreduce_server_anchor(peer_allreduce_server *srv, int i)
         return -ENOMEM;
     peer_block_info info;
     uint64_t rows = backward_rows(srv, i, &info);
-    copy_params(srv, i, tmp, np);
-    int rc = set_anchor(b, tmp, np, rows);
+    int rc = copy_params(srv, i, tmp, np);
+    if (rc == 0)
+        rc = set_anchor(b, tmp, np, rows);
     free(tmp);
     return rc;
 }
@@ -595,9 +596,13 @@ int peer_allreduce_server_begin(peer_allreduce_server *srv, int i, uint64_t roun
          * apply). A block without an anchor takes one now: its delta is 0,
          * so it gives nothing this round. */
         float *delta = b->cur.base, *theta = b->cur.base + np;
-        copy_params(srv, i, theta, np);
+        int rc = copy_params(srv, i, theta, np);
+        if (rc != 0) {
+            b->cur.active = 0;
+            return rc;
+        }
         if (!b->anchor || b->nparams != np) {
-            int rc = set_anchor(b, theta, np, rows);
+            rc = set_anchor(b, theta, np, rows);
             if (rc != 0) {
                 b->cur.active = 0;
                 return rc;
@@ -607,7 +612,11 @@ int peer_allreduce_server_begin(peer_allreduce_server *srv, int i, uint64_t roun
         for (size_t k = 0; k < np; k++)
             delta[k] = b->anchor[k] - theta[k];
     } else {
-        expert_block_flat_export(blk, b->cur.base);
+        int rc = expert_block_flat_export(blk, b->cur.base);
+        if (rc != 0) {
+            b->cur.active = 0;
+            return rc;
+        }
     }
     b->cur.how = h;
     b->cur.nflat = nflat;

@@ -40,10 +40,12 @@ long peer_announce_encode(const peer_announce *a, uint8_t *buf, size_t cap)
     dht_mp_writer_init(&w, buf, cap < PEER_ANNOUNCE_MAX_BYTES ? cap : PEER_ANNOUNCE_MAX_BYTES);
     msgpack_packer *pk = &w.pk;
     int lost = a->lost_from > a->lost_to, gr = a->grads_refused > 0, fz = a->frozen_steps > 0,
-        wf = a->formats != 0, bs = a->bytes_per_sample > 0;
+        wf = a->formats != 0, bs = a->bytes_per_sample > 0, pr = a->precision[0] != 0;
+    if (!peer__printable(a->precision, 8))
+        return -EINVAL;
     if (!isfinite(a->bytes_per_sample))
         return -EINVAL;
-    msgpack_pack_map(pk, 13 + 2 * lost + gr + fz + wf + bs);
+    msgpack_pack_map(pk, 13 + 2 * lost + gr + fz + wf + bs + pr);
     dht_mp_pack_cstr(pk, "v");
     msgpack_pack_uint64(pk, PEER_ANNOUNCE_VERSION);
     dht_mp_pack_cstr(pk, "b");
@@ -91,6 +93,10 @@ long peer_announce_encode(const peer_announce *a, uint8_t *buf, size_t cap)
     if (bs) {
         dht_mp_pack_cstr(pk, "bs");
         msgpack_pack_double(pk, a->bytes_per_sample);
+    }
+    if (pr) {
+        dht_mp_pack_cstr(pk, "pr");
+        dht_mp_pack_cstr(pk, a->precision);
     }
     return dht_mp_writer_finish(&w);
 }
@@ -205,6 +211,9 @@ static int announce_field(dht_mp_reader *r, const char *key, void *outp, int *ha
         if (dht_mp_uint(r, &m))
             return -1;
         out->formats = (uint32_t)(m & 0xFFFFFFFFu); /* bits of formats this reader does not know stay */
+    } else if (!strcmp(key, "pr")) {
+        if (dht_mp_cstr(r, out->precision, sizeof out->precision, 8))
+            return -1;
     } else if (!strcmp(key, "bs")) {
         if (dht_mp_double(r, &out->bytes_per_sample))
             return -1;

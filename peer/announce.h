@@ -12,6 +12,8 @@
  *     "tp" f64 measured training throughput, samples/s (forward + backward)
  *     "ld" f64 load: queued rows / queue bound, in [0, 1]
  *     "dv" str device, e.g. "cpu" or "cuda:0" (<= 32 bytes)
+ *     "pr" str precision of the device's math, "fp32" or "bf16" (<= 8 bytes;
+ *              optional: absent means fp32, as older peers)
  *     "t"  u   when this value was made, ms since the epoch
  *     "ar" u   group averaging rounds completed (optional)
  *     "ag" u   size of the group of the last completed round (optional)
@@ -80,6 +82,7 @@ typedef struct peer_announce {
     double throughput;
     double load;
     char device[33];
+    char precision[9];            /* "pr": "" = not sent (fp32) */
     uint64_t time_ms;
     uint64_t avg_rounds;
     int avg_group;

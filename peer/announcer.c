@@ -97,6 +97,7 @@ static int announce_block(peer_announcer *an, int i, peer_state state, uint64_t 
     if (a.load > 1)
         a.load = 1;
     snprintf(a.device, sizeof a.device, "%s", an->device);
+    snprintf(a.precision, sizeof a.precision, "%s", an->cfg.precision ? an->cfg.precision : "");
     a.time_ms = dht_now_ms();
     a.grads_refused = info.refused_requests + info.refused_steps;
     a.frozen_steps = info.frozen ? info.still_steps : 0;

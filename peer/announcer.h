@@ -34,6 +34,7 @@ typedef struct peer_announcer_config {
     int n_stages;                  /* of the model */
     const char *addr;              /* our tensor RPC "HOST:PORT" (copied) */
     const char *device;            /* announced device name (copied) */
+    const char *precision;         /* announced precision, "fp32" or "bf16" (static) */
     int max_queue_rows;            /* >= 1: load = queued rows / this */
     double every_s, ttl_s;         /* > 0 */
     FILE *log;

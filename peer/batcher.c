@@ -24,7 +24,8 @@ typedef struct worker {
     pthread_t thread;
     int started;
     int infer_only;   /* the inference lane: never takes training work */
-    expert_workspace *ws;
+    expert_workspace *ws;     /* on the block's backend */
+    /* Host memory the backend copies from fastest (pinned for CUDA): */
     float *in_buf;    /* (max_batch, in): joined inputs */
     float *go_buf;    /* (max_batch, out): joined grad_outputs */
     float *out_buf;   /* (max_batch, max(in, out)): joined results */
@@ -36,13 +37,16 @@ typedef struct kept {
     int state;
     int rows;
     uint64_t version, seq;
-    size_t cap;        /* floats allocated in buf */
-    float *buf;        /* rows * in input floats, then rows * kept_floats activations */
+    size_t cap;        /* rows the buffers hold */
+    float *in;         /* rows * in input floats (host memory: compared with the backward's) */
+    float *act;        /* rows * kept_floats activations (the block's backend memory: they
+                          stay on the device) */
 } kept;
 
 struct peer_batcher {
     int nworkers;             /* cfg.threads + cfg.infer_threads */
     expert_block *blk;
+    const expert_backend *be; /* the block's */
     peer_batcher_config cfg;
     int in, out;
     pthread_mutex_t mu;
@@ -162,7 +166,6 @@ static void keep_forward(worker *w, const peer_task *t, int off, uint64_t versio
 {
     peer_batcher *b = w->b;
     size_t in_n = (size_t)t->rows * (size_t)b->in;
-    size_t need = in_n + (size_t)t->rows * b->kept_floats;
     kept *k = NULL;
     pthread_mutex_lock(&b->mu);
     for (int i = 0; i < b->cfg.keep; i++) { /* a free slot, else the oldest ready one */
@@ -177,19 +180,24 @@ static void keep_forward(worker *w, const peer_task *t, int off, uint64_t versio
     pthread_mutex_unlock(&b->mu);
     if (!k)
         return;
-    if (k->cap < need) {
-        float *nb = realloc(k->buf, need * sizeof(float));
-        if (!nb) {
+    if (k->cap < (size_t)t->rows) {
+        /* Sized for a whole batch once, so a slot is allocated at most twice. */
+        size_t rows = (size_t)b->cfg.max_batch;
+        float *ni = realloc(k->in, rows * (size_t)b->in * sizeof(float));
+        if (ni)
+            k->in = ni;
+        expert_backend_free(b->be, k->act);
+        k->act = expert_backend_alloc(b->be, rows * b->kept_floats * sizeof(float));
+        k->cap = ni && k->act ? rows : 0;
+        if (!k->cap) {
             pthread_mutex_lock(&b->mu);
             k->state = KEPT_FREE;
             pthread_mutex_unlock(&b->mu);
             return;
         }
-        k->buf = nb;
-        k->cap = need;
     }
-    memcpy(k->buf, t->inputs, in_n * sizeof(float));
-    int rc = expert_workspace_save_rows(w->ws, off, t->rows, k->buf + in_n);
+    memcpy(k->in, t->inputs, in_n * sizeof(float));
+    int rc = expert_workspace_save_rows(w->ws, off, t->rows, k->act);
     pthread_mutex_lock(&b->mu);
     k->rows = t->rows;
     k->version = version;
@@ -208,13 +216,13 @@ static kept *kept_claim(peer_batcher *b, const peer_task *t)
         kept *k = &b->kept[i];
         pthread_mutex_lock(&b->mu);
         int cand = k->state == KEPT_READY && k->rows == t->rows && k->version == t->at_version &&
-                   memcmp(k->buf, t->inputs, probe * sizeof(float)) == 0;
+                   memcmp(k->in, t->inputs, probe * sizeof(float)) == 0;
         if (cand)
             k->state = KEPT_BUSY;
         pthread_mutex_unlock(&b->mu);
         if (!cand)
             continue;
-        if (memcmp(k->buf, t->inputs, in_n * sizeof(float)) == 0)
+        if (memcmp(k->in, t->inputs, in_n * sizeof(float)) == 0)
             return k;
         pthread_mutex_lock(&b->mu);
         k->state = KEPT_READY;
@@ -245,8 +253,7 @@ static int load_kept(worker *w, peer_task *head)
             all = 0;
             continue;
         }
-        if (all && expert_workspace_load_rows(w->ws, off, t->rows,
-                                              k->buf + (size_t)t->rows * (size_t)b->in) != 0)
+        if (all && expert_workspace_load_rows(w->ws, off, t->rows, k->act) != 0)
             all = 0;
         kept_release(b, k);
         off += t->rows;
@@ -414,16 +421,18 @@ static void *worker_main(void *arg)
 
 static void free_workers(peer_batcher *b)
 {
-    for (int i = 0; i < b->cfg.keep && b->kept; i++)
-        free(b->kept[i].buf);
+    for (int i = 0; i < b->cfg.keep && b->kept; i++) {
+        free(b->kept[i].in);
+        expert_backend_free(b->be, b->kept[i].act);
+    }
     free(b->kept);
     b->kept = NULL;
     for (int i = 0; i < b->nworkers; i++) {
         worker *w = &b->workers[i];
         expert_workspace_destroy(&w->ws);
-        free(w->in_buf);
-        free(w->go_buf);
-        free(w->out_buf);
+        expert_backend_host_free(b->be, w->in_buf);
+        expert_backend_host_free(b->be, w->go_buf);
+        expert_backend_host_free(b->be, w->out_buf);
     }
     free(b->workers);
 }
@@ -439,6 +448,7 @@ peer_batcher *peer_batcher_create(expert_block *blk, const peer_batcher_config *
     if (!b)
         return NULL;
     b->blk = blk;
+    b->be = expert_block_backend(blk);
     b->cfg = *cfg;
     const struct expert_block_config *bc = expert_block_config(blk);
     b->in = bc->in;
@@ -462,10 +472,11 @@ peer_batcher *peer_batcher_create(expert_block *blk, const peer_batcher_config *
         worker *w = &b->workers[i];
         w->b = b;
         w->infer_only = i >= cfg->threads;
-        w->ws = expert_workspace_create(bc, cfg->max_batch);
-        w->in_buf = malloc((size_t)cfg->max_batch * (size_t)b->in * sizeof(float));
-        w->go_buf = malloc((size_t)cfg->max_batch * (size_t)b->out * sizeof(float));
-        w->out_buf = malloc((size_t)cfg->max_batch * wide * sizeof(float));
+        w->ws = expert_workspace_create_on(bc, cfg->max_batch, b->be);
+        size_t B = (size_t)cfg->max_batch;
+        w->in_buf = expert_backend_host_alloc(b->be, B * (size_t)b->in * sizeof(float));
+        w->go_buf = expert_backend_host_alloc(b->be, B * (size_t)b->out * sizeof(float));
+        w->out_buf = expert_backend_host_alloc(b->be, B * wide * sizeof(float));
         if (!w->ws || !w->in_buf || !w->go_buf || !w->out_buf) {
             free_workers(b);
             free(b);

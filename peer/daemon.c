@@ -473,7 +473,8 @@ static int create_parts(peer_daemon *d, const peer_daemon_config *cfg, char *err
     };
     peer_announcer_config ac = {
         .loop = d->loop, .dht = d->dht, .svc = d->svc, .model = d->model, .n_stages = d->n_stages,
-        .addr = d->announce_addr, .device = d->device, .max_queue_rows = d->max_queue_rows,
+        .addr = d->announce_addr, .device = d->device,
+        .precision = expert_precision_name(cfg->precision), .max_queue_rows = d->max_queue_rows,
         .every_s = d->announce_every_s, .ttl_s = d->ttl_s, .log = d->log, .fill = fill_announcement, .arg = d,
     };
     peer_joiner_config jc = {

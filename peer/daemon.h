@@ -45,6 +45,7 @@ typedef struct peer_daemon_config {
     size_t n_initial;
     peer_service_config svc;           /* model, blocks, threads, optimizer, checkpoints */
     const char *device;                /* announced device name, e.g. "cpu" */
+    int precision;                     /* announced precision (enum expert_precision) */
     double announce_every_s;           /* 0 = 20 */
     double ttl_s;                      /* 0 = 60 */
     double checkpoint_every_s;         /* 0 = never (checkpoints still written at stop) */

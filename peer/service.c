@@ -1,4 +1,5 @@
 #include "peer/service.h"
+#include "peer/device.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -92,6 +93,9 @@ struct peer_service {
     _Atomic uint64_t sr_count;  /* stochastic rounding: one seed per gradient reply */
     uint64_t sr_base;           /* ... from this random base */
     struct svc_handler handlers[PEER_SERVICE_MAX_METHODS];
+    const expert_backend *be;   /* cfg.backend, or the CPU */
+    size_t reserved;            /* device bytes earlier blocks will still allocate (kept
+                                   activations, allocated on first use) */
     int closing;
     void (*close_cb)(peer_service *, int, void *);
     void *close_arg;
@@ -454,7 +458,7 @@ static void infer_inline(peer_service *s, svc_task *t)
     for (;;) {
         svc_block *tb = t->blk;
         if (!tb->inline_ws)
-            tb->inline_ws = expert_workspace_create(&tb->cfg, s->cfg.infer_inline_rows);
+            tb->inline_ws = expert_workspace_create_on(&tb->cfg, s->cfg.infer_inline_rows, s->be);
         int rc = tb->inline_ws ? peer_batcher_infer_now(tb->batcher, tb->inline_ws, &t->t) : -ENOMEM;
         if (rc != 0) {
             task_fail(t, rc == -ESHUTDOWN ? ESHUTDOWN : rc == -ENOMEM ? ENOMEM : EIO,
@@ -690,38 +694,39 @@ static double mono_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* Measures forward and backward seconds per row on a throwaway copy of the
- * block (its gradients must not be touched), so the first announcement
- * already carries a measured throughput. Best effort: leaves the batcher's
- * estimate unset when memory is short. */
-static void calibrate(svc_block *b, int max_batch)
+/* Measures forward and backward seconds per row on the block itself,
+ * before it serves (the gradients it accumulates are dropped after), so the
+ * first announcement already carries a measured throughput. A first
+ * forward and backward warm the device up (contexts, matmul plans). Best
+ * effort: leaves the batcher's estimate unset when memory is short. */
+static void calibrate(peer_service *s, svc_block *b, int max_batch)
 {
     int rows = max_batch < 64 ? max_batch : 64;
-    expert_block *tmp = expert_block_create(&b->cfg, 1);
-    expert_workspace *ws = expert_workspace_create(&b->cfg, rows);
+    expert_workspace *ws = expert_workspace_create_on(&b->cfg, rows, s->be);
     float *x = malloc((size_t)rows * (size_t)b->cfg.in * sizeof(float));
     float *y = malloc((size_t)rows * (size_t)b->cfg.out * sizeof(float));
     float *gx = malloc((size_t)rows * (size_t)b->cfg.in * sizeof(float));
-    if (tmp && ws && x && y && gx) {
+    if (ws && x && y && gx) {
         /* Inputs the block accepts: tokens for an embed stage. */
         int tokens = b->cfg.kind == EXPERT_BLOCK_EMBED;
         for (size_t i = 0; i < (size_t)rows * (size_t)b->cfg.in; i++)
             x[i] = tokens ? (float)(i % (size_t)b->cfg.vocab)
                           : (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
-        int rc = expert_block_forward(tmp, ws, y, x, rows, NULL); /* warm-up */
+        int rc = expert_block_forward(b->block, ws, y, x, rows, NULL); /* warm-up */
+        rc |= expert_block_backward(b->block, ws, gx, y, x, rows, NULL);
         double t0 = mono_s();
-        rc |= expert_block_forward(tmp, ws, y, x, rows, NULL);
+        rc |= expert_block_forward(b->block, ws, y, x, rows, NULL);
         double t1 = mono_s();
-        rc |= expert_block_backward(tmp, ws, gx, y, x, rows, NULL);
+        rc |= expert_block_backward(b->block, ws, gx, y, x, rows, NULL);
         double t2 = mono_s();
         if (rc == 0)
             peer_batcher_set_speed(b->batcher, (t1 - t0) / rows, (t2 - t1) / rows);
     }
+    expert_block_zero_grad(b->block);
     free(x);
     free(y);
     free(gx);
     expert_workspace_destroy(&ws);
-    expert_block_destroy(&tmp);
 }
 
 static void free_blocks(peer_service *s)
@@ -815,6 +820,49 @@ static int restore_block(peer_service *s, svc_block *b, const char *dir, char *e
     return 0;
 }
 
+/* Checks that block b (its config set) fits in the device's free memory:
+ * its state, one workspace per compute thread and the inference thread,
+ * the calibration's workspace, and its kept forwards (allocated on first
+ * use, so reserved). On the CPU nothing is checked (the kernel's
+ * overcommit decides). Returns 0, or -1 with a sentence in err. */
+static int check_memory(peer_service *s, const peer_service_config *cfg, svc_block *b, char *err,
+                        size_t errlen)
+{
+    const expert_backend *be = s->be;
+    if (be->host_memory)
+        return 0;
+    size_t state = expert_block_bytes(&b->cfg, be);
+    size_t ws = expert_workspace_bytes(&b->cfg, be, cfg->max_batch);
+    int calib_rows = cfg->max_batch < 64 ? cfg->max_batch : 64;
+    size_t acts = (size_t)(cfg->threads + 1) * ws + expert_workspace_bytes(&b->cfg, be, calib_rows);
+    size_t kept = (size_t)cfg->keep_activations * (size_t)cfg->max_batch *
+                  expert_kept_floats(&b->cfg, be) * sizeof(float);
+    /* Headroom for the device's own needs (matmul workspace, scratch). */
+    size_t need = state + acts + kept + ((size_t)64 << 20);
+    size_t avail = 0, total = 0;
+    if (be->mem_info(be, &avail, &total) != 0) {
+        snprintf(err, errlen, "cannot read the free memory of %s: %s", be->name,
+                 expert_backend_last_error());
+        return -1;
+    }
+    avail = avail > s->reserved ? avail - s->reserved : 0;
+    if (need > avail) {
+        char n[32], f[32], st[32], ac[32], kp[32];
+        snprintf(err, errlen,
+                 "stage %s needs %s on %s (weights, gradients and optimizer state %s; activations "
+                 "of %d compute thread%s at --max-batch %d %s; %d kept forward%s %s) but %s is free; "
+                 "lower --max-batch or --keep-activations, host fewer stages, or use a larger device",
+                 b->name, peer_device_bytes(n, sizeof n, need), be->name,
+                 peer_device_bytes(st, sizeof st, state), cfg->threads + 1, cfg->threads ? "s" : "",
+                 cfg->max_batch, peer_device_bytes(ac, sizeof ac, acts), cfg->keep_activations,
+                 cfg->keep_activations == 1 ? "" : "s", peer_device_bytes(kp, sizeof kp, kept),
+                 peer_device_bytes(f, sizeof f, avail));
+        return -1;
+    }
+    s->reserved += kept;
+    return 0;
+}
+
 /* Hosts stage idx of cfg's model as the next block: its block (restored
  * from its checkpoint when present), its batcher, its speed. Returns 0, or
  * -1 with a sentence in err (the block, if counted, is freed with the
@@ -838,9 +886,12 @@ static int open_block(peer_service *s, const peer_service_config *cfg, int idx, 
     pthread_mutex_init(&b->pool_mu, NULL);
     b->pool_cap = cfg->max_queue_rows + (cfg->threads + 2) * cfg->max_batch + 16;
     s->n_blocks++;
-    b->block = expert_block_create(&b->cfg, expert_stage_seed(cfg->seed, idx));
+    if (check_memory(s, cfg, b, err, errlen) != 0)
+        return -1;
+    b->block = expert_block_create_on(&b->cfg, expert_stage_seed(cfg->seed, idx), s->be);
     if (!b->block) {
-        snprintf(err, errlen, "out of memory for block %s", b->name);
+        snprintf(err, errlen, "out of memory for block %s on %s%s%s", b->name, s->be->name,
+                 expert_backend_last_error()[0] ? ": " : "", expert_backend_last_error());
         return -1;
     }
     /* Checkpoints and downloaded state then record and check the stage. */
@@ -861,7 +912,7 @@ static int open_block(peer_service *s, const peer_service_config *cfg, int idx, 
         snprintf(err, errlen, "cannot start compute threads for %s", b->name);
         return -1;
     }
-    calibrate(b, cfg->max_batch);
+    calibrate(s, b, cfg->max_batch);
     return 0;
 }
 
@@ -911,6 +962,7 @@ peer_service *peer_service_create(uv_loop_t *loop, const peer_service_config *cf
     }
     s->loop = loop;
     s->cfg = *cfg;
+    s->be = cfg->backend ? cfg->backend : expert_backend_cpu();
     s->formats = cfg->formats ? cfg->formats & PEER_FMT_MASK_ALL : PEER_FMT_MASK_ALL;
     s->formats |= PEER_FMT_BIT(PEER_FMT_F32); /* every peer takes float32 */
     randombytes_buf(&s->sr_base, sizeof s->sr_base);

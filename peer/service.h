@@ -47,6 +47,7 @@
 #include <uv.h>
 
 #include "dht/identity.h"
+#include "expert/backend.h"
 #include "expert/guard.h"
 #include "expert/optim.h"
 #include "peer/batcher.h"
@@ -91,6 +92,11 @@ typedef struct peer_service_config {
     uint64_t rpc_idle_timeout_ms; /* established connection with nothing happening (120000) */
     uint32_t formats;             /* tensor formats accepted from clients (peer_fmt_mask,
                                      peer/tensorfmt.h); 0: all. float32 always */
+    const expert_backend *backend; /* where the blocks live and compute (peer/device.h);
+                                     NULL: the CPU. Before a block is created its
+                                     memory is checked against the device's free
+                                     memory (a stage that does not fit is refused
+                                     with a sentence naming the bytes) */
     const char *checkpoint_dir;   /* NULL: no checkpoints */
     FILE *log;                    /* warnings and notes about checkpoints (stale temp
                                      files removed, a file that records no stage);

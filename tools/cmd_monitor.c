@@ -288,6 +288,8 @@ static int render_json(FILE *f, view *v, double min_tput)
                     fputs("null", f);
                 fputs(",\"device\":", f);
                 json_str(f, ho->ann.device);
+                fputs(",\"precision\":", f);
+                json_str(f, ho->ann.precision[0] ? ho->ann.precision : "fp32");
                 char wf[64];
                 formats_text(&ho->ann, wf, sizeof wf);
                 fprintf(f, ",\"wire_formats\":\"%s\",\"bytes_per_sample\":%.1f}", wf, ho->ann.bytes_per_sample);
@@ -322,8 +324,8 @@ static int render_text(FILE *f, view *v, double min_tput, int color)
         int covered = 1, bottleneck = -1;
         double bt = 0;
         fprintf(f, "%smodel %s%s (%d stages)\n", bold, v->specs[k]->name, off, v->specs[k]->n_stages);
-        fprintf(f, "  %-14s %-9s %-22s %-8s %10s %5s %7s %8s %9s %5s %8s %s\n", "stage", "peer", "address", "state",
-                "samples/s", "load", "age", "version", "avg", "group", "B/sample", "formats");
+        fprintf(f, "  %-14s %-9s %-22s %-8s %-12s %10s %5s %7s %8s %9s %5s %8s %s\n", "stage", "peer", "address",
+                "state", "device", "samples/s", "load", "age", "version", "avg", "group", "B/sample", "formats");
         for (int i = 0; i < route_swarm_n_stages(v->sw[k]); i++) {
             route_stage *st = route_swarm_stage(v->sw[k], i);
             double t = stage_tput(st);
@@ -346,8 +348,12 @@ static int render_text(FILE *f, view *v, double min_tput, int color)
                          (unsigned long long)ho->ann.avg_abandoned);
                 char wf[64];
                 formats_text(&ho->ann, wf, sizeof wf);
-                fprintf(f, "  %-14s %-9.8s %-22s %-8s %10.0f %5.2f %6.0fs %8llu %9s %5d %8.0f %s\n", h ? "" : st->name,
-                        hex, ho->ann.addr, peer_state_name(ho->ann.state), ho->ann.throughput, ho->ann.load,
+                char dev[48];
+                snprintf(dev, sizeof dev, "%s/%s", ho->ann.device[0] ? ho->ann.device : "?",
+                         ho->ann.precision[0] ? ho->ann.precision : "fp32");
+                fprintf(f, "  %-14s %-9.8s %-22s %-8s %-12s %10.0f %5.2f %6.0fs %8llu %9s %5d %8.0f %s\n",
+                        h ? "" : st->name, hex, ho->ann.addr, peer_state_name(ho->ann.state), dev,
+                        ho->ann.throughput, ho->ann.load,
                         age, (unsigned long long)ho->ann.weight_version, avg, ho->ann.avg_group,
                         ho->ann.bytes_per_sample, wf);
                 if (ho->ann.lost_from > ho->ann.lost_to)

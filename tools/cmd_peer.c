@@ -26,7 +26,7 @@ static const char peer_help[] =
     "Usage: starling peer [--blocks LIST | --num-blocks K] [--initial-peers ADDR[,ADDR...]]\n"
     "                     [--model NAME | --model-file FILE]\n"
     "                     [--listen HOST:PORT] [--announce HOST] [--identity FILE]\n"
-    "                     [--checkpoint-dir DIR] [--swarm-key FILE] [--device cpu|cuda:N] ...\n"
+    "                     [--checkpoint-dir DIR] [--swarm-key FILE] [--device DEV] ...\n"
     "\n"
     "Hosts blocks (stages) of a model, serves forward/backward requests over the\n"
     "encrypted tensor RPC and announces the blocks in the DHT. The DHT (UDP) and\n"
@@ -58,7 +58,17 @@ static const char peer_help[] =
     "                         from them at start\n"
     "  --checkpoint-every S   seconds between periodic checkpoints (default 300; 0 off)\n"
     "  --swarm-key FILE       pre-shared key of a private swarm (64 hex digits)\n"
-    "  --device DEV           cpu (default); cuda:N is refused until GPU blocks land\n"
+    "  --device DEV           where the blocks live and compute: cpu (default), cuda\n"
+    "                         (= cuda:0), cuda:N (an NVIDIA GPU), or auto (the first\n"
+    "                         GPU when there is one, else the CPU). A stage that\n"
+    "                         does not fit in the GPU's free memory is refused\n"
+    "                         with the bytes it needs; several stages and several\n"
+    "                         peers may share one GPU\n"
+    "  --precision P          fp32, or bf16 (a GPU's default): bf16 matrix products\n"
+    "                         with fp32 accumulation, fp32 master weights, optimizer\n"
+    "                         state, checkpoints and averaging (so state moves freely\n"
+    "                         between GPU and CPU peers)\n";
+static const char peer_help1b[] =
     "  --threads N            compute threads per block (default 1)\n"
     "  --blas-threads N       OpenBLAS threads (default: one per core)\n"
     "  --training-priority P  low (default: training threads at nice 10) or idle\n"
@@ -187,7 +197,7 @@ enum {
     O_METRICS, O_ANN_EVERY, O_ANN_TTL, O_NO_SYNC, O_NUM_BLOCKS, O_REBALANCE, O_AVERAGE, O_KEEP_EVERY,
     O_KEEP_COPIES, O_KEEP_MB, O_GRAD_FACTOR, O_GRAD_MAX, O_GRAD_WARMUP, O_FROZEN, O_MAX_CONNS_IP, O_MAX_CONNS,
     O_IDLE, O_DHT_LIMITS, O_MODEL_FILE, O_AVG_MODE, O_OUTER_LR, O_OUTER_MOM,
-    O_WIRE_FORMATS, O_AVG_FORMAT,
+    O_WIRE_FORMATS, O_AVG_FORMAT, O_PRECISION,
 };
 
 static const struct option peer_opts_table[] = {
@@ -197,6 +207,7 @@ static const struct option peer_opts_table[] = {
     {"wire-formats", required_argument, NULL, O_WIRE_FORMATS},
     {"blocks", required_argument, NULL, O_BLOCKS},
     {"device", required_argument, NULL, O_DEVICE},
+    {"precision", required_argument, NULL, O_PRECISION},
     {"listen", required_argument, NULL, O_LISTEN},
     {"announce", required_argument, NULL, O_ANNOUNCE},
     {"identity", required_argument, NULL, O_IDENTITY},
@@ -242,7 +253,7 @@ static const struct option peer_opts_table[] = {
 
 /* What the flags say, before it is checked. */
 typedef struct peer_opts {
-    const char *initial, *model, *blocks, *device, *listen, *announce_host, *identity;
+    const char *initial, *model, *blocks, *device, *precision, *listen, *announce_host, *identity;
     const char *ckpt_dir, *swarm_key_file, *metrics, *optimizer;
     long threads, blas, max_batch, target, seed, inline_rows, keep;
     long num_blocks, keep_copies, keep_mb, max_conns_ip, max_conns;
@@ -332,7 +343,7 @@ static int parse_peer_flags(int argc, char **argv, peer_opts *o)
         if (rc == 0)
             continue;
         switch (c) {
-        case 'h': fputs(peer_help, stdout); fputs(peer_help2, stdout); return CLI_EXIT_OK;
+        case 'h': fputs(peer_help, stdout); fputs(peer_help1b, stdout); fputs(peer_help2, stdout); return CLI_EXIT_OK;
         case O_NO_SYNC: o->no_sync = 1; break;
         case O_INITIAL: o->initial = optarg; break;
         case O_MODEL: o->model = optarg; break;
@@ -340,6 +351,7 @@ static int parse_peer_flags(int argc, char **argv, peer_opts *o)
         case O_INIT_WEIGHTS: o->init_weights = optarg; break;
         case O_BLOCKS: o->blocks = optarg; break;
         case O_DEVICE: o->device = optarg; break;
+        case O_PRECISION: o->precision = optarg; break;
         case O_LISTEN: o->listen = optarg; break;
         case O_ANNOUNCE: o->announce_host = optarg; break;
         case O_IDENTITY: o->identity = optarg; break;
@@ -403,6 +415,7 @@ typedef struct run_ctx {
     peer_daemon_config dc;
     const struct expert_model_spec *spec;
     peer_device dev;
+    const expert_backend *be;     /* dev's, at --precision */
     struct expert_optim optim;
     dht_identity ident;
     uint8_t swarm_key[32];
@@ -459,9 +472,11 @@ static int check_peer_opts(const peer_opts *o, run_ctx *r)
         return cli_usage_error("peer", "%s", err);
     if (rc != 0)
         return cli_fail("peer", "%s", err);
-    if (r->dev.kind != PEER_DEVICE_CPU)
-        return cli_fail("peer", "hosting blocks on %s is not available in this build yet; use --device cpu",
-                        o->device);
+    int precision = peer_device_precision(&r->dev, o->precision, err, sizeof err);
+    if (precision < 0)
+        return cli_usage_error("peer", "%s", err);
+    if ((rc = peer_device_open(&r->dev, precision, &r->be, err, sizeof err)) != 0)
+        return cli_fail("peer", "%s", err);
     if ((rc = tools_model_select("peer", o->model, o->model_file, "fmnist-mlp", o->initial, o->swarm_key_file,
                                  &r->spec)) != CLI_EXIT_OK)
         return rc;
@@ -560,7 +575,9 @@ static void fill_daemon_config(const peer_opts *o, run_ctx *r)
     dc->svc.rpc_idle_timeout_ms = (uint64_t)(o->idle_timeout * 1000);
     dc->dht_diversity_given = o->dht_limits >= 0;
     dc->dht_diversity = o->dht_limits >= 0 ? o->dht_limits : DHT_DIVERSITY_PUBLIC;
-    dc->device = "cpu";
+    dc->device = r->dev.name;
+    dc->precision = r->be->precision;
+    dc->svc.backend = r->be;
     dc->checkpoint_every_s = o->ckpt_dir ? o->ckpt_every : 0;
     dc->metrics_listen = o->metrics;
     dc->announce_every_s = o->ann_every;
@@ -756,8 +773,10 @@ int cmd_peer(int argc, char **argv)
     if (rc >= 0)
         return rc;
     memset(&r, 0, sizeof r);
-    if ((rc = check_peer_opts(&o, &r)) >= 0 || (rc = load_keys(&o, &r)) >= 0)
+    if ((rc = check_peer_opts(&o, &r)) >= 0 || (rc = load_keys(&o, &r)) >= 0) {
+        peer_device_close();
         return rc;
+    }
     if (o.blas > 0)
         expert_blas_set_threads((int)o.blas);
     r.rng = ((uint64_t)r.ident.id[0] << 24 | (uint64_t)r.ident.id[1] << 16 | (uint64_t)r.ident.id[2] << 8 |
@@ -766,5 +785,10 @@ int cmd_peer(int argc, char **argv)
     fill_daemon_config(&o, &r);
     r.dc.on_refused = on_refused;
     r.dc.refused_arg = &r;
-    return run_peer(&r, &o);
+    if (r.dev.kind != PEER_DEVICE_CPU)
+        fprintf(stderr, "starling peer: blocks on %s in %s\n", r.dev.desc,
+                expert_precision_name(r.be->precision));
+    rc = run_peer(&r, &o);
+    peer_device_close();
+    return rc;
 }
