@@ -246,6 +246,10 @@ extern "C" int cuda_matmul_forward_bf16(float *out, const float *res, const floa
     if (rc == 0)
         rc = lt_matmul_bias(c, CUBLAS_OP_T, CUBLAS_OP_N, OC, B, C, wb, C, in16, C, CUDA_R_16BF, res,
                             out, OC, res ? 1.0f : 0.0f, bias);
+    // A shape cuBLASLt has no bf16 algorithm for (bf16 tensor cores want
+    // leading dimensions in multiples of 8): fp32 products instead.
+    if (rc == -ENOSYS)
+        rc = cuda_matmul_forward(out, res, inp, w, NULL, bias, B, C, OC);
     return rc;
 }
 
@@ -277,6 +281,9 @@ extern "C" int cuda_matmul_backward_bf16(float *dinp, float *dw, float *dbias, c
     if (rc == 0) // dw first: dinp may alias inp (in16 holds its copy anyway)
         rc = lt_matmul(c, CUBLAS_OP_N, CUBLAS_OP_T, C, OC, B, in16, C, dout16, OC, CUDA_R_16BF, dw, dw,
                        C, 1.0f, NULL);
+    if (rc == -ENOSYS) // no bf16 algorithm for this shape: fp32 (as the forward)
+        rc = lt_matmul(c, CUBLAS_OP_N, CUBLAS_OP_T, C, OC, B, inp, C, dout, OC, CUDA_R_32F, dw, dw, C,
+                       1.0f, NULL);
     if (rc == 0 && dinp) {
         const __nv_bfloat16 *wb = (const __nv_bfloat16 *)w16;
         if (!wb) {
@@ -287,6 +294,9 @@ extern "C" int cuda_matmul_backward_bf16(float *dinp, float *dw, float *dbias, c
         if (rc == 0)
             rc = lt_matmul(c, CUBLAS_OP_N, CUBLAS_OP_N, C, B, OC, wb, C, dout16, OC, CUDA_R_16BF, NULL,
                            dinp, C, 0.0f, NULL);
+        if (rc == -ENOSYS)
+            rc = lt_matmul(c, CUBLAS_OP_N, CUBLAS_OP_N, C, B, OC, w, C, dout, OC, CUDA_R_32F, NULL, dinp, C,
+                           0.0f, NULL);
     }
     return rc;
 }

@@ -102,6 +102,13 @@ expert_block *expert_block_create_on(const struct expert_block_config *cfg, uint
         pthread_mutex_destroy(&b->mu);
         goto fail;
     }
+    if (pthread_mutex_init(&b->outer_mu, NULL) != 0) {
+        pthread_mutex_destroy(&b->health_mu);
+        pthread_mutex_destroy(&b->grad_mu);
+        pthread_cond_destroy(&b->cv);
+        pthread_mutex_destroy(&b->mu);
+        goto fail;
+    }
     b->guard_cfg = expert_guard_resolve(NULL);
     return b;
 fail:
@@ -121,6 +128,8 @@ void expert_block_destroy(expert_block **p)
     if (!p || !*p)
         return;
     expert_block *b = *p;
+    pthread_mutex_destroy(&b->outer_mu);
+    free(b->outer);
     pthread_mutex_destroy(&b->health_mu);
     pthread_mutex_destroy(&b->grad_mu);
     pthread_cond_destroy(&b->cv);

@@ -319,6 +319,28 @@ int expert_block_flat_export(expert_block *b, float *out);
 int expert_block_flat_apply(expert_block *b, const float *avg, const float *base, int with_optim,
                             double *dist_before, double *dist_after);
 
+/* DiLoCo's outer state (peer/allreduce.c, --average-mode diloco): the
+ * anchor (the weights the last outer step reached), the outer optimizer's
+ * momentum and the error-feedback residual of compressed rounds, n =
+ * nparams floats each, in host memory. It belongs to the block's training
+ * state, so checkpoints and state downloads carry it with the optimizer's
+ * moments (checkpoint format 4), and a peer that restarts resumes its
+ * outer steps where they were. */
+struct expert_outer {
+    float *anchor, *momentum, *residual;
+    size_t n;
+};
+/* Locks the outer state and points out at it; create != 0 makes one (all
+ * zero) when the block has none. Returns 0 (the caller must unlock), or
+ * -ENOENT (none, and create == 0), -ENOMEM, -EINVAL, and then holds no
+ * lock. The lock comes before the block's gradient lock: the holder may
+ * call expert_block_flat_apply and the like, never the reverse. Keep it
+ * short (checkpoints wait for it). */
+int expert_block_outer_lock(expert_block *b, int create, struct expert_outer *out);
+void expert_block_outer_unlock(expert_block *b);
+/* Forgets the outer state (the next round takes a new anchor). */
+void expert_block_outer_drop(expert_block *b);
+
 /* ---- Stage identity ---- */
 
 struct expert_model_spec;
@@ -336,13 +358,16 @@ const char *expert_block_stage(const expert_block *b, uint64_t *stage_hash_out);
 
 /* ---- Serialisation (the checkpoint file format; docs/expert.md; expert/serialize.c) ---- */
 
-#define EXPERT_CKPT_FORMAT 3          /* the newest read: format 2 is written, format 3
-                                         for the transformer kinds; format 1 is still read */
+#define EXPERT_CKPT_FORMAT 4          /* the newest read: with optimizer state format 4 is
+                                         written (it adds the guard's history and DiLoCo's
+                                         outer state); without, format 2, or 3 for the
+                                         transformer kinds; format 1 is still read */
 #define EXPERT_CKPT_NAME_LEN 64       /* model and stage name fields, with the NUL */
 
 /* What a checkpoint's header says (expert_ckpt_peek). */
 struct expert_ckpt_info {
-    uint32_t format;                  /* 1, 2 or 3 */
+    uint32_t format;                  /* 1 to 4 */
+    int with_outer;                   /* format 4: DiLoCo's outer state present */
     int with_optim;
     uint64_t config_hash;             /* expert_block_config_hash of cfg */
     struct expert_block_config cfg;

@@ -51,6 +51,11 @@ struct expert_block {
     struct expert_guard_config guard_cfg; /* resolved */
     struct expert_guard guard;  /* accepted step gradient norms */
 
+    /* DiLoCo's outer state (expert_block_outer_lock), host memory, under
+     * outer_mu (taken before grad_mu): anchor, momentum, residual. */
+    pthread_mutex_t outer_mu;
+    float *outer;          /* 3*n, or NULL while the block has none */
+
     /* Health of the steps (expert_block_health), under health_mu: a leaf
      * lock, so a reader never waits for a backward that holds grad_mu. */
     pthread_mutex_t health_mu;
@@ -102,29 +107,48 @@ struct expert__block_state {
     const char *model;     /* expert_block_set_stage's model name, "" when none */
     const char *stage;     /* its stage name, "" when none */
     uint64_t stage_hash;   /* its stage hash, 0 when none */
+    struct expert_guard guard; /* the history of the steps' gradient norms */
+    const float *outer;    /* DiLoCo's anchor, momentum, residual (3 nparams floats), or NULL */
     float *copy_;          /* the host copy of a device block's state (internal) */
 };
 
 /* Fills *out with b's state and holds it still: every call that takes the
- * block's gradient lock (backward, step, load, parameter updates) waits
- * until expert__block_state_unlock; forwards go on. Not re-entrant: call
- * none of b's functions in between. Returns 0, or -ENOMEM / the backend's
- * error (then nothing is held and unlock must not be called). */
+ * block's gradient lock (backward, step, load, parameter updates) or its
+ * outer state waits until expert__block_state_unlock; forwards go on.
+ * Not re-entrant: call none of b's functions in between. Returns 0, or
+ * -ENOMEM / the backend's error (then nothing is held and unlock must not
+ * be called). */
 int expert__block_state_lock(expert_block *b, struct expert__block_state *out);
 void expert__block_state_unlock(expert_block *b, struct expert__block_state *st);
+
+/* 1 when the block has DiLoCo's outer state now (it may gain one at any
+ * time: serialise sizes again under the state lock). */
+int expert__block_has_outer(const expert_block *b);
 
 /* The model name given by expert_block_set_stage ("" when none; static for
  * the block's life, like expert_block_stage). */
 const char *expert__block_model(const expert_block *b);
 
+/* The training state beyond the optimizer's moments that a checkpoint of
+ * format 4 carries (expert/serialize.c). */
+struct expert__train_extra {
+    struct expert_guard guard; /* the steps' gradient norm history */
+    const void *outer;         /* DiLoCo's anchor, momentum, residual (3 nparams floats,
+                                  host memory, any alignment), or NULL: none */
+};
+
 /* Replaces b's state: params (expert_block_nparams floats, host memory, any
  * alignment; read only) become the current weights, as version; with m
  * and v (as many floats each) the optimizer state, at steps and
  * optim_kind, or with m and v NULL a fresh optimizer (zero state, no
- * steps). Gradients accumulated so far are dropped. Waits for readers of
- * the spare weight slot. Returns 0, or the backend's error (the block
- * unchanged). */
+ * steps). With extra, the guard's history and the outer state become
+ * extra's (no outer state when extra->outer is NULL); without (an older
+ * format), the guard starts afresh and the outer state is dropped.
+ * Gradients accumulated so far are dropped. Waits for readers of the spare weight slot. Returns 0, or
+ * the backend's error (then the weights are unchanged and the optimizer
+ * state is reset). */
 int expert__block_restore(expert_block *b, const void *params, const void *m, const void *v,
-                          uint64_t version, uint64_t steps, int optim_kind);
+                          uint64_t version, uint64_t steps, int optim_kind,
+                          const struct expert__train_extra *extra);
 
 #endif

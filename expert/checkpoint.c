@@ -56,11 +56,17 @@ int expert_block_save(expert_block *b, const char *path, int with_optim)
 {
     if (!b || !path || !*path)
         return -EINVAL;
-    size_t len = expert_block_serialized_size(b, with_optim);
-    void *buf = malloc(len);
-    if (!buf)
-        return -ENOMEM;
-    long n = expert_block_serialize(b, with_optim, buf, len);
+    /* The size can grow between the two calls (an averaging round gives
+     * the block its outer state): then size it again. */
+    void *buf = NULL;
+    long n = -ENOSPC;
+    for (int tries = 0; tries < 3 && n == -ENOSPC; tries++) {
+        size_t len = expert_block_serialized_size(b, with_optim);
+        free(buf);
+        if (!(buf = malloc(len)))
+            return -ENOMEM;
+        n = expert_block_serialize(b, with_optim, buf, len);
+    }
     if (n < 0) {
         free(buf);
         return (int)n;
@@ -169,7 +175,7 @@ int expert_block_load(expert_block *b, const char *path, char *msg, size_t msgle
     }
     /* The header first: another block's or stage's file is named as such,
      * and only the one size the header implies is ever read. */
-    uint8_t hdr[256];
+    uint8_t hdr[512];
     ssize_t got = pread(fd, hdr, sizeof hdr, 0);
     struct expert_ckpt_info h;
     int rc = expert_ckpt_peek(hdr, got > 0 ? (size_t)got : 0, &h);

@@ -31,36 +31,51 @@
 
 /* Format 1: the 64-byte header, the table, the data, the CRC. Format 2 adds
  * the stage (hash, model name, stage name) after the first 64 bytes; format
- * 3 then the transformer kinds' sizes (dim, heads, seq, layers, vocab). */
+ * 3 then the transformer kinds' sizes (dim, heads, seq, layers, vocab);
+ * format 4 (always with optimizer state) those sizes for every kind (0 for
+ * the others), then the training state beyond the moments: the guard's
+ * history of gradient norms, and whether DiLoCo's outer state (anchor,
+ * momentum, residual: three more sets of tensors) follows. */
 #define HDR_LEN_V1 64
 #define HDR_LEN_V2 200
 #define HDR_LEN_V3 220
+#define HDR_LEN_V4 260
 #define ENTRY_LEN 48
 static const char magic[8] = { 'S', 'T', 'R', 'L', 'C', 'K', 'P', 'T' };
 
-enum { ROLE_PARAM = 0, ROLE_M = 1, ROLE_V = 2 };
+/* Table roles: parameters, the moments, then DiLoCo's outer state. */
+enum { ROLE_PARAM = 0, ROLE_M = 1, ROLE_V = 2, ROLE_ANCHOR = 3, ROLE_MOMENTUM = 4, ROLE_RESIDUAL = 5 };
 
-static size_t n_entries(int nt, int with_optim)
+/* Sets of tensors (roles) a state holds. */
+static int n_sets(int with_optim, int with_outer)
 {
-    return (size_t)nt * (with_optim ? 3 : 1);
+    return with_optim ? (with_outer ? 6 : 3) : 1;
+}
+
+static size_t n_entries(int nt, int with_optim, int with_outer)
+{
+    return (size_t)nt * (size_t)n_sets(with_optim, with_outer);
 }
 
 static size_t hdr_len(uint32_t format)
 {
-    return format == 1 ? HDR_LEN_V1 : format == 2 ? HDR_LEN_V2 : HDR_LEN_V3;
+    return format == 1 ? HDR_LEN_V1 : format == 2 ? HDR_LEN_V2 : format == 3 ? HDR_LEN_V3 : HDR_LEN_V4;
 }
 
-/* The format a block of this config is written in: 2, the format older
- * builds read, unless its config needs format 3's fields. */
-static uint32_t format_for(const struct expert_block_config *cfg)
+/* The format a block's state is written in: 4 with optimizer state (the
+ * whole training state); without, 2, the format older builds read, unless
+ * the config needs format 3's fields. */
+static uint32_t format_for(const struct expert_block_config *cfg, int with_optim)
 {
+    if (with_optim)
+        return 4;
     return expert_block_kind_is_seq(cfg->kind) ? 3 : 2;
 }
 
-static size_t state_len(uint32_t format, int nt, size_t nfloats, int with_optim)
+static size_t state_len(uint32_t format, int nt, size_t nfloats, int with_optim, int with_outer)
 {
-    int k = with_optim ? 3 : 1;
-    return hdr_len(format) + ENTRY_LEN * (size_t)nt * (size_t)k + sizeof(float) * nfloats * (size_t)k + 4;
+    size_t k = (size_t)n_sets(with_optim, with_outer);
+    return hdr_len(format) + ENTRY_LEN * (size_t)nt * k + sizeof(float) * nfloats * k + 4;
 }
 
 /* Integers are little-endian. */
@@ -92,12 +107,30 @@ static uint64_t get_u64(const uint8_t *p)
     return v;
 }
 
+/* Doubles are IEEE-754 binary64, little-endian. */
+static void put_f64(uint8_t *p, double d)
+{
+    uint64_t v;
+    memcpy(&v, &d, sizeof v);
+    put_u64(p, v);
+}
+
+static double get_f64(const uint8_t *p)
+{
+    uint64_t v = get_u64(p);
+    double d;
+    memcpy(&d, &v, sizeof d);
+    return d;
+}
+
 size_t expert_block_serialized_size(const expert_block *b, int with_optim)
 {
     int nt;
     size_t n;
+    with_optim = with_optim != 0;
     expert_block_tensors(b, &nt, &n);
-    return state_len(format_for(expert_block_config(b)), nt, n, with_optim);
+    return state_len(format_for(expert_block_config(b), with_optim), nt, n, with_optim,
+                     with_optim && expert__block_has_outer(b));
 }
 
 /* A name field: printable ASCII, NUL-terminated, zero after the NUL. */
@@ -164,7 +197,7 @@ int expert_ckpt_peek(const void *buf, size_t len, struct expert_ckpt_info *out)
     }
     out->cfg = (struct expert_block_config){ (int)dims[0], (int)dims[1], (int)dims[2], (int)dims[3],
                                              0, 0, 0, 0, 0 };
-    if (out->format == 3) {
+    if (out->format >= 3) {
         int *more[5] = { &out->cfg.dim, &out->cfg.heads, &out->cfg.seq, &out->cfg.layers,
                          &out->cfg.vocab };
         for (int i = 0; i < 5; i++) {
@@ -174,8 +207,18 @@ int expert_ckpt_peek(const void *buf, size_t len, struct expert_ckpt_info *out)
             *more[i] = (int)v;
         }
     }
-    if (out->format != format_for(&out->cfg) && out->format > 1)
+    if (out->format == 4) {
+        /* Always with optimizer state; the guard's history in range; the
+         * reserved bytes zero. */
+        double ref = get_f64(p + HDR_LEN_V3), warm = get_f64(p + HDR_LEN_V3 + 16);
+        uint32_t outer = get_u32(p + HDR_LEN_V3 + 24);
+        if (!out->with_optim || !(ref >= 0 && ref <= 1e300) || !(warm >= 0 && warm <= 1e300) || outer > 1 ||
+            get_u32(p + HDR_LEN_V3 + 28) || get_u64(p + HDR_LEN_V3 + 32))
+            return -EBADMSG;
+        out->with_outer = (int)outer;
+    } else if (out->format > 1 && out->format != format_for(&out->cfg, 0)) {
         return -EBADMSG; /* a transformer kind needs format 3's fields, the others format 2 */
+    }
     struct expert_tensor_info t[EXPERT_BLOCK_MAX_TENSORS];
     size_t nfloats;
     int nt = expert_block_config_tensors(&out->cfg, t, &nfloats);
@@ -184,9 +227,9 @@ int expert_ckpt_peek(const void *buf, size_t len, struct expert_ckpt_info *out)
      * config (-ESTALE from expert_block_ckpt_fits), not corruption. */
     if (nt < 0)
         return -EBADMSG;
-    if (get_u32(p + 60) != (uint32_t)nt * (out->with_optim ? 3u : 1u))
+    if (get_u32(p + 60) != (uint32_t)n_entries(nt, out->with_optim, out->with_outer))
         return -EBADMSG;
-    out->total_len = state_len(out->format, nt, nfloats, out->with_optim);
+    out->total_len = state_len(out->format, nt, nfloats, out->with_optim, out->with_outer);
     if (out->format == 1)
         return 0;
     out->stage_hash = get_u64(p + 64);
@@ -219,13 +262,13 @@ int expert_block_ckpt_fits(const expert_block *b, const struct expert_ckpt_info 
     return 0;
 }
 
-/* Writes the header (hdr_len(format_for(cfg)) bytes, zeroed by the
- * caller) of st, a block of config cfg with ne table entries. */
+/* Writes the header (hdr_len(format_for(cfg, with_optim)) bytes, zeroed
+ * by the caller) of st, a block of config cfg with ne table entries. */
 static void put_header(uint8_t *p, const struct expert_block_config *cfg,
-                       const struct expert__block_state *st, int with_optim, size_t ne)
+                       const struct expert__block_state *st, int with_optim, int with_outer, size_t ne)
 {
     memcpy(p, magic, 8);
-    uint32_t format = format_for(cfg);
+    uint32_t format = format_for(cfg, with_optim);
     put_u32(p + 8, format);
     put_u32(p + 12, (uint32_t)with_optim);
     put_u64(p + 16, expert_block_config_hash(cfg));
@@ -240,12 +283,18 @@ static void put_header(uint8_t *p, const struct expert_block_config *cfg,
     put_u64(p + 64, st->stage_hash);
     memcpy(p + 72, st->model, strlen(st->model));
     memcpy(p + 72 + EXPERT_CKPT_NAME_LEN, st->stage, strlen(st->stage));
-    if (format == 3) {
+    if (format >= 3) {
         put_u32(p + HDR_LEN_V2, (uint32_t)cfg->dim);
         put_u32(p + HDR_LEN_V2 + 4, (uint32_t)cfg->heads);
         put_u32(p + HDR_LEN_V2 + 8, (uint32_t)cfg->seq);
         put_u32(p + HDR_LEN_V2 + 12, (uint32_t)cfg->layers);
         put_u32(p + HDR_LEN_V2 + 16, (uint32_t)cfg->vocab);
+    }
+    if (format == 4) {
+        put_f64(p + HDR_LEN_V3, st->guard.ref);
+        put_u64(p + HDR_LEN_V3 + 8, st->guard.seen);
+        put_f64(p + HDR_LEN_V3 + 16, st->guard.warm);
+        put_u32(p + HDR_LEN_V3 + 24, (uint32_t)with_outer);
     }
 }
 
@@ -254,24 +303,31 @@ long expert_block_serialize(expert_block *b, int with_optim, void *buf, size_t c
     if (!b || !buf)
         return -EINVAL;
     with_optim = with_optim != 0;
-    size_t len = expert_block_serialized_size(b, with_optim);
-    if (cap < len)
-        return -ENOSPC;
     uint8_t *p = buf;
     int nt;
-    const struct expert_tensor_info *t = expert_block_tensors(b, &nt, NULL);
-    size_t ne = n_entries(nt, with_optim);
-    size_t hl = hdr_len(format_for(expert_block_config(b)));
-    size_t data_off = hl + ENTRY_LEN * ne;
+    size_t n;
+    const struct expert_tensor_info *t = expert_block_tensors(b, &nt, &n);
+    const struct expert_block_config *cfg = expert_block_config(b);
     struct expert__block_state st;
 
-    /* The lock keeps a step from changing m/v or the weights while we copy. */
+    /* The lock keeps a step from changing m/v or the weights, and a round
+     * from changing the outer state, while we copy. */
     int rc = expert__block_state_lock(b, &st);
     if (rc != 0)
         return rc;
+    int with_outer = with_optim && st.outer;
+    size_t len = state_len(format_for(cfg, with_optim), nt, n, with_optim, with_outer);
+    if (cap < len) {
+        expert__block_state_unlock(b, &st);
+        return -ENOSPC;
+    }
+    size_t ne = n_entries(nt, with_optim, with_outer);
+    size_t hl = hdr_len(format_for(cfg, with_optim));
+    size_t data_off = hl + ENTRY_LEN * ne;
     memset(p, 0, data_off);
-    put_header(p, expert_block_config(b), &st, with_optim, ne);
-    const float *src[3] = { st.params, st.m, st.v };
+    put_header(p, cfg, &st, with_optim, with_outer, ne);
+    const float *src[6] = { st.params, st.m, st.v, st.outer, st.outer ? st.outer + n : NULL,
+                            st.outer ? st.outer + 2 * n : NULL };
     size_t off = data_off;
     for (size_t e = 0; e < ne; e++) {
         const struct expert_tensor_info *te = &t[e % (size_t)nt];
@@ -332,7 +388,7 @@ int expert_block_deserialize(expert_block *b, const void *buf, size_t len)
     rc = expert_block_ckpt_fits(b, &h);
     if (rc != 0)
         return rc;
-    int with_optim = h.with_optim;
+    int with_optim = h.with_optim, with_outer = h.with_outer;
     uint64_t version = h.version, steps = h.steps;
     uint32_t okind = get_u32(p + 56);
     if (with_optim ? (okind != 0 && okind != EXPERT_OPTIM_ADAMW && okind != EXPERT_OPTIM_SGD)
@@ -343,22 +399,30 @@ int expert_block_deserialize(expert_block *b, const void *buf, size_t len)
     int nt;
     size_t n;
     const struct expert_tensor_info *t = expert_block_tensors(b, &nt, &n);
-    size_t ne = n_entries(nt, with_optim);
+    size_t ne = n_entries(nt, with_optim, with_outer);
     if (len != h.total_len)
         return -EBADMSG;
     if (check_table(p + hl, hl, ne, t, nt, len - 4) != 0)
         return -EBADMSG;
     /* Non-finite weights would poison every forward: refuse them. */
     const uint8_t *src = p + hl + ENTRY_LEN * ne;
-    size_t nf = n * (with_optim ? 3 : 1);
+    size_t nf = n * (size_t)n_sets(with_optim, with_outer);
     for (size_t i = 0; i < nf; i++) {
         float x;
         memcpy(&x, src + i * sizeof x, sizeof x);
         if (!isfinite(x))
             return -EBADMSG;
     }
-    if (with_optim) /* (else weights alone: the optimizer starts afresh on them) */
-        return expert__block_restore(b, src, src + n * sizeof(float), src + 2 * n * sizeof(float),
-                                     version, steps, (int)okind);
-    return expert__block_restore(b, src, NULL, NULL, version, 0, 0);
+    if (!with_optim) /* weights alone: the optimizer starts afresh on them */
+        return expert__block_restore(b, src, NULL, NULL, version, 0, 0, NULL);
+    struct expert__train_extra extra = { .guard = { 0 } }, *ex = NULL;
+    if (h.format == 4) {
+        extra.guard.ref = get_f64(p + HDR_LEN_V3);
+        extra.guard.seen = get_u64(p + HDR_LEN_V3 + 8);
+        extra.guard.warm = get_f64(p + HDR_LEN_V3 + 16);
+        extra.outer = with_outer ? src + 3 * n * sizeof(float) : NULL;
+        ex = &extra;
+    }
+    return expert__block_restore(b, src, src + n * sizeof(float), src + 2 * n * sizeof(float), version,
+                                 steps, (int)okind, ex);
 }

@@ -343,6 +343,7 @@ int expert__block_state_lock(expert_block *b, struct expert__block_state *out)
 {
     const expert_backend *be = b->be;
     memset(out, 0, sizeof *out);
+    pthread_mutex_lock(&b->outer_mu);
     pthread_mutex_lock(&b->grad_mu);
     if (be->host_memory) {
         out->params = expert__current_params(b);
@@ -361,6 +362,7 @@ int expert__block_state_lock(expert_block *b, struct expert__block_state *out)
         if (rc != 0) {
             free(copy);
             pthread_mutex_unlock(&b->grad_mu);
+            pthread_mutex_unlock(&b->outer_mu);
             return rc;
         }
         out->copy_ = copy;
@@ -374,21 +376,33 @@ int expert__block_state_lock(expert_block *b, struct expert__block_state *out)
     out->model = b->model;
     out->stage = b->stage;
     out->stage_hash = b->stage_hash;
+    out->guard = b->guard;
+    out->outer = b->outer;
     return 0;
 }
 
 void expert__block_state_unlock(expert_block *b, struct expert__block_state *st)
 {
     pthread_mutex_unlock(&b->grad_mu);
+    pthread_mutex_unlock(&b->outer_mu);
     free(st->copy_);
     st->copy_ = NULL;
 }
 
 int expert__block_restore(expert_block *b, const void *params, const void *m, const void *v,
-                          uint64_t version, uint64_t steps, int optim_kind)
+                          uint64_t version, uint64_t steps, int optim_kind,
+                          const struct expert__train_extra *extra)
 {
     const expert_backend *be = b->be;
     const size_t bytes = b->n * sizeof(float);
+    /* The outer state's copy first: nothing below fails for want of it. */
+    float *outer = NULL;
+    if (extra && extra->outer) {
+        if (!(outer = malloc(3 * (b->n ? b->n : 1) * sizeof(float))))
+            return -ENOMEM;
+        memcpy(outer, extra->outer, 3 * bytes);
+    }
+    pthread_mutex_lock(&b->outer_mu);
     pthread_mutex_lock(&b->grad_mu);
     float *dst = expert__spare_begin(b);
     int rc = be->upload(be, dst, params, bytes);
@@ -401,11 +415,69 @@ int expert__block_restore(expert_block *b, const void *params, const void *m, co
     if (rc != 0) {
         (void)step_failed(b, rc);
         pthread_mutex_unlock(&b->grad_mu);
+        pthread_mutex_unlock(&b->outer_mu);
+        free(outer);
         return rc;
     }
     b->steps = m && v ? steps : 0;
     b->optim_kind = m && v ? optim_kind : 0;
+    b->guard = extra ? extra->guard : (struct expert_guard){ 0 };
+    pthread_mutex_lock(&b->health_mu);
+    b->health.grad_ref = b->guard.ref;
+    pthread_mutex_unlock(&b->health_mu);
+    free(b->outer);
+    b->outer = outer;
     rc = clear_grads(b);
     pthread_mutex_unlock(&b->grad_mu);
+    pthread_mutex_unlock(&b->outer_mu);
     return rc;
+}
+
+/* ---------------------------------------------- DiLoCo's outer state -- */
+
+int expert_block_outer_lock(expert_block *b, int create, struct expert_outer *out)
+{
+    if (!b || !out)
+        return -EINVAL;
+    pthread_mutex_lock(&b->outer_mu);
+    if (!b->outer && create) {
+        b->outer = calloc(3 * (b->n ? b->n : 1), sizeof(float));
+        if (!b->outer) {
+            pthread_mutex_unlock(&b->outer_mu);
+            return -ENOMEM;
+        }
+    }
+    if (!b->outer) {
+        pthread_mutex_unlock(&b->outer_mu);
+        return -ENOENT;
+    }
+    out->anchor = b->outer;
+    out->momentum = b->outer + b->n;
+    out->residual = b->outer + 2 * b->n;
+    out->n = b->n;
+    return 0;
+}
+
+int expert__block_has_outer(const expert_block *b)
+{
+    /* The lock is the block's state, not its identity: taking it through
+     * a const pointer changes nothing a caller can see. */
+    pthread_mutex_t *mu = (pthread_mutex_t *)&b->outer_mu;
+    pthread_mutex_lock(mu);
+    int has = b->outer != NULL;
+    pthread_mutex_unlock(mu);
+    return has;
+}
+
+void expert_block_outer_unlock(expert_block *b)
+{
+    pthread_mutex_unlock(&b->outer_mu);
+}
+
+void expert_block_outer_drop(expert_block *b)
+{
+    pthread_mutex_lock(&b->outer_mu);
+    free(b->outer);
+    b->outer = NULL;
+    pthread_mutex_unlock(&b->outer_mu);
 }

@@ -147,11 +147,10 @@ static int slice_decode(const peer_tensor *t, int fmt, int block, size_t count, 
 /* One hosted block's rounds (loop thread only). */
 typedef struct srv_block {
     uint64_t mark;             /* backward rows at the last applied round */
-    /* Diloco mode: the parameters after the last applied round, the
-     * outer momentum and the error-feedback residual of lossy slices
-     * (nparams floats each, one allocation; NULL until the first anchor). */
-    float *anchor, *outer_m, *resid;
-    size_t nparams;
+    /* Diloco mode's anchor (the parameters after the last applied round),
+     * outer momentum and error-feedback residual of lossy slices are the
+     * block's (expert_block_outer_lock): checkpoints and state downloads
+     * carry them. */
     struct {
         int active;            /* base frozen */
         uint64_t round;
@@ -359,7 +358,6 @@ static void server_free(void *ctx)
         free(srv->b[i].cur.reduced_enc);
         free(srv->b[i].prev.reduced);
         free(srv->b[i].prev.reduced_enc);
-        free(srv->b[i].anchor);
     }
     free(srv);
 }
@@ -435,23 +433,22 @@ static void retire(srv_block *b)
     memset(&b->cur, 0, sizeof b->cur);
 }
 
-/* Diloco: block i's anchor := params (np floats), momentum and residual
+/* Diloco: block blk's anchor := params (np floats), momentum and residual
  * := 0, and the next round's samples count from `rows`. */
-static int set_anchor(srv_block *b, const float *params, size_t np, uint64_t rows)
+static int set_anchor(srv_block *b, expert_block *blk, const float *params, size_t np, uint64_t rows)
 {
-    if (!b->anchor || b->nparams != np) {
-        free(b->anchor);
-        b->outer_m = b->resid = NULL;
-        b->nparams = 0;
-        if (!(b->anchor = malloc((np ? 3 * np : 1) * sizeof(float))))
-            return -ENOMEM;
-        b->outer_m = b->anchor + np;
-        b->resid = b->anchor + 2 * np;
-        b->nparams = np;
+    struct expert_outer o;
+    int rc = expert_block_outer_lock(blk, 1, &o);
+    if (rc != 0)
+        return rc;
+    if (o.n != np) {
+        expert_block_outer_unlock(blk);
+        return -EINVAL;
     }
-    memcpy(b->anchor, params, np * sizeof(float));
-    memset(b->outer_m, 0, np * sizeof(float));
-    memset(b->resid, 0, np * sizeof(float));
+    memcpy(o.anchor, params, np * sizeof(float));
+    memset(o.momentum, 0, np * sizeof(float));
+    memset(o.residual, 0, np * sizeof(float));
+    expert_block_outer_unlock(blk);
     b->mark = rows;
     return 0;
 }
@@ -477,15 +474,24 @@ int peer_allreduce_server_anchor(peer_allreduce_server *srv, int i)
     srv_block *b = srv_block_of(srv, i);
     if (!b)
         return -EINVAL;
-    size_t np = expert_block_nparams(peer_service_block(srv->svc, i));
+    expert_block *blk = peer_service_block(srv->svc, i);
+    peer_block_info info;
+    uint64_t rows = backward_rows(srv, i, &info);
+    /* An outer state the block restored or downloaded with its weights
+     * is the one its replicas share: it stays. */
+    struct expert_outer o;
+    if (expert_block_outer_lock(blk, 0, &o) == 0) {
+        expert_block_outer_unlock(blk);
+        b->mark = rows;
+        return 0;
+    }
+    size_t np = expert_block_nparams(blk);
     float *tmp = malloc((np ? np : 1) * sizeof(float));
     if (!tmp)
         return -ENOMEM;
-    peer_block_info info;
-    uint64_t rows = backward_rows(srv, i, &info);
     int rc = copy_params(srv, i, tmp, np);
     if (rc == 0)
-        rc = set_anchor(b, tmp, np, rows);
+        rc = set_anchor(b, blk, tmp, np, rows);
     free(tmp);
     return rc;
 }
@@ -506,7 +512,7 @@ static int method_ok(const peer_avg_method *h)
  * v = delta + residual, encoding the others' parts with error feedback
  * into the residual the round leaves (base + 2 nflat; 0 over our part, which
  * never travels). Returns 0, -ENOMEM or -EINVAL. */
-static int encode_base(srv_block *b, int diloco)
+static int encode_base(srv_block *b, expert_block *blk, int diloco)
 {
     const int fmt = b->cur.how.fmt, fb = b->cur.how.fmt_block, n = b->cur.n;
     const size_t nflat = b->cur.nflat;
@@ -526,22 +532,35 @@ static int encode_base(srv_block *b, int diloco)
         b->cur.enc_cap = total;
     }
     float *base = b->cur.base, *rnext = diloco ? b->cur.base + 2 * nflat : NULL;
-    if (diloco)
-        memcpy(rnext, b->resid, nflat * sizeof(float));
+    struct expert_outer o;
+    if (diloco) {
+        int rc = expert_block_outer_lock(blk, 0, &o);
+        if (rc != 0)
+            return rc == -ENOENT ? -EINVAL : rc;
+        if (o.n != nflat) {
+            expert_block_outer_unlock(blk);
+            return -EINVAL;
+        }
+        memcpy(rnext, o.residual, nflat * sizeof(float));
+    }
     for (int j = 0; j < n; j++) {
         size_t off, len;
         peer_avg_part(nflat, n, j, &off, &len);
         if (j == b->cur.me)
             continue;
-        if (part_encode(fmt, fb, base + off, len, rnext ? rnext + off : NULL, b->cur.enc + b->cur.enc_off[j]) != 0)
+        if (part_encode(fmt, fb, base + off, len, rnext ? rnext + off : NULL, b->cur.enc + b->cur.enc_off[j]) != 0) {
+            if (diloco)
+                expert_block_outer_unlock(blk);
             return -EINVAL;
+        }
     }
     if (diloco) {
         /* What encode_ef sent is decode(v) with v = delta + residual: make
          * that our base too (our own part enters our reduce exact, so its
          * residual is spent). */
         for (size_t k = 0; k < nflat; k++)
-            base[k] += b->resid[k];
+            base[k] += o.residual[k];
+        expert_block_outer_unlock(blk);
         memset(rnext + b->cur.part_off, 0, b->cur.part_len * sizeof(float));
     }
     return part_encode(fmt, fb, base + b->cur.part_off, b->cur.part_len, NULL, b->cur.enc + b->cur.enc_off[b->cur.me]);
@@ -601,16 +620,25 @@ int peer_allreduce_server_begin(peer_allreduce_server *srv, int i, uint64_t roun
             b->cur.active = 0;
             return rc;
         }
-        if (!b->anchor || b->nparams != np) {
-            rc = set_anchor(b, theta, np, rows);
-            if (rc != 0) {
-                b->cur.active = 0;
-                return rc;
-            }
+        struct expert_outer o;
+        rc = expert_block_outer_lock(blk, 0, &o);
+        if (rc == -ENOENT) {
+            rc = set_anchor(b, blk, theta, np, rows);
+            if (rc == 0)
+                rc = expert_block_outer_lock(blk, 0, &o);
             b->cur.weight = 0;
         }
+        if (rc == 0 && o.n != np) {
+            expert_block_outer_unlock(blk);
+            rc = -EINVAL;
+        }
+        if (rc != 0) {
+            b->cur.active = 0;
+            return rc;
+        }
         for (size_t k = 0; k < np; k++)
-            delta[k] = b->anchor[k] - theta[k];
+            delta[k] = o.anchor[k] - theta[k];
+        expert_block_outer_unlock(blk);
     } else {
         int rc = expert_block_flat_export(blk, b->cur.base);
         if (rc != 0) {
@@ -627,7 +655,7 @@ int peer_allreduce_server_begin(peer_allreduce_server *srv, int i, uint64_t roun
     b->cur.part_off = off;
     b->cur.part_len = len;
     if (lossy) {
-        int rc = encode_base(b, diloco);
+        int rc = encode_base(b, blk, diloco);
         if (rc != 0) {
             b->cur.active = 0;
             return rc;
@@ -696,21 +724,33 @@ static int apply_outer(srv_block *b, expert_block *blk, const float *dbar, doubl
     float *buf = malloc((np ? 2 * np : 1) * sizeof(float));
     if (!buf)
         return -ENOMEM;
+    /* The outer state is held through the apply, so a checkpoint sees the
+     * weights and the anchor of the same round (the lock comes before the
+     * block's gradient lock, which the apply takes). */
+    struct expert_outer o;
+    int rc = expert_block_outer_lock(blk, 0, &o);
+    if (rc != 0 || o.n != np) {
+        if (rc == 0)
+            expert_block_outer_unlock(blk);
+        free(buf);
+        return -EINVAL;
+    }
     float *theta_new = buf + np;
     for (size_t k = 0; k < np; k++) {
-        double m = mu * b->outer_m[k] + dbar[k];
+        double m = mu * o.momentum[k] + dbar[k];
         buf[k] = (float)m;
-        theta_new[k] = (float)(b->anchor[k] - lr * (dbar[k] + mu * m));
+        theta_new[k] = (float)(o.anchor[k] - lr * (dbar[k] + mu * m));
     }
     /* Parameters only: params += theta_new - (params at the round's start). */
-    int rc = expert_block_flat_apply(blk, theta_new, b->cur.base + np, 0, dist_before, dist_after);
+    rc = expert_block_flat_apply(blk, theta_new, b->cur.base + np, 0, dist_before, dist_after);
     if (rc == 0) {
-        memcpy(b->outer_m, buf, np * sizeof(float));
-        memcpy(b->anchor, theta_new, np * sizeof(float));
+        memcpy(o.momentum, buf, np * sizeof(float));
+        memcpy(o.anchor, theta_new, np * sizeof(float));
         /* Error feedback: what this round's slices lost goes out next. */
         if (b->cur.how.fmt != PEER_FMT_F32)
-            memcpy(b->resid, b->cur.base + 2 * np, np * sizeof(float));
+            memcpy(o.residual, b->cur.base + 2 * np, np * sizeof(float));
     }
+    expert_block_outer_unlock(blk);
     free(buf);
     return rc;
 }
@@ -724,8 +764,7 @@ int peer_allreduce_server_apply(peer_allreduce_server *srv, int i, const float *
     expert_block *blk = peer_service_block(srv->svc, i);
     int rc;
     if (b->cur.how.mode == PEER_AVG_DILOCO)
-        rc = b->anchor && b->nparams == b->cur.nflat ? apply_outer(b, blk, avg, dist_before, dist_after)
-                                                      : -EINVAL;
+        rc = apply_outer(b, blk, avg, dist_before, dist_after);
     else
         rc = expert_block_flat_apply(blk, avg, b->cur.base, with_optim, dist_before, dist_after);
     if (rc == 0) {

@@ -170,7 +170,10 @@ int peer_allreduce_server_begin(peer_allreduce_server *srv, int i, uint64_t roun
 /* Diloco mode: sets block i's anchor to its current parameters and zeroes
  * its outer momentum; samples trained from now on count for its next
  * round's weight. The daemon calls it when a block's state is final (it
- * went online, after restoring or downloading its state). Returns 0,
+ * went online, after restoring or downloading its state). A block whose
+ * state came with an outer state (its checkpoint, or a holder's download:
+ * expert_block_outer_lock) keeps that anchor, momentum and residual: the
+ * replicas' shared outer optimizer resumes where it was. Returns 0,
  * -EINVAL or -ENOMEM (anchor unchanged). */
 int peer_allreduce_server_anchor(peer_allreduce_server *srv, int i);
 /* The frozen base of the current round (its vector's length), or NULL. */

@@ -183,7 +183,9 @@ static expert_block *tiny_block(int stage, int trained)
 
 /* Header and table bytes changed WITH a valid checksum: the structural checks
  * alone must refuse every one, except the free-valued weight version and
- * step count (bytes 24..39). Data bytes turned into NaN are refused too.
+ * step count (bytes 24..39) and the guard's history (format 4, bytes
+ * 220..243: its own test checks what is refused there). Data bytes turned
+ * into NaN are refused too.
  * Both for a block that records no stage and one that does (the stage hash
  * and both names are then all checked against each other). */
 static void header_fields_case(int staged)
@@ -195,10 +197,10 @@ static void header_fields_case(int staged)
     unsigned char *buf = serialize(a, 1, &len);
     int nt;
     expert_block_tensors(a, &nt, NULL);
-    size_t data_off = 200 + 48 * (size_t)nt * 3;
+    size_t data_off = 260 + 48 * (size_t)nt * 3;
     unsigned char *mod = malloc(len);
     for (size_t i = 0; i < data_off; i++) {
-        if (i >= 24 && i < 40)
+        if ((i >= 24 && i < 40) || (i >= 220 && i < 244))
             continue;
         for (int k = 0; k < 2; k++) {
             memcpy(mod, buf, len);
@@ -266,7 +268,7 @@ static void test_truncation_and_garbage(void **state)
     char dir[512], path[600];
     test_tmpdir(dir, sizeof dir, "ckpt-trunc");
     snprintf(path, sizeof path, "%s/t.ckpt", dir);
-    const size_t cuts[] = { 0, 1, 8, 63, 64, 199, 200, len / 2, len - 4, len - 1 };
+    const size_t cuts[] = { 0, 1, 8, 63, 64, 199, 259, 260, len / 2, len - 4, len - 1 };
     char msg[512];
     for (size_t i = 0; i < sizeof cuts / sizeof cuts[0]; i++) {
         test_write_file(path, buf, cuts[i], 0644);
@@ -274,7 +276,7 @@ static void test_truncation_and_garbage(void **state)
         /* The sentence names the file and says which: no header, or a
          * header whose length the file does not have. */
         assert_non_null(strstr(msg, path));
-        assert_non_null(strstr(msg, cuts[i] < 200 ? "corrupt: not a checkpoint header" : "truncated or padded"));
+        assert_non_null(strstr(msg, cuts[i] < 260 ? "corrupt: not a checkpoint header" : "truncated or padded"));
     }
     test_write_file(path, big, len + 1, 0644);
     assert_int_equal(expert_block_load(b, path, msg, sizeof msg), -EBADMSG);
@@ -356,28 +358,37 @@ static void put_le32(unsigned char *p, uint32_t v)
 /* The same state in format 1 (as the previous build wrote it): the first 64
  * header bytes with version 1, the table with offsets 136 bytes lower (no
  * stage fields), the data, a new CRC. */
-static unsigned char *to_format1(const unsigned char *v2, size_t len, size_t *len1)
+/* Format 2 (from a format 2 buffer, or a format 4 one of a block without
+ * DiLoCo's outer state: its header's last 60 bytes dropped) or format 1
+ * (the stage dropped too), as older builds wrote them. */
+static unsigned char *to_format(const unsigned char *src, size_t len, uint32_t want, size_t *len_out)
 {
-    *len1 = len - 136;
-    unsigned char *o = malloc(*len1);
+    size_t hl = le32(src + 8) == 4 ? 260 : 200, wl = want == 1 ? 64 : 200, cut = hl - wl;
+    *len_out = len - cut;
+    unsigned char *o = malloc(*len_out);
     assert_non_null(o);
-    memcpy(o, v2, 64);
-    put_le32(o + 8, 1);
-    uint32_t ne = le32(v2 + 60);
+    memcpy(o, src, wl);
+    put_le32(o + 8, want);
+    uint32_t ne = le32(src + 60);
     for (uint32_t e = 0; e < ne; e++) {
-        unsigned char *q = o + 64 + 48 * (size_t)e;
-        memcpy(q, v2 + 200 + 48 * (size_t)e, 48);
+        unsigned char *q = o + wl + 48 * (size_t)e;
+        memcpy(q, src + hl + 48 * (size_t)e, 48);
         uint64_t off = 0;
         for (int i = 0; i < 8; i++)
             off |= (uint64_t)q[32 + i] << (8 * i);
-        off -= 136;
+        off -= cut;
         for (int i = 0; i < 8; i++)
             q[32 + i] = (unsigned char)(off >> (8 * i));
     }
-    size_t data = 200 + 48 * (size_t)ne;
-    memcpy(o + 64 + 48 * (size_t)ne, v2 + data, len - 4 - data);
-    fix_crc(o, *len1);
+    size_t data = hl + 48 * (size_t)ne;
+    memcpy(o + wl + 48 * (size_t)ne, src + data, len - 4 - data);
+    fix_crc(o, *len_out);
     return o;
+}
+
+static unsigned char *to_format1(const unsigned char *v2, size_t len, size_t *len1)
+{
+    return to_format(v2, len, 1, len1);
 }
 
 /* Checkpoints record the model, the stage and its hash; a file of another
@@ -402,7 +413,7 @@ static void test_stage_recorded(void **state)
     unsigned char *buf = serialize(a, 1, &len);
     struct expert_ckpt_info h;
     assert_int_equal(expert_ckpt_peek(buf, len, &h), 0);
-    assert_int_equal(h.format, 2);
+    assert_int_equal(h.format, 4);
     assert_string_equal(h.model, "tiny");
     assert_string_equal(h.stage, "tiny.2");
     assert_true(h.stage_hash == expert_stage_hash(&tiny, 2));
@@ -612,6 +623,102 @@ static void test_clean_tmp(void **state)
     test_rmtree(dir);
 }
 
+/* Format 4 carries the whole training state: the guard's history of step
+ * gradient norms and DiLoCo's outer state, which a peer that restarts
+ * resumes from; format 2 (an older build's) is still read, with a guard
+ * that starts afresh and no outer state. Its new fields refuse garbage. */
+static void test_format4_training_state(void **state)
+{
+    (void)state;
+    struct expert_block_config cfg = { EXPERT_BLOCK_RESFFN, 8, 8, 24 };
+    expert_block *a = trained_block(&cfg, SEED);
+    size_t n = expert_block_nparams(a);
+    struct expert_outer o;
+    assert_int_equal(expert_block_outer_lock(a, 0, &o), -ENOENT);
+    assert_int_equal(expert_block_outer_lock(a, 1, &o), 0);
+    assert_int_equal(o.n, n);
+    for (size_t i = 0; i < n; i++) {
+        o.anchor[i] = 0.5f + (float)i;
+        o.momentum[i] = -0.25f * (float)i;
+        o.residual[i] = 1e-3f * (float)(i % 7);
+    }
+    expert_block_outer_unlock(a);
+    struct expert_block_health ha, hb;
+    expert_block_health(a, &ha);
+    assert_true(ha.grad_ref > 0);
+
+    char dir[512], path[600];
+    test_tmpdir(dir, sizeof dir, "ckpt-v4");
+    snprintf(path, sizeof path, "%s/s.ckpt", dir);
+    assert_int_equal(expert_block_save(a, path, 1), 0);
+    expert_block *b = expert_block_create(&cfg, 5);
+    assert_int_equal(expert_block_load(b, path, NULL, 0), 0);
+    expert_block_health(b, &hb);
+    assert_true(hb.grad_ref == ha.grad_ref);
+    struct expert_outer ob;
+    assert_int_equal(expert_block_outer_lock(b, 0, &ob), 0);
+    for (size_t i = 0; i < n; i++)
+        assert_true(ob.anchor[i] == 0.5f + (float)i && ob.momentum[i] == -0.25f * (float)i &&
+                    ob.residual[i] == 1e-3f * (float)(i % 7));
+    expert_block_outer_unlock(b);
+
+    /* The header says so; weights alone carry neither (format 2). */
+    size_t len;
+    unsigned char *buf = serialize(a, 1, &len);
+    struct expert_ckpt_info h;
+    assert_int_equal(expert_ckpt_peek(buf, len, &h), 0);
+    assert_true(h.format == 4 && h.with_optim == 1 && h.with_outer == 1 && h.total_len == len);
+    size_t lw;
+    unsigned char *w = serialize(a, 0, &lw);
+    assert_int_equal(expert_ckpt_peek(w, lw, &h), 0);
+    assert_true(h.format == 2 && h.with_outer == 0);
+    free(w);
+
+    /* Garbage in the new fields, with a valid checksum. */
+    unsigned char *mod = malloc(len);
+    assert_non_null(mod);
+    struct { size_t off; double v; } bad_f64[] = { { 220, NAN }, { 220, -1.0 }, { 236, INFINITY }, { 236, -2.0 } };
+    for (size_t i = 0; i < sizeof bad_f64 / sizeof bad_f64[0]; i++) {
+        memcpy(mod, buf, len);
+        memcpy(mod + bad_f64[i].off, &bad_f64[i].v, 8);
+        fix_crc(mod, len);
+        assert_int_equal(expert_block_deserialize(b, mod, len), -EBADMSG);
+    }
+    uint32_t bad_u32[][2] = { { 244, 2 }, { 248, 1 }, { 252, 1 }, { 256, 7 }, { 12, 0 } };
+    for (size_t i = 0; i < sizeof bad_u32 / sizeof bad_u32[0]; i++) {
+        memcpy(mod, buf, len);
+        put_le32(mod + bad_u32[i][0], bad_u32[i][1]);
+        fix_crc(mod, len);
+        assert_int_equal(expert_block_deserialize(b, mod, len), -EBADMSG);
+    }
+    /* The outer flag cleared: the table and length no longer agree. */
+    memcpy(mod, buf, len);
+    put_le32(mod + 244, 0);
+    fix_crc(mod, len);
+    assert_int_equal(expert_block_deserialize(b, mod, len), -EBADMSG);
+    free(mod);
+
+    /* A format-2 file of an older build: the moments load, the guard
+     * starts afresh, the outer state is gone. */
+    expert_block_outer_drop(a);
+    unsigned char *v4 = serialize(a, 1, &len);
+    size_t len2;
+    unsigned char *v2 = to_format(v4, len, 2, &len2);
+    assert_int_equal(expert_ckpt_peek(v2, len2, &h), 0);
+    assert_int_equal(h.format, 2);
+    assert_int_equal(expert_block_deserialize(b, v2, len2), 0);
+    assert_int_equal(expert_block_outer_lock(b, 0, &ob), -ENOENT);
+    expert_block_health(b, &hb);
+    assert_true(hb.grad_ref == 0);
+    assert_int_equal(expert_block_steps(b), expert_block_steps(a));
+    free(v2);
+    free(v4);
+    free(buf);
+    expert_block_destroy(&a);
+    expert_block_destroy(&b);
+    test_rmtree(dir);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -622,6 +729,7 @@ int main(void)
         cmocka_unit_test(test_mismatched_config),
         cmocka_unit_test(test_stage_recorded),
         cmocka_unit_test(test_format1_read),
+        cmocka_unit_test(test_format4_training_state),
         cmocka_unit_test(test_clean_tmp),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

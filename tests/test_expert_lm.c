@@ -475,7 +475,7 @@ static void run_split(const struct split *sp)
             assert_int_equal(expert_block_serialize(ch.b[s], with_optim, buf, len), (long)len);
             struct expert_ckpt_info info;
             assert_int_equal(expert_ckpt_peek(buf, len, &info), 0);
-            assert_int_equal(info.format, 3);
+            assert_int_equal(info.format, with_optim ? 4 : 3);
             assert_int_equal(info.cfg.kind, ch.cfg[s].kind);
             assert_int_equal(info.cfg.layers, ch.cfg[s].layers);
             assert_true(info.config_hash == expert_block_config_hash(&ch.cfg[s]));

@@ -789,6 +789,39 @@ static void test_diloco_two_rounds(void **state)
     for (int k = 0; k < N; k++)
         after[k] = flat_of(k, &n);
     assert_true(check_outer_step(anchor, before, after, w2, buf, np) > 1e-4);
+
+    /* The outer state is the block's: it holds the anchor the rounds
+     * reached, a state download or checkpoint carries it (format 4), and
+     * going online again keeps it. */
+    expert_block *blk = peer_service_block(svc[0], 0);
+    struct expert_outer o;
+    assert_int_equal(expert_block_outer_lock(blk, 0, &o), 0);
+    assert_int_equal(o.n, np);
+    for (size_t i = 0; i < np; i++)
+        if (!(fabs((double)o.anchor[i] - anchor[0][i]) <= 2e-7 + 1e-6 * fabs((double)anchor[0][i])))
+            fail_msg("anchor %zu: block %.9g, want %.9g", i, (double)o.anchor[i], (double)anchor[0][i]);
+    float *kept = malloc(3 * np * sizeof(float));
+    assert_non_null(kept);
+    memcpy(kept, o.anchor, 3 * np * sizeof(float));
+    expert_block_outer_unlock(blk);
+    size_t len = expert_block_serialized_size(blk, 1);
+    void *bytes = malloc(len);
+    assert_non_null(bytes);
+    assert_int_equal(expert_block_serialize(blk, 1, bytes, len), (long)len);
+    expert_block *copy = expert_block_create(expert_block_config(blk), 3);
+    assert_non_null(copy);
+    assert_int_equal(expert_block_deserialize(copy, bytes, len), 0);
+    assert_int_equal(expert_block_outer_lock(copy, 0, &o), 0);
+    assert_memory_equal(o.anchor, kept, 3 * np * sizeof(float));
+    expert_block_outer_unlock(copy);
+    expert_block_destroy(&copy);
+    free(bytes);
+    assert_int_equal(peer_allreduce_server_anchor(rounds[0], 0), 0);
+    assert_int_equal(expert_block_outer_lock(blk, 0, &o), 0);
+    assert_memory_equal(o.anchor, kept, 3 * np * sizeof(float));
+    expert_block_outer_unlock(blk);
+    free(kept);
+
     for (int k = 0; k < N; k++) {
         free(before[k]);
         free(after[k]);

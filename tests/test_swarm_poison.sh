@@ -42,11 +42,13 @@ CK=$(ls "$T/ckx"/*.ckpt 2>/dev/null | head -1)
 import struct, sys, zlib
 p = sys.argv[1]
 b = bytearray(open(p, "rb").read())
-assert b[:8] == b"STRLCKPT" and struct.unpack_from("<I", b, 8)[0] == 2
+fmt = struct.unpack_from("<I", b, 8)[0]
+assert b[:8] == b"STRLCKPT" and fmt in (2, 4)
+hdr = 260 if fmt == 4 else 200
 struct.pack_into("<Q", b, 24, 10**9)
 n = struct.unpack_from("<I", b, 60)[0]
 for k in range(n):
-    off, count = struct.unpack_from("<QQ", b, 200 + 48 * k + 32)
+    off, count = struct.unpack_from("<QQ", b, hdr + 48 * k + 32)
     b[off:off + 4 * count] = bytes(4 * count)
 struct.pack_into("<I", b, len(b) - 4, zlib.crc32(bytes(b[:-4])) & 0xffffffff)
 open(p, "wb").write(b)
