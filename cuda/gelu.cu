@@ -105,5 +105,5 @@ extern "C" int cuda_bias_gelu_backward(float *dpre, float *dbias, const float *d
         return 0;
     mul_kernel<<<cuda__blocks(n, 256), 256, 0, ctx->stream>>>(dpre, dout, dgelu, n);
     int rc = cuda__launch_status();
-    return rc ? rc : cuda__colsum_add(dbias, dpre, B, C, ctx->stream);
+    return rc ? rc : cuda__colsum_add(ctx, dbias, dpre, B, C);
 }

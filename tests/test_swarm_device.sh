@@ -78,13 +78,11 @@ if [ -n "$small" ]; then
 fi
 
 # 4. A language model with its middle stage on the device.
+# (start_peer_auto: its monitor check reads the model file.)
 AUTO_MON="--model-file $T/micro-lm.json"
-# shellcheck disable=SC2086
-start_peer e 0 --model-file "$T/micro-lm.json" --lr 3e-3
-# shellcheck disable=SC2086
-start_peer f 1 --model-file "$T/micro-lm.json" --lr 3e-3 --device "$DEV"
-# shellcheck disable=SC2086
-start_peer g 2 --model-file "$T/micro-lm.json" --lr 3e-3
+start_peer_auto e --blocks 0 --model-file "$T/micro-lm.json" --lr 3e-3
+start_peer_auto f --blocks 1 --model-file "$T/micro-lm.json" --lr 3e-3 --device "$DEV"
+start_peer_auto g --blocks 2 --model-file "$T/micro-lm.json" --lr 3e-3
 cat "$(dirname "$0")"/../docs/*.md "$(dirname "$0")"/../expert/*.c >"$T/corpus.txt"
 timeout 600 "$S" train --initial-peers "$BS" --model-file "$T/micro-lm.json" --data "$T/corpus.txt" \
     --steps 60 --eval-every 30 --eval-batches 2 --json --metrics-log "" --plot "" \
