@@ -267,7 +267,11 @@ static int compute(worker *w, peer_task *head, int fwd, int rows, uint64_t *vers
 {
     peer_batcher *b = w->b;
     const size_t in = (size_t)b->in, out = (size_t)b->out;
-    int single = head->next_ == NULL;
+    /* One request is computed on its own buffers; several are joined in
+     * the worker's. On a device every batch goes through the worker's
+     * buffers, which are pinned: the copies to and from the device are
+     * then DMA at full speed instead of being staged by the driver. */
+    int single = head->next_ == NULL && b->be->host_memory;
     int rc;
 
     *stepped = 0;

@@ -69,6 +69,10 @@ struct svc_block {
     double refused_log_t;      /* when the last refusal line was written */
     uint64_t steps_logged;     /* refused steps already in the log */
     int frozen_logged;         /* "weights have not moved" written, not yet taken back */
+    /* Device failures (any compute thread): how many, and when the last
+     * log line about them was written (monotonic ms, 0: never). */
+    _Atomic uint64_t device_failures;
+    _Atomic uint64_t device_logged_ms;
 };
 
 /* A method's registered handler (peer_service_set_handler). */
@@ -315,10 +319,33 @@ static svc_task *span_next(svc_task *t)
     return nt;
 }
 
+static double mono_s(void);
+
+/* A call on block b failed in its device (-EIO, -ENOMEM: a kernel fault,
+ * device memory exhausted): the log says so with the backend's sentence
+ * (the calling thread's), at most one line per PEER_DEVICE_LOG_S per
+ * block with the count since. A faulted CUDA context stays faulted: every
+ * later call fails the same way, and trainers take other replicas. */
+#define PEER_DEVICE_LOG_S 30
+static void device_failed(svc_block *b, int status)
+{
+    uint64_t n = atomic_fetch_add(&b->device_failures, 1) + 1;
+    uint64_t now = (uint64_t)(mono_s() * 1000), last = atomic_load(&b->device_logged_ms);
+    if (last && now - last < PEER_DEVICE_LOG_S * 1000)
+        return;
+    if (!atomic_compare_exchange_strong(&b->device_logged_ms, &last, now ? now : 1))
+        return;
+    const char *why = expert_backend_last_error();
+    peer_log(b->svc->cfg.log, "block %s: the device failed (%s; %" PRIu64 " failed call%s so far)%s%s", b->name,
+             strerror(-status), n, n == 1 ? "" : "s", why[0] ? ": " : "", why);
+}
+
 /* Runs on a compute thread; a span's next stage goes to its block's lane. */
 static void task_done(peer_task *pt, int status)
 {
     svc_task *t = (svc_task *)pt;
+    if (status == -EIO || status == -ENOMEM)
+        device_failed(t->blk, status);
     if (status != 0 || t->pos + 1 >= t->span) {
         task_reply(t, status);
         return;
@@ -338,8 +365,6 @@ static void task_done(peer_task *pt, int status)
  * line per PEER_GUARD_LOG_S per block (an attacker could send thousands),
  * with the count since the last line. */
 #define PEER_GUARD_LOG_S 10.0
-
-static double mono_s(void);
 
 /* Logs what block b's checks saw since the last call. Loop thread. */
 static void guard_log(peer_service *s, svc_block *b, const char *request_why)

@@ -67,10 +67,15 @@ static int close_enough(const float *a, const float *b, size_t n, const char *wh
 
 /* Tasks submitted together are joined; every output equals the direct call
  * and the gradients equal those of direct backwards. */
+/* The backend the batchers' blocks are on: the CPU, or (the *_sim tests)
+ * the simulated device, whose batches go through the workers' pinned
+ * buffers and whose kept activations stay in device memory. */
+static const expert_backend *g_be;
+
 static void test_joined_equals_direct(void **state)
 {
     (void)state;
-    expert_block *blk = expert_block_create(&cfg, 7);
+    expert_block *blk = expert_block_create_on(&cfg, 7, g_be ? g_be : expert_backend_cpu());
     expert_block *ref = expert_block_create(&cfg, 7);
     assert_non_null(blk);
     assert_non_null(ref);
@@ -409,7 +414,8 @@ static void test_compute_threads_default_slice(void **state)
 static void test_kept_activations(void **state)
 {
     (void)state;
-    expert_block *blk = expert_block_create(&cfg, 7), *ref = expert_block_create(&cfg, 7);
+    expert_block *blk = expert_block_create_on(&cfg, 7, g_be ? g_be : expert_backend_cpu());
+    expert_block *ref = expert_block_create(&cfg, 7);
     expert_workspace *ws = expert_workspace_create(&cfg, 4);
     sem_t done;
     sem_init(&done, 0, 0);
@@ -470,6 +476,18 @@ static void test_kept_activations(void **state)
     sem_destroy(&done);
 }
 
+static void test_on_sim(void **state)
+{
+    expert_backend *be = expert_backend_sim_create(0);
+    assert_non_null(be);
+    g_be = be;
+    test_joined_equals_direct(state);
+    test_kept_activations(state);
+    g_be = NULL;
+    assert_int_equal(expert_backend_sim_used(be), 0);
+    expert_backend_sim_destroy(&be);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -480,6 +498,7 @@ int main(void)
         cmocka_unit_test(test_concurrent_and_steps),
         cmocka_unit_test(test_compute_threads_default_slice),
         cmocka_unit_test(test_kept_activations),
+        cmocka_unit_test(test_on_sim),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
