@@ -4,6 +4,7 @@
 #include "expert/backend.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -104,31 +105,31 @@ static int cpu_mem_info(const expert_backend *be, size_t *free_out, size_t *tota
 }
 
 static expert_backend cpu_backend;
-static int cpu_ready;
+static pthread_once_t cpu_once = PTHREAD_ONCE_INIT;
+
+static void cpu_init(void)
+{
+    expert_backend *b = &cpu_backend;
+    snprintf(b->name, sizeof b->name, "cpu");
+    b->device = EXPERT_DEVICE_CPU;
+    b->precision = EXPERT_PRECISION_FP32;
+    b->host_memory = 1;
+    expert_ops_init_cpu(&b->ops);
+    b->alloc = cpu_alloc;
+    b->free = cpu_free;
+    b->upload = cpu_move;
+    b->download = cpu_move;
+    b->copy = cpu_move;
+    b->zero = cpu_zero;
+    b->sync = cpu_sync;
+    b->host_alloc = cpu_alloc;
+    b->host_free = cpu_free;
+    b->mem_info = cpu_mem_info;
+}
 
 const expert_backend *expert_backend_cpu(void)
 {
-    /* Filling the table twice from two threads writes the same values;
-     * the flag only saves the work. */
-    if (!__atomic_load_n(&cpu_ready, __ATOMIC_ACQUIRE)) {
-        expert_backend *b = &cpu_backend;
-        snprintf(b->name, sizeof b->name, "cpu");
-        b->device = EXPERT_DEVICE_CPU;
-        b->precision = EXPERT_PRECISION_FP32;
-        b->host_memory = 1;
-        expert_ops_init_cpu(&b->ops);
-        b->alloc = cpu_alloc;
-        b->free = cpu_free;
-        b->upload = cpu_move;
-        b->download = cpu_move;
-        b->copy = cpu_move;
-        b->zero = cpu_zero;
-        b->sync = cpu_sync;
-        b->host_alloc = cpu_alloc;
-        b->host_free = cpu_free;
-        b->mem_info = cpu_mem_info;
-        __atomic_store_n(&cpu_ready, 1, __ATOMIC_RELEASE);
-    }
+    pthread_once(&cpu_once, cpu_init);
     return &cpu_backend;
 }
 
