@@ -7,7 +7,7 @@
 # Usage: tools/bundle.sh [--build DIR] [--out FILE] [--extra DIR]... [options]
 #   --build DIR       use this build directory (it is brought up to date with
 #                     ninja). Default: build-bundle, configured when missing
-#                     with: meson setup build-bundle -Dbuildtype=release
+#                     with: meson setup build-bundle -Dbuildtype=release -Dgpu_arch=90
 #                     -Dcuda=enabled -Dtests=true
 #   --no-build        do not run ninja (use the build directory as it is)
 #   --out FILE        the bundle (default out/starling-bundle.tar.xz; the
@@ -114,7 +114,7 @@ if [ -z "$BUILD" ]; then
         say "configure $BUILD (release, CUDA, tests)"
         wipe=()
         [ -d "$BUILD/meson-private" ] && wipe=(--wipe)
-        if ! meson setup "${wipe[@]}" "$BUILD" -Dbuildtype=release -Dcuda=enabled -Dtests=true; then
+        if ! meson setup "${wipe[@]}" "$BUILD" -Dbuildtype=release -Dcuda=enabled -Dtests=true -Dgpu_arch=90; then
             die "meson setup $BUILD -Dcuda=enabled failed: is nvcc (/usr/local/cuda/bin) on PATH or CUDA_HOME set, and are cudart, cuBLAS and cuBLASLt installed? To test the packing alone: tools/bundle.sh --build build-nocuda --allow-no-cuda"
         fi
     fi
