@@ -45,8 +45,31 @@ static __global__ void crossentropy_backward_kernel(float *dlogits, const float 
     }
 }
 
-// Synchronises to read the error flag, so an out-of-range target is
-// reported as -EINVAL as on the CPU.
+// err = 1 when any target is outside [0, V).
+static __global__ void targets_check_kernel(const int32_t *targets, int B, int V, int *err)
+{
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < B; i += gridDim.x * blockDim.x)
+        if (targets[i] < 0 || targets[i] >= V)
+            atomicExch(err, 1);
+}
+
+// Checks every target before anything is written, as the CPU does: an
+// out-of-range one is -EINVAL and nothing is written. Waits for the flag.
+static int check_targets(cuda__ctx *ctx, const int32_t *targets, int B, int V)
+{
+    if (cudaMemsetAsync(ctx->err_flag, 0, sizeof(int), ctx->stream) != cudaSuccess)
+        return cuda__launch_status();
+    targets_check_kernel<<<cuda__blocks(B, 256), 256, 0, ctx->stream>>>(targets, B, V, ctx->err_flag);
+    int rc = cuda__launch_status();
+    if (rc)
+        return rc;
+    int err = 0;
+    if (cudaMemcpyAsync(&err, ctx->err_flag, sizeof err, cudaMemcpyDeviceToHost, ctx->stream) != cudaSuccess ||
+        cudaStreamSynchronize(ctx->stream) != cudaSuccess)
+        return expert_backend_set_error(-EIO, "CUDA: cross-entropy's target check failed");
+    return err ? -EINVAL : 0;
+}
+
 extern "C" int cuda_crossentropy_forward(float *losses, float *probs, const float *logits,
                                          const int32_t *targets, int B, int V)
 {
@@ -57,17 +80,11 @@ extern "C" int cuda_crossentropy_forward(float *losses, float *probs, const floa
         return -ENODEV;
     if (B == 0)
         return 0;
-    if (cudaMemsetAsync(ctx->err_flag, 0, sizeof(int), ctx->stream) != cudaSuccess)
-        return -EIO;
-    crossentropy_forward_kernel<<<(unsigned)((B + 7) / 8), 256, 0, ctx->stream>>>(losses, probs, logits, targets, B, V, ctx->err_flag);
-    int rc = cuda__launch_status();
+    int rc = check_targets(ctx, targets, B, V);
     if (rc)
         return rc;
-    int err = 0;
-    if (cudaMemcpyAsync(&err, ctx->err_flag, sizeof err, cudaMemcpyDeviceToHost, ctx->stream) != cudaSuccess ||
-        cudaStreamSynchronize(ctx->stream) != cudaSuccess)
-        return -EIO;
-    return err ? -EINVAL : 0;
+    crossentropy_forward_kernel<<<(unsigned)((B + 7) / 8), 256, 0, ctx->stream>>>(losses, probs, logits, targets, B, V, ctx->err_flag);
+    return cuda__launch_status();
 }
 
 extern "C" int cuda_crossentropy_backward(float *dlogits, const float *probs, const int32_t *targets,
@@ -81,6 +98,9 @@ extern "C" int cuda_crossentropy_backward(float *dlogits, const float *probs, co
     long n = (long)B * V;
     if (n == 0)
         return 0;
+    int rc = check_targets(ctx, targets, B, V);
+    if (rc)
+        return rc;
     crossentropy_backward_kernel<<<cuda__blocks(n, 256), 256, 0, ctx->stream>>>(dlogits, probs, targets, dloss, B, V);
     return cuda__launch_status();
 }

@@ -5,7 +5,7 @@
 # bytes either way), so it is installed to get the fast path. fortunes and
 # fortunes-min are the language models' default corpus (train_lm.py's).
 
-STARLING_PKGS="meson ninja-build pkg-config gcc libc6-dev libuv1-dev libsodium-dev \
+STARLING_PKGS="meson ninja-build pkg-config gcc g++ libc6-dev libuv1-dev libsodium-dev \
 libmsgpack-dev uthash-dev libopenblas-dev zlib1g-dev libcmocka-dev libjansson-dev \
 dataset-fashion-mnist fortunes fortunes-min python3 iproute2 procps libssl-dev"
 
