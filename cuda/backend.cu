@@ -187,6 +187,8 @@ extern "C" int cuda_backend_get(int index, int precision, const struct expert_ba
         if (rc == 0 && precision == EXPERT_PRECISION_BF16) {
             be->ops.matmul_forward = cuda_matmul_forward_bf16;
             be->ops.matmul_backward = cuda_matmul_backward_bf16;
+            be->ops.attention_forward = cuda_attention_forward_bf16;
+            be->ops.attention_backward = cuda_attention_backward_bf16;
         }
         be->alloc = be_alloc;
         be->free = be_free;

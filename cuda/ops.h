@@ -42,6 +42,14 @@ decl_softmax_bwd_fn(cuda_softmax_backward);
 decl_attention_fwd_fn(cuda_attention_forward);
 decl_attention_bwd2_fn(cuda_attention_backward);
 decl_attention_sizes_fn(cuda_attention_sizes);
+/* The same contract for the bf16 backend (cuda/attention_bf16.cu): the
+ * products on the tensor cores (q, k, v, dout, P and dS rounded to bf16,
+ * fp32 accumulation; softmax, lse and dS in fp32), deterministic. Head sizes
+ * that are not a multiple of 16 up to 128 (or a device without the shared
+ * memory) run the fp32 functions above, for forward and backward alike;
+ * saved holds the same lse either way (cuda_attention_sizes). */
+decl_attention_fwd_fn(cuda_attention_forward_bf16);
+decl_attention_bwd2_fn(cuda_attention_backward_bf16);
 
 /* Token + position embedding (cuda/embedding.cu); tok is host memory. The
  * backward adds each token's rows in a fixed order (positions sorted by

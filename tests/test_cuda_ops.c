@@ -32,6 +32,11 @@
  *     (~u·√hd·9) moves probabilities by ~1e-6 relative, so outputs move by
  *     ~1e-6 and gradients by ~1e-5, while a dropped or misplaced key moves
  *     them by ≥ 1e-3.
+ *   - attention in bf16 (the bf16 backend's table): against the CPU run on
+ *     q, k, v and dout rounded to bf16 as the kernels round them, within a
+ *     rigorous per-element bound for the rounding of P and dS to bf16 and
+ *     every fp32 effect (tests/cudaemu/att_bf16_bound.h derives it), plus
+ *     1e-6; other head sizes must give the fp32 path's bits.
  *   - element-wise ops and sums: see each test.
  *   - the optimizer updates and the bf16 cast are exact (the kernels do the
  *     CPU's operations in the CPU's order, no FMA contraction).
@@ -48,6 +53,7 @@
 #include "expert/ops.h"
 #include "expert/optim.h"
 #include "test_util.h"
+#include "tests/cudaemu/att_bf16_bound.h"
 
 #define U32 0x1p-24 /* fp32 unit roundoff */
 #define U16 0x1p-8  /* bf16 unit roundoff (8 significant bits) */
@@ -860,6 +866,115 @@ static void test_attention(void **state)
         att_run(cases[i]);
 }
 
+/* ---- attention in bf16 (the bf16 backend's table) ---- */
+
+struct att16_case {
+    int B, T, C, NH;
+    int tc;      /* the bf16 kernels run (else the fp32 functions' bits) */
+    size_t off;  /* every tensor at this float offset (1: unaligned) */
+    float ramp;  /* > 0: scores growing by about this much along the sequence */
+};
+
+static void att16_run(struct att16_case a)
+{
+    const int B = a.B, T = a.T, C = a.C, NH = a.NH, hd = C / NH;
+    const size_t rows = (size_t)B * T, nqkv = rows * 3 * (size_t)C, nout = rows * (size_t)C;
+    const size_t nsv = (size_t)B * NH * T, off = a.off;
+    snprintf(g_case, sizeof g_case, "attention bf16 B=%d T=%d C=%d NH=%d (hd %d)%s%s", B, T, C, NH,
+             hd, off ? " unaligned" : "", a.ramp > 0 ? " ramp" : "");
+    fprintf(stderr, "-- %s\n", g_case);
+    const struct expert_ops *o16 = &g_be16->ops;
+
+    float *qkv = hnew(nqkv);
+    for (size_t r = 0; r < rows; r++)
+        for (int c = 0; c < 3 * C; c++)
+            qkv[r * 3 * (size_t)C + (size_t)c] =
+                ((float)rand_r(&g_seed) / (float)RAND_MAX * 2.0f - 1.0f) * (c < 2 * C ? 3.0f : 1.0f);
+    if (a.ramp > 0) /* q >= 0, k rising with the position: every row's max keeps growing */
+        for (size_t r = 0; r < rows; r++)
+            for (int c = 0; c < C; c++) {
+                float *x = qkv + r * 3 * (size_t)C;
+                x[c] = fabsf(x[c]);
+                x[C + c] = x[C + c] * 0.1f +
+                           (float)(a.ramp / (1.5 * sqrt((double)hd)) * (double)(r % (size_t)T) / T);
+            }
+    float *dout = hrnd(nout, 1);
+
+    float *d_qkv = dup_dev(qkv, nqkv, off), *d_dout = dup_dev(dout, nout, off);
+    float *d_out = dnan(nout, off), *d_saved = dnan(nsv, off), *d_scr = dnan(nsv, off);
+    float *d_dqkv = dnan(nqkv, off);
+    OK(o16->attention_forward(d_out, d_saved, d_qkv, B, T, C, NH));
+    OK(o16->attention_backward(d_dqkv, d_scr, d_dout, d_out, d_qkv, d_saved, B, T, C, NH));
+    float *g_out = dl(d_out, nout), *g_saved = dl(d_saved, nsv), *g_dqkv = dl(d_dqkv, nqkv);
+
+    if (a.tc) {
+        /* The CPU on the inputs rounded as the kernels round them. */
+        float *qkv_r = hnew(nqkv), *dout_r = hnew(nout);
+        att_b16_round(qkv_r, qkv, nqkv);
+        att_b16_round(dout_r, dout, nout);
+        const size_t natt = (size_t)B * NH * T * T;
+        float *r_out = hnew(nout), *r_att = hnew(natt), *r_scr = hnew(natt), *r_dqkv = hnew(nqkv);
+        OK(expert_attention_forward(r_out, r_att, qkv_r, B, T, C, NH));
+        OK(expert_attention_backward(r_dqkv, r_scr, dout_r, qkv_r, r_att, B, T, C, NH));
+        double *lse = hold(malloc(nsv * sizeof *lse));
+        float *b_out = hnew(nout), *b_lse = hnew(nsv), *b_dqkv = hnew(nqkv), *r_lse = hnew(nsv);
+        if (att_b16_bounds(qkv_r, dout_r, g_out, B, T, C, NH, lse, b_out, b_lse, b_dqkv) != 0)
+            fail_msg("%s: out of memory for the bounds", g_case);
+        for (size_t i = 0; i < nsv; i++)
+            r_lse[i] = (float)lse[i];
+        check_b(nm("out (bf16 bound)"), g_out, r_out, b_out, nout, 1e-6f, 0);
+        check_b(nm("saved log-sum-exp (fp32 bound)"), g_saved, r_lse, b_lse, nsv, 1e-6f, 0);
+        static const char *part_name[3] = { "dq (bf16 bound)", "dk (bf16 bound)", "dv (bf16 bound)" };
+        for (int p = 0; p < 3; p++)
+            check_b(nm(part_name[p]), qkv_part(g_dqkv, rows, C, p), qkv_part(r_dqkv, rows, C, p),
+                    qkv_part(b_dqkv, rows, C, p), nout, 1e-6f, 0);
+    } else {
+        /* Other head sizes: the fp32 functions, bit for bit. */
+        float *d_out2 = dnan(nout, 0), *d_saved2 = dnan(nsv, 0), *d_dqkv2 = dnan(nqkv, 0);
+        OK(G.attention_forward(d_out2, d_saved2, d_qkv, B, T, C, NH));
+        OK(G.attention_backward(d_dqkv2, d_scr, d_dout, d_out2, d_qkv, d_saved2, B, T, C, NH));
+        check_bits(nm("out = the fp32 path's"), g_out, dl(d_out2, nout), nout, 0);
+        check_bits(nm("saved = the fp32 path's"), g_saved, dl(d_saved2, nsv), nsv, 0);
+        check_bits(nm("dqkv = the fp32 path's"), g_dqkv, dl(d_dqkv2, nqkv), nqkv, 0);
+    }
+    size_t nonfinite = 0;
+    for (size_t i = 0; i < nqkv; i++)
+        nonfinite += !isfinite(g_dqkv[i]);
+    check_true(nm("dqkv fully written (NaN-poisoned first)"), nonfinite == 0);
+
+    /* Determinism: the same bits again, into freshly poisoned outputs. */
+    float *d_out2 = dnan(nout, off), *d_saved2 = dnan(nsv, off), *d_dqkv2 = dnan(nqkv, off);
+    OK(o16->attention_forward(d_out2, d_saved2, d_qkv, B, T, C, NH));
+    check_bits(nm("out, second run"), dl(d_out2, nout), g_out, nout, 0);
+    check_bits(nm("saved, second run"), dl(d_saved2, nsv), g_saved, nsv, 0);
+    OK(o16->attention_backward(d_dqkv2, d_scr, d_dout, d_out, d_qkv, d_saved, B, T, C, NH));
+    check_bits(nm("dqkv, second run"), dl(d_dqkv2, nqkv), g_dqkv, nqkv, 0);
+}
+
+static void test_attention_bf16(void **state)
+{
+    (void)state;
+    if (!g_be16)
+        fail_msg("no bf16 CUDA backend (cuda_backend_get failed in main: see above)");
+    const struct att16_case cases[] = {
+        { 2, 1, 64, 2, 1, 0, 0 },      /* T = 1, hd 32 */
+        { 1, 16, 128, 2, 1, 0, 0 },    /* T = 16, hd 64 */
+        { 2, 67, 64, 2, 1, 0, 0 },     /* hd 32, 2 tiles, the last 3 rows */
+        { 1, 130, 256, 2, 1, 0, 0 },   /* hd 128, 3 tiles */
+        { 1, 256, 128, 2, 1, 0, 0 },   /* hd 64, 4 tiles */
+        { 2, 67, 96, 2, 1, 0, 0 },     /* hd 48 (padded to 64) */
+        { 3, 64, 48, 3, 1, 0, 0 },     /* hd 16 (padded to 32), T one tile */
+        { 1, 67, 128, 2, 1, 1, 0 },    /* every tensor at an odd float offset */
+        { 1, 256, 128, 2, 1, 0, 60 },  /* rising maxima: the forward rescales */
+        { 2, 130, 64, 2, 1, 0, 400 },  /* steep: the rescale factor underflows to 0 */
+        { 1, 1024, 128, 2, 1, 0, 0 },  /* long: 16 key tiles per query tile, hd 64 */
+        { 1, 33, 200, 1, 0, 0, 0 },    /* hd 200: the fp32 path */
+        { 2, 40, 80, 2, 0, 0, 0 },     /* hd 40 (not a multiple of 16): the fp32 path */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        att16_run(cases[i]);
+}
+
 /* ---- embedding ---- */
 
 static void test_embedding(void **state)
@@ -1361,16 +1476,22 @@ static void test_backend(void **state)
         }
     }
     check_true("backend: every op and memory function is set (fp32 and bf16)", unset == 0);
-    check_true("backend: bf16's matmul differs from fp32's, the rest is the same",
+    check_true("backend: bf16's matmul and attention differ from fp32's, the rest is the same",
                be16->ops.matmul_forward != be->ops.matmul_forward &&
                    be16->ops.matmul_backward != be->ops.matmul_backward &&
-                   be16->ops.attention_forward == be->ops.attention_forward);
+                   be16->ops.attention_forward != be->ops.attention_forward &&
+                   be16->ops.attention_backward != be->ops.attention_backward &&
+                   be16->ops.attention_sizes == be->ops.attention_sizes &&
+                   be16->ops.softmax_forward == be->ops.softmax_forward);
 #if HAVE_CUDA
     check_true("backend: the tables hold cuda_matmul_{forward,backward}[_bf16]",
                be->ops.matmul_forward == cuda_matmul_forward &&
                    be->ops.matmul_backward == cuda_matmul_backward &&
                    be16->ops.matmul_forward == cuda_matmul_forward_bf16 &&
                    be16->ops.matmul_backward == cuda_matmul_backward_bf16);
+    check_true("backend: the bf16 table holds cuda_attention_{forward,backward}_bf16",
+               be16->ops.attention_forward == cuda_attention_forward_bf16 &&
+                   be16->ops.attention_backward == cuda_attention_backward_bf16);
     check_true("backend: the fp32 table holds the cuda/ops.h functions the tests call through G",
                G.attention_forward == cuda_attention_forward &&
                    G.attention_backward == cuda_attention_backward &&
@@ -1516,6 +1637,7 @@ int main(void)
         T_(test_matmul_fp32),
         T_(test_matmul_bf16),
         T_(test_attention),
+        T_(test_attention_bf16),
         T_(test_embedding),
         T_(test_softmax),
         T_(test_sqnorm),

@@ -57,6 +57,7 @@ const size_t STATIC_SMEM = 48 * 1024;        // the most static shared memory a 
 const size_t SMEM_MAP = 1024 * 1024;         // room for any opt-in
 const size_t GUARD = 64;                     // guard bytes after shared arrays
 const size_t LEAD = 256;                     // guard bytes before dynamic shared memory
+const size_t DYN_ALIGN = 128;                // alignment of dynamic shared memory
 const uint32_t SENTINEL = 0x5e7e11e5u;       // what guard bytes hold
 const size_t STACK = 256 * 1024;
 
@@ -129,6 +130,7 @@ struct fiber {
     int state;
     int startable;     // parked at the top of a body (fresh, or after one ended)
     int wait_kind;     // -1: __syncthreads, else an emu_warp_kind
+    const char *wait_what;  // what it waits in (the wmma call's name for a collective)
     const char *wait_file;
     int wait_line;
 };
@@ -150,6 +152,7 @@ struct group {
     int kind;
     const char *file;
     int line;
+    const char *what;  // the op's name (a collective's own)
 };
 
 struct warp_state {
@@ -158,6 +161,10 @@ struct warp_state {
     int ngroups;
     uint64_t val[WARP], res[WARP];
     int b[WARP], c[WARP];
+    // A collective: the first lane's argument bytes, every lane's data.
+    unsigned char cargs[EMU_COLLECTIVE_ARGS];
+    size_t clen;
+    void *cdata[WARP];
 };
 
 struct block_state {
@@ -293,6 +300,7 @@ const char *kind_name(int k)
     case EMU_WARP_BALLOT: return "__ballot_sync";
     case EMU_WARP_ANY: return "__any_sync";
     case EMU_WARP_ALL: return "__all_sync";
+    case EMU_WARP_COLLECTIVE: return "a warp-collective op";
     default: return "?";
     }
 }
@@ -407,7 +415,7 @@ std::string describe_waiters()
         if (f->state != F_WAIT)
             continue;
         char k[320];
-        snprintf(k, sizeof k, "%s at %s:%d", kind_name(f->wait_kind), f->wait_file, f->wait_line);
+        snprintf(k, sizeof k, "%s at %s:%d", f->wait_what, f->wait_file, f->wait_line);
         at[k]++;
     }
     std::string s;
@@ -418,11 +426,12 @@ std::string describe_waiters()
 
 // The running thread waits (kind, file, line): runs the next ready thread;
 // returns when this one is resumed.
-void block_current(int kind, const char *file, int line)
+void block_current(int kind, const char *file, int line, const char *what = NULL)
 {
     fiber *f = g_cur;
     f->state = F_WAIT;
     f->wait_kind = kind;
+    f->wait_what = what ? what : kind_name(kind);
     f->wait_file = file;
     f->wait_line = line;
     if (B.count == 0) {
@@ -457,7 +466,7 @@ void fiber_exit(fiber *f)
         if (w.g[i].mask & bit)
             fault("the thread exits while lanes 0x%08x of its warp wait for it in %s at %s:%d "
                   "(mask 0x%08x)",
-                  w.g[i].arrived, kind_name(w.g[i].kind), w.g[i].file, w.g[i].line, w.g[i].mask);
+                  w.g[i].arrived, w.g[i].what, w.g[i].file, w.g[i].line, w.g[i].mask);
     f->state = F_DONE;
     f->startable = 1;
     B.live--;
@@ -516,7 +525,10 @@ void smem_start_block(size_t dyn)
 {
     char *end = g_smem_map + g_smem_map_len - page_size();  // the last guard page
     g_dyn_bytes = dyn;
-    g_dyn_padded = round_up(dyn, 16);
+    // The base is 128-byte aligned (on a GPU it starts the block's shared
+    // window, or follows the static arrays at the alignment the
+    // declaration asks): wmma tiles need 32 bytes.
+    g_dyn_padded = round_up(dyn, DYN_ALIGN);
     g_dyn = end - g_dyn_padded;
     fill32(g_dyn - LEAD, LEAD, SENTINEL);
     fill32(g_dyn, dyn, EMU_SMEM_FILL);
@@ -789,6 +801,31 @@ struct init_segv {
     }
 } g_init_segv;
 
+// Group gi of warp w is complete (f, the running thread, arrived last):
+// removes it and wakes its other lanes.
+void finish_group(warp_state &w, int gi, fiber *f)
+{
+    const unsigned mask = w.g[gi].mask;
+    w.g[gi] = w.g[--w.ngroups];
+    int wake[WARP], n = 0;
+    for (int l = 0; l < WARP; l++)
+        if ((mask >> l & 1) && l != f->lane)
+            wake[n++] = f->warp * WARP + l;
+    order(wake, n);
+    // Forward order: the woken lanes queue behind every ready thread, so
+    // warps advance together. Reverse (and, at random, random) order: they
+    // run next, so this warp runs ahead of the others up to its next
+    // barrier, as a GPU's warp scheduler may let it; a barrier missing
+    // between warps then shows.
+    bool ahead = g_order == EMU_ORDER_REVERSE || (g_order == EMU_ORDER_RANDOM && (rnd() & 1));
+    if (ahead)
+        for (int i = n - 1; i >= 0; i--)
+            push_front(wake[i]);
+    else
+        for (int i = 0; i < n; i++)
+            push_ready(wake[i]);
+}
+
 }  // namespace
 
 // ---- Built-in variables ----
@@ -842,19 +879,18 @@ uint64_t emu_warp_op(const char *file, int line, int kind, unsigned mask, uint64
         if (g.mask & mask)
             fault("divergent warp op: lane %d calls %s at %s:%d with mask 0x%08x while lanes "
                   "0x%08x wait in %s at %s:%d with mask 0x%08x",
-                  lane, kind_name(kind), file, line, mask, g.arrived, kind_name(g.kind), g.file,
-                  g.line, g.mask);
+                  lane, kind_name(kind), file, line, mask, g.arrived, g.what, g.file, g.line,
+                  g.mask);
     }
     if (gi < 0) {
         gi = w.ngroups++;
-        w.g[gi] = { mask, 0, kind, file, line };
+        w.g[gi] = { mask, 0, kind, file, line, kind_name(kind) };
     } else {
         group &g = w.g[gi];
         if (g.kind != kind || (kind != EMU_WARP_SYNC && (g.line != line || strcmp(g.file, file))))
             fault("divergent warp op: lane %d calls %s at %s:%d while lanes 0x%08x wait in %s at "
                   "%s:%d (mask 0x%08x)",
-                  lane, kind_name(kind), file, line, g.arrived, kind_name(g.kind), g.file, g.line,
-                  mask);
+                  lane, kind_name(kind), file, line, g.arrived, g.what, g.file, g.line, mask);
     }
     w.val[lane] = value;
     w.b[lane] = b;
@@ -900,26 +936,70 @@ uint64_t emu_warp_op(const char *file, int line, int kind, unsigned mask, uint64
             if (mask >> l & 1)
                 w.res[l] = r;
     }
-    w.g[gi] = w.g[--w.ngroups];
-    int wake[WARP], n = 0;
-    for (int l = 0; l < WARP; l++)
-        if ((mask >> l & 1) && l != lane)
-            wake[n++] = f->warp * WARP + l;
-    order(wake, n);
-    // Forward order: the woken lanes queue behind every ready thread, so
-    // warps advance together. Reverse (and, at random, random) order: they
-    // run next, so this warp runs ahead of the others up to its next
-    // barrier, as a GPU's warp scheduler may let it; a barrier missing
-    // between warps then shows.
-    bool ahead = g_order == EMU_ORDER_REVERSE || (g_order == EMU_ORDER_RANDOM && (rnd() & 1));
-    if (ahead)
-        for (int i = n - 1; i >= 0; i--)
-            push_front(wake[i]);
-    else
-        for (int i = 0; i < n; i++)
-            push_ready(wake[i]);
+    finish_group(w, gi, f);
     return w.res[lane];
 }
+
+void emu_warp_collective(const char *file, int line, const char *what, const void *args,
+                         size_t args_len, void *lane_data, emu_collective_fn run)
+{
+    fiber *f = need_thread(what);
+    warp_state &w = B.warp[f->warp];
+    const int lane = f->lane;
+    const unsigned bit = 1u << lane, mask = 0xffffffffu;
+    if (args_len > EMU_COLLECTIVE_ARGS)
+        fault("%s at %s:%d: %zu bytes of arguments (the emulator keeps %d)", what, file, line,
+              args_len, EMU_COLLECTIVE_ARGS);
+    if (w.exists != mask)
+        fault("%s at %s:%d in a warp of %d thread(s): all 32 lanes of a warp must call it", what,
+              file, line, __builtin_popcount(w.exists));
+    if (w.live != mask)
+        fault("%s at %s:%d while lanes 0x%08x of the warp have exited: all 32 lanes must call it",
+              what, file, line, w.exists & ~w.live);
+    int gi = -1;
+    for (int i = 0; i < w.ngroups; i++) {
+        group &g = w.g[i];
+        // Every group overlaps a full mask: it must be this op's.
+        if (g.kind != EMU_WARP_COLLECTIVE || g.line != line || strcmp(g.file, file) ||
+            strcmp(g.what, what))
+            fault("divergent warp op: lane %d calls %s at %s:%d while lanes 0x%08x wait in %s at "
+                  "%s:%d (mask 0x%08x): all 32 lanes must call %s together",
+                  lane, what, file, line, g.arrived, g.what, g.file, g.line, g.mask, what);
+        gi = i;
+    }
+    if (gi < 0) {
+        gi = w.ngroups++;
+        w.g[gi] = { mask, 0, EMU_WARP_COLLECTIVE, file, line, what };
+        memcpy(w.cargs, args, args_len);
+        w.clen = args_len;
+    } else if (w.clen != args_len || memcmp(w.cargs, args, args_len) != 0) {
+        fault("%s at %s:%d: lane %d passes other arguments than lanes 0x%08x (pointer, ldm, "
+              "layout or value): all 32 lanes must pass the same",
+              what, file, line, lane, w.g[gi].arrived);
+    }
+    w.cdata[lane] = lane_data;
+    w.g[gi].arrived |= bit;
+    if (w.g[gi].arrived != mask) {
+        block_current(EMU_WARP_COLLECTIVE, file, line, what);
+        return;
+    }
+    // The last lane: the warp's one converged instruction, then wake the others.
+    run(w.cdata, w.cargs);
+    finish_group(w, gi, f);
+}
+
+void emu_kernel_fault(const char *fmt, ...)
+{
+    need_thread("emu_kernel_fault");
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    fault("%s", msg);
+}
+
+int emu_lane(void) { return need_thread("emu_lane")->lane; }
 
 // ---- Shared memory ----
 

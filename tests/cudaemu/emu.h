@@ -49,14 +49,29 @@
 // a kernel fails the launch), and cudaMemcpy*'s ranges and kinds are checked
 // against them. The host may read and write it directly (after a sync).
 //
+// Tensor cores: nvcuda::wmma (include/mma.h) for the m16n16k16 shape with
+// bf16 operands and fp32 accumulators. A fragment holds the whole 16×16
+// tile in every lane (the real per-lane element placement is opaque to code
+// that uses only the wmma calls, and fragments here have no x[] or
+// num_elements, so code that touches elements does not compile against the
+// emulator). Every wmma call is warp-collective (emu_warp_collective): all
+// 32 lanes of the warp must call it at the same place with the same
+// arguments, and pass fragments with the same contents, otherwise the
+// launch fails; loads and stores check CUDA's rules (a 256-bit aligned
+// pointer, ldm a multiple of 16 bytes). The warp's memory access happens
+// when its last lane arrives, as one converged warp instruction; mma_sync
+// sums in fp32 in increasing k (the products of bf16 values are exact),
+// one of the orders a tensor core may use, not bit for bit a GPU's.
+//
 // Not emulated: a GPU's timing, several streams or blocks running at once
 // (there is one queue, and blocks run one at a time), host threads running
 // kernels concurrently (the device is one lock), the GPU's libm (expf,
 // erff, rsqrtf, ... are the host's: results agree to an ulp or two, not bit
 // for bit; the IEEE operations and the __f*_rn intrinsics are exact), FMA
 // contraction (nvcc fuses a*b+c by default; this build never does),
-// __shared__ at file scope, cooperative groups, textures, graphs, tensor
-// cores, cuBLAS(Lt) and the driver API.
+// __shared__ at file scope, cooperative groups, textures, graphs, the
+// tensor cores' own accumulation order and the other wmma shapes and types,
+// cuBLAS(Lt) and the driver API.
 #ifndef TESTS_CUDAEMU_EMU_H
 #define TESTS_CUDAEMU_EMU_H
 
@@ -186,6 +201,7 @@ enum emu_warp_kind {
     EMU_WARP_BALLOT,
     EMU_WARP_ANY,
     EMU_WARP_ALL,
+    EMU_WARP_COLLECTIVE,  // emu_warp_collective (the wmma calls)
 };
 // One lane's part in a warp op: its value (up to 8 bytes), the op's operand
 // b and its c (PTX shfl.sync: segment mask and clamp). Returns the lane's
@@ -265,6 +281,24 @@ struct emu_syncwarp_at {
     ((unsigned)emu_warp_op(__FILE__, __LINE__, EMU_WARP_BALLOT, mask, (p) != 0, 0, 0))
 #define __any_sync(mask, p) ((int)emu_warp_op(__FILE__, __LINE__, EMU_WARP_ANY, mask, (p) != 0, 0, 0))
 #define __all_sync(mask, p) ((int)emu_warp_op(__FILE__, __LINE__, EMU_WARP_ALL, mask, (p) != 0, 0, 0))
+
+// A warp-collective operation (the wmma calls of include/mma.h): all 32
+// lanes of the warp (they must exist and not have exited) call it at the
+// same place (file, line) with the same `what` and the same argument bytes
+// (args, at most EMU_COLLECTIVE_ARGS of them); lane_data is the calling
+// lane's own pointer (its fragments). When the last lane arrives, run(data,
+// args) is called once, on that lane, with data[l] lane l's lane_data;
+// then every lane goes on. A lane with other arguments, at another place,
+// or arriving while others wait in a shuffle fails the launch.
+#define EMU_COLLECTIVE_ARGS 64
+typedef void (*emu_collective_fn)(void *const *lane_data, const void *args);
+void emu_warp_collective(const char *file, int line, const char *what, const void *args,
+                         size_t args_len, void *lane_data, emu_collective_fn run);
+// Fails the running launch with a message (the kernel, block and thread
+// are added); for checks of device-side rules, such as the wmma ones.
+[[noreturn]] void emu_kernel_fault(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+// The calling CUDA thread's lane (its index in the block modulo 32).
+int emu_lane(void);
 
 static inline void __threadfence(void) {}
 static inline void __threadfence_block(void) {}

@@ -28,6 +28,7 @@
 
 #include <cuda_bf16.h>
 
+#include "att_bf16_bound.h"
 #include "emu.h"
 #include "emu_ctx.h"
 #include "selftest.h"
@@ -114,6 +115,38 @@ void check_close(const std::string &what, const float *got, const float *want, s
         snprintf(buf + strlen(buf), sizeof buf - strlen(buf),
                  "; %zu out of tolerance, %zu of them not finite where the CPU's are (or the reverse)",
                  bad, nonfinite);
+    report(bad == 0, what, buf);
+}
+
+// |got - want| <= atol + bound[i] everywhere (NaN fails): a bound per
+// element (att_bf16_bound.h).
+void check_bound(const std::string &what, const float *got, const float *want, const float *bound,
+                 size_t n, double atol)
+{
+    size_t bad = 0, worst = 0;
+    double wq = 0, maxabs = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)got[i] - (double)want[i]);
+        double tol = atol + (double)bound[i];
+        if (!(d <= tol)) {
+            if (bad < 4)
+                printf("  %s %s [%zu]: got %.9g want %.9g bound %.3g\n", g_case.c_str(), what.c_str(),
+                       i, (double)got[i], (double)want[i], tol);
+            bad++;
+        }
+        double q = d / tol;
+        if (!(q <= wq)) {
+            wq = q;
+            worst = i;
+        }
+        if (d > maxabs)
+            maxabs = d;
+    }
+    char buf[256];
+    snprintf(buf, sizeof buf, "n %zu, max |diff| %.3g, worst |diff|/bound %.3g at [%zu]", n, maxabs,
+             wq, worst);
+    if (bad)
+        snprintf(buf + strlen(buf), sizeof buf - strlen(buf), "; %zu out of bounds", bad);
     report(bad == 0, what, buf);
 }
 
@@ -593,6 +626,231 @@ void test_attention()
              -EINVAL);
 }
 
+// ---- Attention in bf16 (cuda/attention_bf16.cu) ----
+
+struct a16_case {
+    int B, T, C, NH;
+    int optin;    // the device's opt-in shared memory per block
+    size_t off;   // every tensor at this float offset (1: not 16-byte aligned)
+    bool det;     // also the determinism runs
+    bool causal;  // also the exactness of the causal mask
+    bool tc;      // the bf16 kernels must run (else the fp32 fallback)
+    float ramp;   // > 0: scores that grow by about this much (natural log) along the sequence
+};
+
+// Columns [part·C, part·C + C) of a (rows, 3C) tensor.
+std::vector<float> qkv_part(const std::vector<float> &x, size_t rows, int C, int part)
+{
+    std::vector<float> r(rows * (size_t)C);
+    for (size_t i = 0; i < rows; i++)
+        memcpy(&r[i * C], &x[i * 3 * (size_t)C + (size_t)part * C], (size_t)C * sizeof(float));
+    return r;
+}
+
+void a16_run(const a16_case &a)
+{
+    const int B = a.B, T = a.T, C = a.C, NH = a.NH, hd = C / NH;
+    const size_t rows = (size_t)B * T, nqkv = rows * 3 * C, nout = rows * C;
+    const size_t nsv = (size_t)B * NH * T;
+    char nm[192];
+    snprintf(nm, sizeof nm, "attention bf16 B=%d T=%d C=%d NH=%d (hd %d)%s%s", B, T, C, NH, hd,
+             a.optin != 232448 ? " optin=" : "", a.optin != 232448 ? std::to_string(a.optin).c_str() : "");
+    if (a.off)
+        snprintf(nm + strlen(nm), sizeof nm - strlen(nm), " at float offset %zu", a.off);
+    if (a.ramp > 0)
+        snprintf(nm + strlen(nm), sizeof nm - strlen(nm), " scores ramp up by %g", (double)a.ramp);
+    g_case = nm;
+    seed((uint64_t)(B * 1000003 + T * 1009 + C * 7 + NH) ^ 0xb16);
+    emu_set_smem_optin(a.optin);
+    // q and k in [-3, 3] (scores over e^±9), v and dout in [-1, 1].
+    std::vector<float> qkv(nqkv), dout = rnd(nout, 1);
+    for (size_t r = 0; r < rows; r++)
+        for (int c = 0; c < 3 * C; c++)
+            qkv[r * 3 * C + c] = urand(c < 2 * C ? 3.0f : 1.0f);
+    if (a.ramp > 0) {
+        // q in [0, 3], k small plus a part that grows with the position:
+        // scale·q_i·k_j grows by about `ramp` from j = 0 to T, so a row's
+        // max keeps rising tile after tile (the forward's rescaling; with a
+        // steep ramp the factor exp2(m_old − m_new) underflows to 0).
+        const double grow = a.ramp / (1.5 * hd / sqrt((double)hd));
+        for (size_t r = 0; r < rows; r++)
+            for (int c = 0; c < C; c++) {
+                qkv[r * 3 * C + c] = fabsf(qkv[r * 3 * C + c]);
+                qkv[r * 3 * C + C + c] =
+                    urand(0.3f) + (float)(grow * (double)(r % (size_t)T) / T);
+            }
+    }
+
+    Dev dev;
+    float *d_qkv = dev.up(qkv, a.off), *d_dout = dev.up(dout, a.off);
+    float *d_out = dev.alloc<float>(nout, a.off), *d_saved = dev.alloc<float>(nsv, a.off);
+    float *d_scr = dev.alloc<float>(nsv, a.off), *d_dqkv = dev.alloc<float>(nqkv, a.off);
+    check_rc("cuda_attention_forward_bf16",
+             cuda_attention_forward_bf16(d_out, d_saved, d_qkv, B, T, C, NH), 0);
+    std::vector<float> g_out = down(d_out, nout), g_saved = down(d_saved, nsv);
+    char klog[1024];
+    emu_kernel_log(klog, sizeof klog);
+    check_rc("cuda_attention_backward_bf16",
+             cuda_attention_backward_bf16(d_dqkv, d_scr, d_dout, d_out, d_qkv, d_saved, B, T, C, NH),
+             0);
+    std::vector<float> g_dqkv = down(d_dqkv, nqkv), g_scr = down(d_scr, nsv);
+    char klog2[1024];
+    emu_kernel_log(klog2, sizeof klog2);
+    const bool f16 = strstr(klog, "a16_") != NULL, b16 = strstr(klog2, "a16_") != NULL;
+    check_true(std::string(a.tc ? "the bf16 kernels ran" : "the fp32 kernels ran (fallback)") +
+                   ", forward and backward alike: " + klog + "; " + klog2,
+               f16 == a.tc && b16 == a.tc && (a.tc || (!strstr(klog, "a16_") && klog[0])));
+
+    if (a.tc) {
+        // The reference on the inputs rounded as the kernels round them.
+        std::vector<float> qkv_r(nqkv), dout_r(nout);
+        att_b16_round(qkv_r.data(), qkv.data(), nqkv);
+        att_b16_round(dout_r.data(), dout.data(), nout);
+        const size_t natt = (size_t)B * NH * T * T;
+        std::vector<float> r_out(nout), r_att(natt), r_scr(natt), r_dqkv(nqkv);
+        check_rc("expert_attention_forward (bf16-rounded inputs)",
+                 expert_attention_forward(r_out.data(), r_att.data(), qkv_r.data(), B, T, C, NH), 0);
+        check_rc("expert_attention_backward (bf16-rounded inputs)",
+                 expert_attention_backward(r_dqkv.data(), r_scr.data(), dout_r.data(), qkv_r.data(),
+                                           r_att.data(), B, T, C, NH),
+                 0);
+        std::vector<double> lse(nsv);
+        std::vector<float> b_out(nout), b_lse(nsv), b_dqkv(nqkv), r_lse(nsv);
+        if (att_b16_bounds(qkv_r.data(), dout_r.data(), g_out.data(), B, T, C, NH, lse.data(),
+                           b_out.data(), b_lse.data(), b_dqkv.data()) != 0) {
+            fprintf(stderr, "emu_test: out of memory\n");
+            exit(1);
+        }
+        for (size_t i = 0; i < nsv; i++)
+            r_lse[i] = (float)lse[i];
+        const double atol = 1e-6;
+        check_bound("out (bf16 bound)", g_out.data(), r_out.data(), b_out.data(), nout, atol);
+        check_bound("saved log-sum-exp (fp32 bound)", g_saved.data(), r_lse.data(), b_lse.data(),
+                    nsv, atol);
+        static const char *part[3] = { "dq (bf16 bound)", "dk (bf16 bound)", "dv (bf16 bound)" };
+        for (int p = 0; p < 3; p++) {
+            std::vector<float> gp = qkv_part(g_dqkv, rows, C, p), rp = qkv_part(r_dqkv, rows, C, p),
+                               bp = qkv_part(b_dqkv, rows, C, p);
+            check_bound(part[p], gp.data(), rp.data(), bp.data(), nout, atol);
+        }
+        // D = rowsum(bf16(dout)·out), in scratch for the dK/dV kernel.
+        std::vector<float> r_d(nsv);
+        double dworst = 0;
+        for (int b = 0; b < B; b++)
+            for (int h = 0; h < NH; h++)
+                for (int i = 0; i < T; i++) {
+                    double sum = 0, mag = 0;
+                    for (int d = 0; d < hd; d++) {
+                        size_t x = ((size_t)b * T + i) * C + (size_t)h * hd + d;
+                        sum += (double)dout_r[x] * g_out[x];
+                        mag += fabs((double)dout_r[x] * g_out[x]);
+                    }
+                    size_t y = ((size_t)b * NH + h) * T + i;
+                    double q = fabs(g_scr[y] - sum) / (4 * (hd + 8) * U32 * mag + 1e-30);
+                    dworst = q > dworst ? q : dworst;
+                }
+        check_true("scratch holds D = Σ_d bf16(dout)·out (fp32 sum bound)", dworst <= 1);
+    } else {
+        // The fallback is the fp32 functions: their bits exactly.
+        float *d_out2 = dev.alloc<float>(nout), *d_saved2 = dev.alloc<float>(nsv);
+        float *d_scr2 = dev.alloc<float>(nsv), *d_dqkv2 = dev.alloc<float>(nqkv);
+        check_rc("cuda_attention_forward", cuda_attention_forward(d_out2, d_saved2, d_qkv, B, T, C, NH),
+                 0);
+        check_rc("cuda_attention_backward",
+                 cuda_attention_backward(d_dqkv2, d_scr2, d_dout, d_out2, d_qkv, d_saved2, B, T, C, NH),
+                 0);
+        check_bits("out = the fp32 path's", g_out.data(), down(d_out2, nout).data(), nout * 4);
+        check_bits("saved = the fp32 path's", g_saved.data(), down(d_saved2, nsv).data(), nsv * 4);
+        check_bits("dqkv = the fp32 path's", g_dqkv.data(), down(d_dqkv2, nqkv).data(), nqkv * 4);
+        emu_kernel_log(klog, sizeof klog);
+    }
+    size_t nonfinite = 0;
+    for (float x : g_dqkv)
+        nonfinite += !isfinite(x);
+    check_true("dqkv fully written (NaN-poisoned first): " + std::to_string(nonfinite) +
+                   " non-finite",
+               nonfinite == 0);
+
+    if (a.det)
+        deterministic("out, saved, dqkv, scratch", [&] {
+            memset((void *)d_out, 0xFF, nout * 4);
+            memset((void *)d_saved, 0xFF, nsv * 4);
+            memset((void *)d_dqkv, 0xFF, nqkv * 4);
+            memset((void *)d_scr, 0xFF, nsv * 4);
+            cuda_attention_forward_bf16(d_out, d_saved, d_qkv, B, T, C, NH);
+            cuda_attention_backward_bf16(d_dqkv, d_scr, d_dout, d_out, d_qkv, d_saved, B, T, C, NH);
+            synced("attention bf16");
+            std::vector<unsigned char> r = bytes_of(d_out, nout * 4);
+            for (auto q : { bytes_of(d_saved, nsv * 4), bytes_of(d_dqkv, nqkv * 4),
+                            bytes_of(d_scr, nsv * 4) })
+                r.insert(r.end(), q.begin(), q.end());
+            return r;
+        });
+
+    if (a.causal) {
+        // Masked scores contribute exactly 0: new q, k and v for the last
+        // position change no earlier row's out or lse, bit for bit.
+        std::vector<float> q2 = qkv;
+        for (int b = 0; b < B; b++)
+            for (int c = 0; c < 3 * C; c++)
+                q2[((size_t)b * T + T - 1) * 3 * C + c] = urand(c < 2 * C ? 30.0f : 100.0f);
+        memcpy((void *)d_qkv, q2.data(), nqkv * 4);
+        memset((void *)d_out, 0xFF, nout * 4);
+        cuda_attention_forward_bf16(d_out, d_saved, d_qkv, B, T, C, NH);
+        std::vector<float> o2 = down(d_out, nout), s2 = down(d_saved, nsv);
+        size_t diff = 0, changed = 0;
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < T; i++)
+                for (int c = 0; c < C; c++) {
+                    size_t x = ((size_t)b * T + i) * C + c;
+                    bool same = memcmp(&o2[x], &g_out[x], 4) == 0;
+                    (i < T - 1 ? diff : changed) += !same;
+                }
+        for (size_t y = 0; y < nsv; y++)
+            if (y % T != (size_t)T - 1)
+                diff += memcmp(&s2[y], &g_saved[y], 4) != 0;
+        check_true("causal mask exact: rows before T-1 the same bits after the last row's q, k, v "
+                   "changed (" + std::to_string(diff) + " differ; the last row changed: " +
+                   std::to_string(changed) + ")",
+                   diff == 0 && changed > 0);
+    }
+    show_kernels();
+    emu_set_smem_optin(232448);
+}
+
+void test_attention_bf16()
+{
+    const int H100 = 232448;
+    const a16_case cases[] = {
+        { 2, 1, 64, 2, H100, 0, true, false, true, 0 },      // T = 1, hd 32, B·NH 4
+        { 1, 16, 128, 2, H100, 0, false, false, true, 0 },   // T = 16, hd 64 (one partial tile)
+        { 2, 67, 64, 2, H100, 0, true, true, true, 0 },      // hd 32, 2 tiles, the last 3 rows
+        { 1, 130, 256, 2, H100, 0, true, true, true, 0 },    // hd 128, 3 tiles
+        { 1, 256, 128, 2, H100, 0, false, false, true, 0 },  // hd 64, 4 full tiles
+        { 2, 67, 96, 2, H100, 0, false, false, true, 0 },    // hd 48 (padded to 64)
+        { 3, 64, 48, 3, H100, 0, false, false, true, 0 },    // hd 16 (padded to 32), T one tile
+        { 1, 67, 128, 2, H100, 1, false, false, true, 0 },   // hd 64, every tensor unaligned
+        { 1, 33, 200, 1, H100, 0, false, false, false, 0 },  // hd 200: fp32
+        { 2, 40, 80, 2, H100, 0, false, false, false, 0 },   // hd 40 (not a multiple of 16): fp32
+        { 2, 67, 16, 2, H100, 0, false, false, false, 0 },   // hd 8: fp32
+        { 1, 130, 256, 2, 101376, 0, false, false, false, 0 }, // hd 128, 99 KiB: the backward's
+                                                            // 105 KiB do not fit, so neither runs bf16
+        { 2, 67, 64, 2, 49152, 0, false, false, false, 0 },  // hd 32, no opt-in: the same
+        { 1, 256, 128, 2, H100, 0, false, false, true, 60 },  // max rising (rescaling)
+        { 2, 130, 64, 2, H100, 0, true, false, true, 400 },   // steep: alpha underflows to 0
+    };
+    for (const a16_case &c : cases)
+        a16_run(c);
+
+    g_case = "attention bf16 arguments";
+    float x[3 * 8] = { 0 };
+    check_rc("NULL out", cuda_attention_forward_bf16(NULL, x, x, 1, 1, 8, 1), -EINVAL);
+    check_rc("C % NH != 0", cuda_attention_forward_bf16(x, x, x, 1, 1, 8, 3), -EINVAL);
+    check_rc("T = 0", cuda_attention_forward_bf16(x, x, x, 1, 0, 8, 1), -EINVAL);
+    check_rc("backward without saved",
+             cuda_attention_backward_bf16(x, x, x, x, x, NULL, 1, 1, 8, 1), -EINVAL);
+}
+
 // ---- Embedding ----
 
 void test_embedding()
@@ -1067,6 +1325,8 @@ void test_no_device()
     check_rc("softmax_backward", cuda_softmax_backward(x, x, x, 1, 1), E);
     check_rc("attention_forward", cuda_attention_forward(x, x, x, 1, 1, 8, 1), E);
     check_rc("attention_backward", cuda_attention_backward(x, x, x, x, x, x, 1, 1, 8, 1), E);
+    check_rc("attention_forward_bf16", cuda_attention_forward_bf16(x, x, x, 1, 1, 16, 1), E);
+    check_rc("attention_backward_bf16", cuda_attention_backward_bf16(x, x, x, x, x, x, 1, 1, 16, 1), E);
     check_rc("embedding_forward", cuda_embedding_forward(x, t, x, x, 1, 1, 1, 1), E);
     check_rc("embedding_backward", cuda_embedding_backward(x, x, x, t, 1, 1, 1, 1), E);
     check_rc("sqnorm", cuda_sqnorm(&d, x, 1), E);
@@ -1104,7 +1364,8 @@ int main(int argc, char **argv)
         void (*fn)(void);
     } suites[] = {
         { "step (sqnorm, adamw, sgd)", test_step }, { "cast_bf16", test_cast },
-        { "attention", test_attention },             { "embedding", test_embedding },
+        { "attention", test_attention },             { "attention bf16", test_attention_bf16 },
+        { "embedding", test_embedding },
         { "softmax", test_softmax },                 { "layernorm", test_layernorm },
         { "bias", test_bias },                       { "gelu", test_gelu },
         { "residual", test_residual },               { "crossentropy", test_crossentropy },

@@ -3,8 +3,11 @@
 // per block, barriers with exited threads, shuffles and votes, 2D/3D
 // indices, templates and __launch_bounds__, launch checks, and the faults
 // it must catch (out-of-bounds shared and device writes, deadlocks,
-// divergent barriers, host pointers in kernels).
+// divergent barriers, host pointers in kernels), and nvcuda::wmma (its
+// products, layouts, and the rules it enforces).
 #include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <mma.h>
 
 #include <stdio.h>
 #include <string.h>
@@ -488,6 +491,156 @@ void test_schedule()
     emu_device_free(cnt);
 }
 
+// ---- nvcuda::wmma ----
+
+using namespace nvcuda;
+
+// d = c + a·b for one 16×16×16 tile per warp: a (bf16) row- or column-major
+// from global memory (lda 24), b (bf16) through shared memory (ldb 40,
+// row- or column-major), c (float) read with layout c_col, d written
+// row-major (warp 0) or column-major (warp 1) into dsts[warp].
+template <typename LA, typename LB>
+static __global__ void k_wmma(float *d, const __nv_bfloat16 *a, const __nv_bfloat16 *b,
+                              const float *c, int c_col)
+{
+    __shared__ __align__(32) __nv_bfloat16 bs[16 * 40];
+    const int warp = threadIdx.x / 32;
+    for (int i = threadIdx.x; i < 16 * 40; i += blockDim.x)
+        bs[i] = b[i];
+    __syncthreads();
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, LA> fa;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, LB> fb;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> fc, fd;
+    wmma::load_matrix_sync(fa, a, 24);
+    wmma::load_matrix_sync(fb, bs, 40);
+    wmma::load_matrix_sync(fc, c, 16, c_col ? wmma::mem_col_major : wmma::mem_row_major);
+    wmma::fill_fragment(fd, -1.0f);
+    wmma::mma_sync(fd, fa, fb, fc);
+    wmma::mma_sync(fc, fa, fb, fc);  // d aliasing c
+    wmma::store_matrix_sync(d + warp * 512, fd, 16, warp ? wmma::mem_col_major : wmma::mem_row_major);
+    wmma::store_matrix_sync(d + warp * 512 + 256, fc, 16, wmma::mem_row_major);
+}
+
+template <typename LA, typename LB>
+int wmma_case(int a_col, int b_col, int c_col)
+{
+    __nv_bfloat16 *a = dalloc<__nv_bfloat16>(16 * 24), *b = dalloc<__nv_bfloat16>(16 * 40);
+    float *c = dalloc<float>(256), *d = dalloc<float>(1024);
+    float A[16][16], Bm[16][16], Cm[16][16];
+    for (int i = 0; i < 16; i++)
+        for (int j = 0; j < 16; j++) {
+            // Small integers and halves: exact in bf16; sums of products exact in float.
+            A[i][j] = (float)((i * 7 + j * 3) % 11 - 5) * 0.5f;
+            Bm[i][j] = (float)((i * 5 + j * 13) % 9 - 4);
+            Cm[i][j] = (float)(i - j) * 0.25f;
+        }
+    for (int i = 0; i < 16 * 24; i++)
+        a[i] = __float2bfloat16_rn(1e30f);  // the padding columns: would show
+    for (int i = 0; i < 16 * 40; i++)
+        b[i] = __float2bfloat16_rn(1e30f);
+    for (int i = 0; i < 16; i++)
+        for (int j = 0; j < 16; j++) {
+            a[a_col ? j * 24 + i : i * 24 + j] = __float2bfloat16_rn(A[i][j]);
+            b[b_col ? j * 40 + i : i * 40 + j] = __float2bfloat16_rn(Bm[i][j]);
+            c[c_col ? j * 16 + i : i * 16 + j] = Cm[i][j];
+        }
+    k_wmma<LA, LB><<<1, 64>>>(d, a, b, c, c_col);
+    int bad = -1;
+    if (emu_sync() == cudaSuccess) {
+        bad = 0;
+        for (int w = 0; w < 2; w++)
+            for (int i = 0; i < 16; i++)
+                for (int j = 0; j < 16; j++) {
+                    float s = Cm[i][j];
+                    for (int k = 0; k < 16; k++)
+                        s += A[i][k] * Bm[k][j];
+                    const float *dw = d + w * 512;
+                    bad += dw[w ? j * 16 + i : i * 16 + j] != s;
+                    bad += dw[256 + i * 16 + j] != s;
+                }
+    }
+    emu_device_free(a);
+    emu_device_free(b);
+    emu_device_free(c);
+    emu_device_free(d);
+    return bad;
+}
+
+// Rule breakers: which = 0 half the warp calls, 1 two values, 2 a pointer
+// 16 bytes off, 3 ldm 20 for bf16, 4 lanes pass different fragments, 5 the
+// lanes pass different pointers, 6 a warp of 16 threads (block of 48).
+static __global__ void k_wmma_bad(float *out, const __nv_bfloat16 *a, int which)
+{
+    const int lane = threadIdx.x % 32;
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    if (which == 0) {
+        if (lane < 16)
+            wmma::fill_fragment(acc, 1.0f);
+        else
+            wmma::fill_fragment(acc, 2.0f);
+    } else if (which == 1) {
+        wmma::fill_fragment(acc, lane < 16 ? 1.0f : 2.0f);
+    } else if (which == 2) {
+        wmma::load_matrix_sync(fa[0], a + 8, 16);
+    } else if (which == 3) {
+        wmma::load_matrix_sync(fa[0], a, 20);
+    } else if (which == 4) {
+        wmma::load_matrix_sync(fa[0], a, 16);
+        wmma::load_matrix_sync(fa[1], a + 256, 16);
+        wmma::load_matrix_sync(fb, a, 16);
+        wmma::fill_fragment(acc, 0.0f);
+        wmma::mma_sync(acc, fa[lane & 1], fb, acc);
+    } else if (which == 5) {
+        wmma::load_matrix_sync(fa[0], a + (lane & 1) * 16, 16);
+    } else {
+        wmma::fill_fragment(acc, 0.0f);
+    }
+    if (which != 0 && which != 1)
+        wmma::fill_fragment(acc, 0.0f);
+    wmma::store_matrix_sync(out, acc, 16, wmma::mem_row_major);
+}
+
+void test_wmma()
+{
+    int bad = wmma_case<wmma::row_major, wmma::row_major>(0, 0, 0) +
+              wmma_case<wmma::col_major, wmma::col_major>(1, 1, 1) +
+              wmma_case<wmma::row_major, wmma::col_major>(0, 1, 0) +
+              wmma_case<wmma::col_major, wmma::row_major>(1, 0, 1);
+    CHECK(bad == 0, "wmma: %d wrong elements (-1: a fault: %s)", bad, emu_last_fault());
+    if (bad == 0)
+        printf("ok   selftest: wmma bf16 m16n16k16 (row/col-major a, b; accumulator layouts; "
+               "global and shared memory; d aliasing c)\n");
+    __nv_bfloat16 *a = dalloc<__nv_bfloat16>(1024);
+    for (int i = 0; i < 1024; i++)
+        a[i] = __float2bfloat16_rn((float)(i % 7));
+    float *out = dalloc<float>(256);
+    emu_set_fault_print(0);
+    k_wmma_bad<<<1, 32>>>(out, a, 0);
+    expect_fault("wmma called by half a warp", cudaErrorLaunchFailure, "all 32 lanes must call");
+    k_wmma_bad<<<1, 32>>>(out, a, 1);
+    expect_fault("wmma::fill_fragment with two values in one warp", cudaErrorLaunchFailure,
+                 "other arguments");
+    k_wmma_bad<<<1, 32>>>(out, a, 2);
+    expect_fault("wmma::load_matrix_sync at a 16-byte aligned pointer", cudaErrorLaunchFailure,
+                 "256-bit");
+    k_wmma_bad<<<1, 32>>>(out, a, 3);
+    expect_fault("wmma::load_matrix_sync with ldm 20 (bf16)", cudaErrorLaunchFailure,
+                 "not a multiple of 8");
+    k_wmma_bad<<<1, 32>>>(out, a, 4);
+    expect_fault("wmma::mma_sync with different fragments per lane", cudaErrorLaunchFailure,
+                 "differs from lane 0");
+    k_wmma_bad<<<1, 32>>>(out, a, 5);
+    expect_fault("wmma::load_matrix_sync with different pointers per lane", cudaErrorLaunchFailure,
+                 "other arguments");
+    k_wmma_bad<<<1, 48>>>(out, a, 6);
+    expect_fault("wmma in a warp of 16 threads", cudaErrorLaunchFailure, "all 32 lanes");
+    emu_set_fault_print(1);
+    emu_device_free(a);
+    emu_device_free(out);
+}
+
 }  // namespace
 
 int emu_selftest(void)
@@ -502,6 +655,7 @@ int emu_selftest(void)
     test_faults();
     test_deferred();
     test_schedule();
+    test_wmma();
     emu_reset_device();
     return g_fails;
 }
