@@ -644,28 +644,6 @@ static size_t att_dq_smem(int D)
            sizeof(float);
 }
 
-// Lets kernel fn use `bytes` of dynamic shared memory (over the default
-// 48 KiB it must opt in). 0 when this device cannot give that much: the
-// caller then takes the fallback.
-template <typename F>
-static int att_smem_ok(cuda__ctx *c, F *fn, size_t bytes)
-{
-    int optin = 0;
-    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, c->device) !=
-        cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0;
-    }
-    if (bytes > (size_t)optin)
-        return 0;
-    if (cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes) !=
-        cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0;
-    }
-    return 1;
-}
-
 // Queues the tiled forward for bucket D; 0 (nothing queued) when the
 // device lacks its shared memory.
 template <int D>
@@ -673,7 +651,7 @@ static int att_fwd_tiled_launch(cuda__ctx *c, float *out, float *lse, const floa
                                 int T, int C, int NH, float scale)
 {
     size_t smem = att_fwd_smem(D);
-    if (!att_smem_ok(c, att_fwd_tiled<D>, smem))
+    if (!cuda__smem_ok(c, att_fwd_tiled<D>, smem))
         return 0;
     dim3 grid((unsigned)(B * NH), (unsigned)((T + ATT_TILE - 1) / ATT_TILE));
     att_fwd_tiled<D><<<grid, ATT_THREADS, smem, c->stream>>>(out, lse, qkv, T, C, NH, scale);
@@ -688,7 +666,7 @@ static int att_bwd_tiled_launch(cuda__ctx *c, float *dqkv, const float *dout, co
                                 float scale)
 {
     size_t s1 = att_dkdv_smem(D), s2 = att_dq_smem(D);
-    if (!att_smem_ok(c, att_bwd_dkdv_tiled<D>, s1) || !att_smem_ok(c, att_bwd_dq_tiled<D>, s2))
+    if (!cuda__smem_ok(c, att_bwd_dkdv_tiled<D>, s1) || !cuda__smem_ok(c, att_bwd_dq_tiled<D>, s2))
         return 0;
     dim3 grid((unsigned)(B * NH), (unsigned)((T + ATT_TILE - 1) / ATT_TILE));
     att_bwd_dkdv_tiled<D><<<grid, ATT_THREADS, s1, c->stream>>>(dqkv, dout, qkv, lse, dvec, T, C,

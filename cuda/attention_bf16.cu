@@ -620,35 +620,14 @@ static int a16_bucket(int hd)
     return hd <= 32 ? 32 : hd <= 64 ? 64 : 128;
 }
 
-// Lets kernel fn use `bytes` of dynamic shared memory (over 48 KiB it must
-// opt in); 0 when the device cannot give that much.
-template <typename F>
-static int a16_smem_ok(cuda__ctx *c, F *fn, size_t bytes)
-{
-    int optin = 0;
-    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, c->device) !=
-        cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0;
-    }
-    if (bytes > (size_t)optin)
-        return 0;
-    if (cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes) !=
-        cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0;
-    }
-    return 1;
-}
-
 // 1 when all three kernels of bucket D get their shared memory here.
 template <int D>
 static int a16_ready(cuda__ctx *c)
 {
     typedef a16_cfg<D> P;
-    return a16_smem_ok(c, a16_fwd<D>, P::fwd_smem()) &&
-           a16_smem_ok(c, a16_bwd_dq<D>, P::bwd_smem()) &&
-           a16_smem_ok(c, a16_bwd_dkdv<D>, P::bwd_smem());
+    return cuda__smem_ok(c, a16_fwd<D>, P::fwd_smem()) &&
+           cuda__smem_ok(c, a16_bwd_dq<D>, P::bwd_smem()) &&
+           cuda__smem_ok(c, a16_bwd_dkdv<D>, P::bwd_smem());
 }
 
 // The bucket the bf16 kernels run this shape in, or 0: the fp32 kernels.

@@ -57,6 +57,28 @@ int cuda__launch_status_what(const char *what);
 // (cudaFree waits for the device first). NULL when out of memory.
 void *cuda__scratch(cuda__ctx *c, size_t bytes);
 
+// Lets kernel fn use `bytes` of dynamic shared memory (over the default
+// 48 KiB it must opt in). 0 when this device cannot give that much: the
+// caller then takes its fallback.
+template <typename F>
+static inline int cuda__smem_ok(cuda__ctx *c, F *fn, size_t bytes)
+{
+    int optin = 0;
+    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, c->device) !=
+        cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    if (bytes > (size_t)optin)
+        return 0;
+    if (cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes) !=
+        cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return 1;
+}
+
 static inline unsigned cuda__blocks(long n, int threads)
 {
     long b = (n + threads - 1) / threads;

@@ -123,23 +123,10 @@ if [ -n "${WORK:-}" ]; then work=$WORK; mkdir -p "$work" || exit 1; keep=1; else
     work=$(mktemp -d "${TMPDIR:-/tmp}/starling-gpulm-XXXXXX") || exit 1; fi
 pids=""
 
-# stop_ours: SIGTERM to every process we started, at most 10 s for all of
-# them (a zombie counts as gone), then SIGKILL; reaps them.
-stop_ours() {
-    [ -n "$pids" ] || return 0
-    for p in $pids; do kill -TERM "$p" 2>/dev/null; done
-    for _ in $(seq 1 100); do
-        alive=0
-        for p in $pids; do
-            kill -0 "$p" 2>/dev/null &&
-                [ "$(sed -n 's/.*) \([A-Z]\).*/\1/p' "/proc/$p/stat" 2>/dev/null)" != Z ] && alive=1
-        done
-        [ "$alive" = 1 ] || break
-        sleep 0.1
-    done
-    for p in $pids; do kill -KILL "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
-    pids=""
-}
+# stop_ours, show, wait_for, wait_announced_peer: the swarm benchmarks'
+# shared helpers (they read $work, $pids, $S and $BS).
+# shellcheck source=tests/bench/bench_lib.sh
+. "$(dirname "$0")/bench_lib.sh"
 cleanup() {
     stop_ours
     if [ "$keep" = 1 ]; then log "files kept in $work"; else rm -rf "$work"; fi
@@ -147,8 +134,6 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
-
-show() { for f in "$@"; do [ -f "$f" ] || continue; echo "--- $f" >&2; tail -15 "$f" >&2; done; }
 
 # run_fg CMD...: runs CMD in the background and waits for it, so that a
 # signal to this script runs the trap (which then stops CMD) at once.
@@ -161,35 +146,6 @@ run_fg() {
     rf_rc=$?
     pids=$(echo "$pids" | tr ' ' '\n' | grep -vx "$rf_pid" | tr '\n' ' ')
     return "$rf_rc"
-}
-
-# wait_for FILE REGEX SECONDS PID: until FILE has a line matching REGEX;
-# gives up early once PID has exited.
-wait_for() {
-    for _ in $(seq 1 $(($3 * 10))); do
-        grep -Eq "$2" "$1" 2>/dev/null && return 0
-        kill -0 "$4" 2>/dev/null || break
-        sleep 0.1
-    done
-    grep -Eq "$2" "$1" 2>/dev/null
-}
-
-# wait_announced OUT ERR SECONDS: until `starling monitor` shows the peer
-# whose stdout is OUT and stderr ERR online on as many stages as it
-# announces (tests/swarm_lib.sh's way).
-wait_announced() {
-    wa_end=$(($(date +%s) + $3))
-    while :; do
-        wa_id=$(sed -n 's#.*address .*/\([0-9a-f]\{40\}\)$#\1#p' "$1" | tail -1)
-        wa_n=$(sed -n 's/.*online: announcing \([0-9]*\) block.*/\1/p' "$2" | tail -1)
-        if [ -n "$wa_id" ] && [ -n "$wa_n" ]; then
-            timeout 30 "$S" monitor --initial-peers "$BS" --model tiny-lm --json >"$work/mon.json" 2>"$work/mon.err"
-            wa_got=$(grep -o "\"id\":\"$wa_id\",\"addr\":\"[^\"]*\",\"state\":\"online\"" "$work/mon.json" | wc -l)
-            [ "$wa_got" -ge "$wa_n" ] && return 0
-        fi
-        [ "$(date +%s)" -lt "$wa_end" ] || return 1
-        sleep 0.2
-    done
 }
 
 # ---- 1. Is there a GPU? (a peer's device check: no network is touched)
@@ -307,7 +263,7 @@ swarm_run() {
         # shellcheck disable=SC2154
         wait_for "$work/peer-$prec-$b.err" 'online: announcing' 180 "$pp" ||
             { log "peer $b ($prec) did not come online"; show "$work/peer-$prec-$b.err"; return 1; }
-        wait_announced "$work/peer-$prec-$b.out" "$work/peer-$prec-$b.err" 120 ||
+        wait_announced_peer "$work/peer-$prec-$b.out" "$work/peer-$prec-$b.err" 120 tiny-lm timeout 30 ||
             { log "peer $b's announcements never became visible"; show "$work/peer-$prec-$b.err"; return 1; }
     done
     grep -m1 "blocks on" "$work/peer-$prec-0.err" >&2
