@@ -51,6 +51,19 @@ expect 2 "missing flag value" -- "$S" bootstrap --listen
 contains "needs a value" "missing value message"
 expect 2 "bad device" -- "$S" peer --device gpu7
 contains "invalid device" "bad device message"
+# The device flags: malformed values are usage errors; bf16 needs a GPU; a
+# GPU this build or machine lacks is a failure that says which.
+for d in "cuda:" "cuda:-1" "sim:" "sim:0" "sim:x" "AUTO"; do
+    expect 2 "peer --device $d" -- "$S" peer --device "$d"
+    contains "invalid device" "peer --device $d message"
+done
+expect 2 "bf16 on the cpu" -- "$S" peer --device cpu --precision bf16
+contains "bf16 needs a GPU" "bf16 on the cpu message"
+expect 2 "bf16 on the simulated device" -- "$S" peer --device sim --precision bf16
+expect 2 "unknown precision" -- "$S" peer --precision fp64
+contains "invalid precision 'fp64'" "unknown precision message"
+expect 1 "a GPU that is not there" -- "$S" peer --device cuda:4096 --blocks 0
+contains "cannot use device 'cuda:4096'" "missing GPU message"
 
 # Garbage flag values are usage errors (exit 2) with a sentence, before any
 # network or compute starts.
