@@ -11,8 +11,8 @@
 #include "expert/block.h"
 #include "expert/model.h"
 #include "expert/modelfile.h"
-#include "peer/announce.h"
-#include "peer/modeldesc.h"
+#include "swarm/announce.h"
+#include "swarm/modeldesc.h"
 
 #define MAX_MODELS 64
 

@@ -13,8 +13,8 @@
 #include "capi/capi_internal.h"
 #include "expert/block.h"
 #include "expert/model.h"
-#include "peer/meta.h"
-#include "peer/wire.h"
+#include "net/meta.h"
+#include "net/wire.h"
 #include "routing/caller.h"
 
 #define MAX_ATTEMPTS 16      /* calls of one API call before it fails */

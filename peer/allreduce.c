@@ -11,9 +11,9 @@
 
 #include "dht/addr.h"
 #include "expert/block.h"
-#include "peer/rpc_client.h"
-#include "peer/tensorfmt.h"
-#include "peer/wire.h"
+#include "net/rpc_client.h"
+#include "net/tensorfmt.h"
+#include "net/wire.h"
 
 #define RETRY_MS 10
 

@@ -82,7 +82,7 @@ enum peer_avg_mode {
 /* ---- How slices travel (--average-format) ----
  *
  * The slices of a round (bases, kind 0, and reduced parts, kind 1) travel
- * in one tensor format (peer/tensorfmt.h): f32 (the default, bit for bit),
+ * in one tensor format (net/tensorfmt.h): f32 (the default, bit for bit),
  * f16, bf16 or q8 with its block. The asker names it as the request's reply
  * format; the server refuses another with EINVAL, and the asker refuses a
  * reply in another format, of another shape, or that does not decode
@@ -103,7 +103,7 @@ enum peer_avg_mode {
  *    (deterministic), serves those bytes, and applies their decoded values
  *    itself, so every member applies the same average, bit for bit.
  *
- * The error of a lossy round is that of the format (peer/tensorfmt.h) on
+ * The error of a lossy round is that of the format (net/tensorfmt.h) on
  * each contribution, plus once more on the reduced part. f16 turns
  * magnitudes of 65520 and more into Inf, which the reduce leaves out as
  * non-finite (bf16 and q8 keep float32's range). q8 slices cost n + 4n/B

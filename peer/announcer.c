@@ -9,8 +9,8 @@
 
 #include "expert/model.h"
 #include "peer/log.h"
-#include "peer/modeldesc.h"
-#include "peer/tensorfmt.h"
+#include "swarm/modeldesc.h"
+#include "net/tensorfmt.h"
 
 #define RETRY_MS 2000
 #define OFFLINE_TTL_S 15.0

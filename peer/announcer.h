@@ -1,8 +1,8 @@
 /* peer/announcer.h: keeps this peer's announcements in the DHT.
  *
- * Each hosted block's announcement (peer/announce.h) is stored under the
+ * Each hosted block's announcement (swarm/announce.h) is stored under the
  * block's key, signed, and the model's record under the models index, with
- * the model's description (peer/modeldesc.h) in chunks of its own, renewed
+ * the model's description (swarm/modeldesc.h) in chunks of its own, renewed
  * with the record, so that it lives as long as some peer serves it. A
  * joining block is announced once (peer_announcer_joining); once online
  * every block is announced online, expiring ttl_s ahead and renewed every
@@ -23,7 +23,7 @@
 #include <uv.h>
 
 #include "dht/dht.h"
-#include "peer/announce.h"
+#include "swarm/announce.h"
 #include "peer/service.h"
 
 typedef struct peer_announcer_config {

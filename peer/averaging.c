@@ -12,10 +12,10 @@
 
 #include "dht/id.h"
 #include "dht/mp.h"
-#include "peer/announce.h"
+#include "swarm/announce.h"
 #include "peer/log.h"
-#include "peer/tensorfmt.h"
-#include "peer/wire.h"
+#include "net/tensorfmt.h"
+#include "net/wire.h"
 
 /* A replica that finds no other entry looks again this many times while the
  * round lasts: the others' entries can be late (a put that meets dead

@@ -28,7 +28,7 @@
  * BLAKE2b-160("starling.avg:<block>:<stage hash, 16 hex digits>") every
  * holder stores, at the start of each round, a signed entry (subkey = its
  * node ID) that expires a few seconds after the round may end; its value
- * is a msgpack map in the announcements' frame (peer/announce.h):
+ * is a msgpack map in the announcements' frame (swarm/announce.h):
  *     "v" u 1, "r" u round: its start, ms since the epoch (a multiple of the
  *     period, so peers with periods that are multiples of each other meet),
  *     "a" str tensor RPC address, "o" u optimizer kind (expert_optim_kind),

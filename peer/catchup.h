@@ -2,7 +2,7 @@
  *
  * Before a block serves, its state catches up with the swarm's. The
  * block's entries are read from the DHT (its holders' announcements,
- * peer/announce.h, then the cold copies kept of it, peer/keeper.h), and
+ * swarm/announce.h, then the cold copies kept of it, peer/keeper.h), and
  * the block takes the newest of:
  *   1. an online holder's state: a random one of the trusted holders at
  *      most one version behind the newest (so newcomers spread over
@@ -33,7 +33,7 @@
 #include <uv.h>
 
 #include "dht/dht.h"
-#include "peer/announce.h"
+#include "swarm/announce.h"
 #include "peer/service.h"
 
 #define PEER_CATCHUP_MAX 16 /* holders and cold copies considered per block */

@@ -7,7 +7,7 @@
  * joining, downloads each block's newest state from an online holder
  * (peer/statesync.h; a random one of the most up to date, so newcomers
  * spread over donors) unless its own is as new, then announces each hosted
- * block online under its key (peer/announce.h) and the model under the
+ * block online under its key (swarm/announce.h) and the model under the
  * models index, signed, expiring ttl_s ahead and renewed every
  * announce_every_s. Every average_every_s seconds it averages each block
  * with its other replicas (peer/averaging.h), and every keep_every_s it
@@ -53,7 +53,7 @@ typedef struct peer_daemon_config {
     int no_state_download;             /* keep our own state even if holders have newer */
     double average_every_s;            /* replica averaging period; 0 = off */
     int average_mode;                  /* enum peer_avg_mode (peer/allreduce.h); 0 = mean */
-    int average_format;                /* the rounds' slices: peer_fmt (peer/tensorfmt.h); 0 = f32 */
+    int average_format;                /* the rounds' slices: peer_fmt (net/tensorfmt.h); 0 = f32 */
     int average_format_block;          /* q8's block; 0 = PEER_FMT_Q8_BLOCK (0 for the others) */
     double outer_lr, outer_momentum;   /* diloco's outer step: lr (0 = 0.7) and Nesterov
                                           momentum (as given, 0..<1) */

@@ -10,7 +10,7 @@
 
 #include "expert/block.h"
 #include "expert/model.h"
-#include "peer/announce.h"
+#include "swarm/announce.h"
 #include "peer/log.h"
 #include "peer/statesync.h"
 

@@ -11,7 +11,7 @@
  * (peer/statesync.h, the newcomers' download) whenever the holders have a
  * newer weight version than its copy, keeps it in memory, serves it to
  * state downloads like a holder would (peer_statesync_server_set_cold_source), and
- * stores a signed record of it in the DHT (peer/announce.h, the keep key).
+ * stores a signed record of it in the DHT (swarm/announce.h, the keep key).
  *
  * A stage with no online holder keeps its copies whatever the view says
  * (that is when they matter); a copy whose keeper is no longer chosen is

@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "peer/rpc_conn.h"
+#include "net/rpc_conn.h"
 
 #define REQ_MAX 8192
 #define BODY_MAX (256 * 1024)

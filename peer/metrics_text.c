@@ -7,7 +7,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "peer/tensorfmt.h"
+#include "net/tensorfmt.h"
 
 /* Appends to buf[off..cap) (the render callbacks' buf, cap, off). */
 #define EMIT(...)                                                                       \

@@ -7,16 +7,16 @@
 #ifndef PEER_PEER_H
 #define PEER_PEER_H
 
-#include "peer/announce.h"
+#include "swarm/announce.h"
 #include "peer/batcher.h"
-#include "peer/channel.h"
+#include "net/channel.h"
 #include "peer/daemon.h"
 #include "peer/device.h"
 #include "peer/metrics.h"
-#include "peer/rpc_client.h"
-#include "peer/rpc_server.h"
+#include "net/rpc_client.h"
+#include "net/rpc_server.h"
 #include "peer/service.h"
 #include "peer/statesync.h"
-#include "peer/wire.h"
+#include "net/wire.h"
 
 #endif

@@ -20,10 +20,10 @@
 #include "expert/guard.h"
 #include "expert/model.h"
 #include "peer/log.h"
-#include "peer/meta.h"
-#include "peer/rpc_server.h"
-#include "peer/tensorfmt.h"
-#include "peer/wire.h"
+#include "net/meta.h"
+#include "net/rpc_server.h"
+#include "net/tensorfmt.h"
+#include "net/wire.h"
 
 typedef struct svc_block svc_block;
 

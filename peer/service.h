@@ -4,7 +4,7 @@
  * block (restored from its checkpoint when one exists), a batcher (compute
  * threads, joined batches, backpressure, optimizer steps) and a pool of
  * request contexts with output buffers, so steady traffic allocates nothing.
- * The RPC server (peer/rpc_server.h) hands requests to the service on the
+ * The RPC server (net/rpc_server.h) hands requests to the service on the
  * loop thread; the service checks them, queues them on the block's batcher,
  * and the worker that computes a batch sends each reply itself.
  *
@@ -51,7 +51,7 @@
 #include "expert/guard.h"
 #include "expert/optim.h"
 #include "peer/batcher.h"
-#include "peer/rpc_server.h"
+#include "net/rpc_server.h"
 
 #define PEER_SERVICE_MAX_BLOCKS 64
 /* The largest tensor a handler answers with (a state chunk, peer/statesync.h;
@@ -91,7 +91,7 @@ typedef struct peer_service_config {
     int rpc_max_handshakes;       /* unfinished handshakes (64) */
     uint64_t rpc_idle_timeout_ms; /* established connection with nothing happening (120000) */
     uint32_t formats;             /* tensor formats accepted from clients (peer_fmt_mask,
-                                     peer/tensorfmt.h); 0: all. float32 always */
+                                     net/tensorfmt.h); 0: all. float32 always */
     const expert_backend *backend; /* where the blocks live and compute (peer/device.h);
                                      NULL: the CPU. Before a block is created its
                                      memory is checked against the device's free

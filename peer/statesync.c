@@ -8,9 +8,9 @@
 
 #include "dht/addr.h"
 #include "expert/block.h"
-#include "peer/rpc_client.h"
+#include "net/rpc_client.h"
 #include "peer/service.h"
-#include "peer/wire.h"
+#include "net/wire.h"
 
 #define MAX_STATE_BYTES ((size_t)4 << 30) /* refuse absurd totals from a donor */
 

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "peer/rpc_client.h"
+#include "net/rpc_client.h"
 
 struct route_caller {
     uv_loop_t *loop;

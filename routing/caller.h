@@ -57,7 +57,7 @@
 
 #include "dht/dht.h"
 #include "expert/model.h"
-#include "peer/wire.h"
+#include "net/wire.h"
 #include "routing/conns.h"
 #include "routing/pipeline.h"
 #include "routing/replica.h"

@@ -22,7 +22,7 @@
 #include <uv.h>
 
 #include "dht/identity.h"
-#include "peer/rpc_client.h"
+#include "net/rpc_client.h"
 
 #define ROUTE_CONNS_ADDR_MAX 64              /* longest "HOST:PORT" (as announced) */
 

@@ -10,8 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "peer/meta.h"
-#include "peer/wire.h"
+#include "net/meta.h"
+#include "net/wire.h"
 #include "routing/caller.h"
 #include "routing/pipeline.h"
 #include "routing/replica.h"

@@ -5,16 +5,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-double route_rand01(uint64_t *state)
-{
-    uint64_t x = *state;
-    x ^= x >> 12;
-    x ^= x << 25;
-    x ^= x >> 27;
-    *state = x;
-    return (double)((x * 0x2545F4914F6CDD1DULL) >> 11) * (1.0 / 9007199254740992.0);
-}
-
 void route_replica_init(route_replica *r, const uint8_t id[ROUTE_ID_LEN], double tput, double load)
 {
     memset(r, 0, sizeof *r);

@@ -30,6 +30,8 @@
 
 #include <stdint.h>
 
+#include "swarm/rng.h"
+
 #define ROUTE_ID_LEN 20
 
 #ifndef ROUTE_BAN_BASE_S
@@ -108,9 +110,5 @@ void route_replica_measured(route_replica *r, int rows, double rtt_s);
  * seconds, capped at ROUTE_BAN_MAX_S, times a jitter factor in [1, 1.25)
  * drawn from *rng. */
 void route_replica_failure(route_replica *r, double now, uint64_t *rng);
-
-/* xorshift64*: advances *state (must not be 0) and returns a uniform double
- * in [0, 1). */
-double route_rand01(uint64_t *state);
 
 #endif

@@ -6,7 +6,7 @@
 #ifndef ROUTE_ROUTING_H
 #define ROUTE_ROUTING_H
 
-#include "routing/balance.h"
+#include "swarm/balance.h"
 #include "routing/data.h"
 #include "routing/infer.h"
 #include "routing/pipeline.h"

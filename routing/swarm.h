@@ -1,7 +1,7 @@
 /* routing/swarm.h: what the DHT says about a model's stages.
  *
  * For every stage "<model>.<i>" a route_swarm looks up the holders' signed
- * announcements (peer/announce.h) through the DHT, at most every refresh_s
+ * announcements (swarm/announce.h) through the DHT, at most every refresh_s
  * seconds per stage (sooner while a stage has no usable holder), and keeps
  * one route_holder per holder. What the trainer learns about a holder
  * (latency, failures, bans) lives in its route_replica and survives
@@ -22,7 +22,7 @@
 
 #include "dht/dht.h"
 #include "expert/model.h"
-#include "peer/announce.h"
+#include "swarm/announce.h"
 #include "routing/replica.h"
 
 #define ROUTE_MAX_HOLDERS 64

@@ -13,9 +13,9 @@
 #include <sodium.h>
 
 #include "expert/ops.h"
-#include "peer/meta.h"
-#include "peer/tensorfmt.h"
-#include "peer/wire.h"
+#include "net/meta.h"
+#include "net/tensorfmt.h"
+#include "net/wire.h"
 #include "routing/caller.h"
 #include "routing/pipeline.h"
 #include "routing/replica.h"

@@ -1,5 +1,5 @@
 /* tests/fake_announce.c: prints, as hex, the announcement value a peer
- * stores for one stage (peer/announce.h), with fields of our choosing, for
+ * stores for one stage (swarm/announce.h), with fields of our choosing, for
  * `starling dht put --value-hex` to store signed by an attacker's own
  * identity (tests/test_swarm_fakeholder.sh). Not a test itself.
  *
@@ -11,7 +11,7 @@
 #include <time.h>
 
 #include "expert/model.h"
-#include "peer/announce.h"
+#include "swarm/announce.h"
 
 int main(int argc, char **argv)
 {

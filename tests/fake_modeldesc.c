@@ -1,4 +1,4 @@
-/* tests/fake_modeldesc.c: a forger's model description (peer/modeldesc.h),
+/* tests/fake_modeldesc.c: a forger's model description (swarm/modeldesc.h),
  * as "KEY_HEX VALUE_HEX" lines for `starling dht put KEY VALUE --raw-key
  * --value-hex` to store signed by the forger's own identity
  * (tests/test_swarm_modelpub.sh). Not a test itself.
@@ -20,8 +20,8 @@
 #include "dht/id.h"
 #include "expert/model.h"
 #include "expert/modelfile.h"
-#include "peer/announce.h"
-#include "peer/modeldesc.h"
+#include "swarm/announce.h"
+#include "swarm/modeldesc.h"
 
 /* The canonical JSON of the model file at path, or its raw bytes. */
 static char *load(const char *path, size_t *len)

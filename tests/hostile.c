@@ -33,8 +33,8 @@
 #include "dht/addr.h"
 #include "dht/identity.h"
 #include "dht/wire.h"
-#include "peer/channel.h"
-#include "peer/wire.h"
+#include "net/channel.h"
+#include "net/wire.h"
 
 static uint64_t rng_state;
 static volatile sig_atomic_t stop;

@@ -26,7 +26,7 @@
 #include "peer/averaging.h"
 #include "peer/peer.h"
 #include "peer/service.h"
-#include "peer/tensorfmt.h"
+#include "net/tensorfmt.h"
 #include "test_util.h"
 #include "test_rpc_util.h"
 
@@ -919,7 +919,7 @@ static uint64_t round_bytes(int fmt, int block, size_t nflat, int k)
     return b;
 }
 
-/* One encoding's error bound (peer/tensorfmt.h) for a value x in a block
+/* One encoding's error bound (net/tensorfmt.h) for a value x in a block
  * whose largest magnitude is absmax (q8). */
 static double enc_bound(int fmt, double absmax, double x)
 {

@@ -1,10 +1,10 @@
-/* Block announcements and model records (peer/announce.h), and the msgpack
+/* Block announcements and model records (swarm/announce.h), and the msgpack
  * reader under them (dht/mp.h): round trips, unknown keys, and hostile bytes. */
 #include <errno.h>
 #include <math.h>
 
 #include "dht/mp.h"
-#include "peer/announce.h"
+#include "swarm/announce.h"
 #include "peer/averaging.h"
 #include "test_util.h"
 

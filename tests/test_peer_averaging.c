@@ -14,7 +14,7 @@
 #include <cmocka.h>
 #include <msgpack.h>
 
-#include "peer/announce.h"
+#include "swarm/announce.h"
 #include "peer/averaging.h"
 
 static void cand_of(peer_avg_candidate *c, int k, int optim)

@@ -1,10 +1,10 @@
-/* Handshake and record protection (peer/channel.h), driven sans-I/O. */
+/* Handshake and record protection (net/channel.h), driven sans-I/O. */
 #include <errno.h>
 
 #include <sodium.h>
 
 #include "dht/id.h"
-#include "peer/channel.h"
+#include "net/channel.h"
 #include "test_util.h"
 
 #define SEEDC 4242u

@@ -1,4 +1,4 @@
-/* A model's description in the DHT (peer/modeldesc.h): chunk values round
+/* A model's description in the DHT (swarm/modeldesc.h): chunk values round
  * trip, chunks put together in any order and from several publishers, and
  * hostile input refused with a sentence (garbage, wrong types, indices out
  * of range, duplicates that disagree, missing chunks, content that does not
@@ -9,8 +9,8 @@
 #include "dht/mp.h"
 #include "expert/model.h"
 #include "expert/modelfile.h"
-#include "peer/announce.h"
-#include "peer/modeldesc.h"
+#include "swarm/announce.h"
+#include "swarm/modeldesc.h"
 #include "test_util.h"
 
 /* A model whose canonical JSON spans several chunks: a long description and

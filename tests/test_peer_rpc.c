@@ -1,4 +1,4 @@
-/* Tensor RPC over loopback (peer/rpc_server.h, peer/rpc_client.h). */
+/* Tensor RPC over loopback (net/rpc_server.h, net/rpc_client.h). */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>

@@ -1,5 +1,5 @@
 /* Hostile clients against the tensor RPC server and the metrics endpoint
- * (peer/rpc_server.h "Hostile clients", peer/metrics.h, docs/rpc.md
+ * (net/rpc_server.h "Hostile clients", peer/metrics.h, docs/rpc.md
  * "Limits"). One test per attack; each passes only if the server bounds
  * what the attacker holds and still serves a legitimate client.
  *

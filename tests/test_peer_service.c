@@ -19,7 +19,7 @@
 #include "peer/peer.h"
 #include "peer/service.h"
 #include "peer/statesync.h"
-#include "peer/tensorfmt.h"
+#include "net/tensorfmt.h"
 #include "test_util.h"
 #include "test_rpc_util.h"
 

@@ -1,4 +1,4 @@
-/* Compressed tensor formats (peer/tensorfmt.h): names, sizes, round trips
+/* Compressed tensor formats (net/tensorfmt.h): names, sizes, round trips
  * within each format's documented bound, exact values and rounding ties
  * against an independent reference, Inf/NaN rules, hostile payloads, and
  * error feedback keeping the sum of decoded gradients on track. */
@@ -7,7 +7,7 @@
 #include <limits.h>
 #include <math.h>
 
-#include "peer/tensorfmt.h"
+#include "net/tensorfmt.h"
 #include "test_util.h"
 
 #define SEED 20240611u

@@ -1,11 +1,11 @@
-/* tests/test_peer_wake.c: the eventfd loop wake-up (peer/wake.h). */
+/* tests/test_peer_wake.c: the eventfd loop wake-up (net/wake.h). */
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 
 #include "test_util.h"
 
-#include "peer/wake.h"
+#include "net/wake.h"
 
 typedef struct ctx {
     peer__wake w;

@@ -1,9 +1,9 @@
-/* Tensor RPC message codec (peer/wire.h): round trips and hostile input. */
+/* Tensor RPC message codec (net/wire.h): round trips and hostile input. */
 #include <errno.h>
 #include <math.h>
 
-#include "peer/tensorfmt.h"
-#include "peer/wire.h"
+#include "net/tensorfmt.h"
+#include "net/wire.h"
 #include "test_util.h"
 
 #define SEED 12345u

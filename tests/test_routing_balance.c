@@ -1,7 +1,7 @@
-/* Choosing and moving spans of stages (routing/balance.h). */
+/* Choosing and moving spans of stages (swarm/balance.h). */
 #include <errno.h>
 
-#include "routing/balance.h"
+#include "swarm/balance.h"
 #include "test_util.h"
 
 static void test_choose(void **state)

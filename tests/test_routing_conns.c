@@ -21,7 +21,7 @@
 
 #include <uv.h>
 
-#include "peer/rpc_server.h"
+#include "net/rpc_server.h"
 #include "routing/conns.h"
 #include "test_util.h"
 

@@ -1,8 +1,8 @@
 /* Where a peer without --blocks starts and when it moves, from views of the
- * swarm (routing/rebalance.h); no process, no network. */
+ * swarm (peer/rebalance.h); no process, no network. */
 #include <errno.h>
 
-#include "routing/rebalance.h"
+#include "peer/rebalance.h"
 #include "test_util.h"
 
 #define N 6

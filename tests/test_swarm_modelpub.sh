@@ -1,5 +1,5 @@
 #!/bin/sh
-# The model travels with the swarm (peer/modeldesc.h). Peer A serves stages
+# The model travels with the swarm (swarm/modeldesc.h). Peer A serves stages
 # 0 and 2 of a model file's model (micro-lm) and publishes its description;
 # peer B starts with `--model micro-lm` alone, fetches the description from
 # the DHT (and says so) and serves stage 1; a monitor given only the name

@@ -9,7 +9,7 @@
 
 #include "expert/model.h"
 #include "expert/modelfile.h"
-#include "peer/modeldesc.h"
+#include "swarm/modeldesc.h"
 #include "tools/cli.h"
 
 static void on_timer_closed(uv_handle_t *h)

@@ -48,7 +48,7 @@ void tools_client_close(tools_client *c);
 struct expert_model_spec;
 
 /* Fetches the description of the model called name from the swarm
- * (peer/modeldesc.h) through an open client, running its loop until the
+ * (swarm/modeldesc.h) through an open client, running its loop until the
  * fetch ends or timeout_s passes; registers the model
  * (expert_model_register) and sets *out to it. Says where it came from on
  * stderr ("starling CMD: model NAME: description HASH8 fetched from the

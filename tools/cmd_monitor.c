@@ -7,9 +7,9 @@
 #include <unistd.h>
 
 #include "expert/model.h"
-#include "peer/announce.h"
+#include "swarm/announce.h"
 #include "peer/keeper.h"
-#include "peer/tensorfmt.h"
+#include "net/tensorfmt.h"
 #include "peer/statesync.h"
 #include "routing/swarm.h"
 #include "tools/cli.h"

@@ -16,9 +16,9 @@
 #include "peer/allreduce.h"
 #include "peer/daemon.h"
 #include "peer/peer.h"
-#include "peer/tensorfmt.h"
+#include "net/tensorfmt.h"
 #include "peer/timeslice.h"
-#include "routing/rebalance.h"
+#include "peer/rebalance.h"
 #include "tools/cli.h"
 #include "tools/client.h"
 
@@ -678,7 +678,7 @@ static void on_rebalance_started(void *arg, peer_daemon *d, const int *blocks, i
 }
 
 /* The first span of a peer without --blocks: join as a light client and
- * take the least served span (routing/rebalance.h); stage 0 on in a new
+ * take the least served span (peer/rebalance.h); stage 0 on in a new
  * swarm. Returns -1 to go on, or the exit status. */
 static int choose_first_span(run_ctx *r, const peer_opts *o, int *start)
 {

@@ -12,7 +12,7 @@
 #include "dht/id.h"
 #include "expert/expert.h"
 #include "expert/model.h"
-#include "peer/tensorfmt.h"
+#include "net/tensorfmt.h"
 #include "routing/routing.h"
 #include "tools/cli.h"
 #include "tools/client.h"

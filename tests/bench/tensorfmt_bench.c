@@ -1,5 +1,5 @@
 /* tests/bench/tensorfmt_bench.c: encode and decode throughput of the
- * compressed tensor formats (peer/tensorfmt.h) on one thread.
+ * compressed tensor formats (net/tensorfmt.h) on one thread.
  *
  * n float32 values (default 1M = 2^20, random, magnitudes 1e-6..1e4 as
  * activations and gradients have) are encoded and decoded in each format,
@@ -17,7 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "peer/tensorfmt.h"
+#include "net/tensorfmt.h"
 
 #include "bench_timing.h"
 

@@ -1,4 +1,4 @@
-/* peer/modeldesc.h: a model's description travels with the swarm.
+/* swarm/modeldesc.h: a model's description travels with the swarm.
  *
  * Whoever serves a model publishes its description (the canonical JSON of
  * its spec, expert_model_to_json) in the DHT, so that a peer or client can
@@ -17,7 +17,7 @@
  *     "i" u   this chunk's index, < n (and the index of the key it is under)
  *     "c" bin the chunk's bytes, 1..PEER_MODELDESC_CHUNK (every chunk but
  *             the last is full)
- * Unknown keys are skipped. The models index entry (peer/announce.h) names
+ * Unknown keys are skipped. The models index entry (swarm/announce.h) names
  * the hash in its optional field "d".
  *
  * A fetch reads the models index, takes the distinct hashes of the entries
@@ -35,8 +35,8 @@
  *
  * Loop thread only for the DHT functions; the rest is pure.
  */
-#ifndef PEER_MODELDESC_H
-#define PEER_MODELDESC_H
+#ifndef SWARM_MODELDESC_H
+#define SWARM_MODELDESC_H
 
 #include <stddef.h>
 #include <stdint.h>

@@ -1,4 +1,4 @@
-/* routing/rebalance.h: a peer started without --blocks: which span of
+/* peer/rebalance.h: a peer started without --blocks: which span of
  * stages it starts on, and moving it when the swarm's balance changes.
  *
  * It lives in routing/ because it needs the swarm view (routing/swarm.h),
@@ -13,15 +13,15 @@
  *   total announced throughput divided by its fastest holder's. Throughput
  *   alone would make intrinsically cheap stages (a small input projection)
  *   look well served and expensive ones starved however many holders they
- *   have. The span arithmetic is routing/balance.h's.
+ *   have. The span arithmetic is swarm/balance.h's.
  * - The rebalancer: owns a running daemon and a timer; every every_s
  *   seconds (+-50% jitter, so peers that started together do not re-check
  *   together) it looks up every stage again, decides, and moves.
  *
  * Loop thread only.
  */
-#ifndef ROUTE_REBALANCE_H
-#define ROUTE_REBALANCE_H
+#ifndef PEER_REBALANCE_H
+#define PEER_REBALANCE_H
 
 #include <stdint.h>
 #include <stdio.h>

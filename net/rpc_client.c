@@ -1,12 +1,12 @@
-/* peer/rpc_client.c: tensor RPC client (see rpc_client.h). */
+/* net/rpc_client.c: tensor RPC client (see rpc_client.h). */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <uthash.h>
 
-#include "peer/rpc_client.h"
-#include "peer/rpc_conn.h"
+#include "net/rpc_client.h"
+#include "net/rpc_conn.h"
 
 typedef struct call call;
 struct call {

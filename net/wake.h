@@ -1,4 +1,4 @@
-/* peer/wake.h: wakes a libuv loop from another thread without uv_async_t.
+/* net/wake.h: wakes a libuv loop from another thread without uv_async_t.
  *
  * libuv 1.44's uv_async_send marks the handle busy, writes the loop's
  * eventfd, then marks it done; the loop thread spins (997 pauses, then
@@ -17,8 +17,8 @@
  * reused). rpc_server closes its wake-up only after every connection, and so
  * every request a worker could still answer, is gone.
  */
-#ifndef PEER_WAKE_H
-#define PEER_WAKE_H
+#ifndef NET_WAKE_H
+#define NET_WAKE_H
 
 #include <uv.h>
 

@@ -1,12 +1,12 @@
-/* peer/rpc_server.h: the tensor RPC server on libuv TCP.
+/* net/rpc_server.h: the tensor RPC server on libuv TCP.
  *
- * The server accepts connections, runs the channel handshake (peer/channel.h)
- * as responder, decodes requests (peer/wire.h) and hands each to the user's
+ * The server accepts connections, runs the channel handshake (net/channel.h)
+ * as responder, decodes requests (net/wire.h) and hands each to the user's
  * handler on the loop thread. The handler answers later, exactly once, with
  * peer_rpc_respond or peer_rpc_respond_error, from the loop thread or from any
  * other thread (a worker computing the block): off-loop replies are encoded
  * on the calling thread and handed to the loop through an eventfd the loop
- * polls (peer/wake.h).
+ * polls (net/wake.h).
  *
  * The server answers by itself, without calling the handler: a frame that
  * decodes to garbage or is not a request (EBADMSG); an oversize frame
@@ -52,8 +52,8 @@
  * and peer_rpc_request_* getters, which may be called from any thread for a
  * request that has not yet been answered.
  */
-#ifndef PEER_RPC_SERVER_H
-#define PEER_RPC_SERVER_H
+#ifndef NET_RPC_SERVER_H
+#define NET_RPC_SERVER_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -61,7 +61,7 @@
 #include <uv.h>
 
 #include "dht/identity.h"
-#include "peer/wire.h"
+#include "net/wire.h"
 
 typedef struct peer_rpc_server peer_rpc_server;
 typedef struct peer_rpc_request peer_rpc_request;

@@ -1,7 +1,7 @@
-/* peer/modeldesc.c: a model's description in the DHT, both sides:
+/* swarm/modeldesc.c: a model's description in the DHT, both sides:
  * publishing its chunks and fetching, checking and parsing them
- * (peer/modeldesc.h). */
-#include "peer/modeldesc.h"
+ * (swarm/modeldesc.h). */
+#include "swarm/modeldesc.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -14,7 +14,7 @@
 #include "dht/mp.h"
 #include "expert/model.h"
 #include "expert/modelfile.h"
-#include "peer/announce.h"
+#include "swarm/announce.h"
 
 #define FETCH_PARALLEL 8   /* dht_gets in flight per fetch */
 

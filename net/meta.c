@@ -1,9 +1,9 @@
-/* peer/meta.c: the compute methods' meta bytes (see meta.h). */
-#include "peer/meta.h"
+/* net/meta.c: the compute methods' meta bytes (see meta.h). */
+#include "net/meta.h"
 
 #include <errno.h>
 
-#include "peer/wire.h"
+#include "net/wire.h"
 
 size_t peer_meta_versions_encode(uint8_t *buf, size_t cap, const uint64_t *v, int n)
 {

@@ -1,10 +1,10 @@
-/* peer/wake.c: eventfd-based loop wake-up (see wake.h). */
+/* net/wake.c: eventfd-based loop wake-up (see wake.h). */
 #include <errno.h>
 #include <stdint.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-#include "peer/wake.h"
+#include "net/wake.h"
 
 static void on_readable(uv_poll_t *p, int status, int events)
 {

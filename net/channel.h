@@ -1,4 +1,4 @@
-/* peer/channel.h: the authenticated, encrypted byte channel under the tensor RPC.
+/* net/channel.h: the authenticated, encrypted byte channel under the tensor RPC.
  *
  * Sans-I/O: the channel never touches a socket. The caller moves bytes; the
  * channel turns handshake messages into replies and frames into records, so
@@ -27,8 +27,8 @@
  * Thread-safety: a channel is used by one thread at a time. It holds secret
  * material and wipes it on destroy.
  */
-#ifndef PEER_CHANNEL_H
-#define PEER_CHANNEL_H
+#ifndef NET_CHANNEL_H
+#define NET_CHANNEL_H
 
 #include <stddef.h>
 #include <stdint.h>

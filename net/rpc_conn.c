@@ -1,4 +1,4 @@
-/* peer/rpc_conn.c: handshake, record reassembly and sends on one TCP
+/* net/rpc_conn.c: handshake, record reassembly and sends on one TCP
  * connection (see rpc_conn.h). */
 #include <errno.h>
 #include <pthread.h>
@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "peer/rpc_conn.h"
+#include "net/rpc_conn.h"
 
 /* A record tail this large is read straight into c->rec instead of being
  * copied out of the staging buffer. */

@@ -1,4 +1,4 @@
-/* peer/tensorfmt.h: compressed tensor wire formats (pure: no I/O, no state).
+/* net/tensorfmt.h: compressed tensor wire formats (pure: no I/O, no state).
  *
  * Activations and gradients sent between pipeline stages, and the slices
  * exchanged while averaging, are float32 today. This module defines smaller
@@ -67,8 +67,8 @@
  * buffers are the caller's, borrowed for the duration of the call; input
  * and output must not overlap.
  */
-#ifndef PEER_TENSORFMT_H
-#define PEER_TENSORFMT_H
+#ifndef NET_TENSORFMT_H
+#define NET_TENSORFMT_H
 
 #include <stddef.h>
 #include <stdint.h>

@@ -1,4 +1,4 @@
-/* peer/rpc_conn.h: one TCP connection carrying a peer_channel (internal to
+/* net/rpc_conn.h: one TCP connection carrying a peer_channel (internal to
  * rpc_server.c and rpc_client.c; not part of peer.h).
  *
  * The connection runs the handshake, reassembles records and hands each
@@ -8,16 +8,16 @@
  * 64 KiB staging buffer; the tail of a large record is read straight into
  * c->rec. Loop thread only.
  */
-#ifndef PEER_RPC_CONN_H
-#define PEER_RPC_CONN_H
+#ifndef NET_RPC_CONN_H
+#define NET_RPC_CONN_H
 
 #include <stddef.h>
 #include <stdint.h>
 
 #include <uv.h>
 
-#include "peer/channel.h"
-#include "peer/wire.h"
+#include "net/channel.h"
+#include "net/wire.h"
 
 typedef struct peer__buf {
     uint8_t *p;

@@ -1,4 +1,4 @@
-/* routing/balance.h: which stages a peer without --blocks should serve.
+/* swarm/balance.h: which stages a peer without --blocks should serve.
  *
  * A peer serves K contiguous stages. It picks the span whose total service
  * (the other peers' online holders; the caller decides the unit: announced
@@ -14,8 +14,8 @@
  * peers seeing the same gap do not all jump into it at once, and none
  * waits on a coin flip. Pure functions: the caller supplies the figures.
  */
-#ifndef ROUTE_BALANCE_H
-#define ROUTE_BALANCE_H
+#ifndef SWARM_BALANCE_H
+#define SWARM_BALANCE_H
 
 #include <stdint.h>
 

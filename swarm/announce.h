@@ -1,4 +1,4 @@
-/* peer/announce.h: what a peer stores in the DHT about the blocks it serves.
+/* swarm/announce.h: what a peer stores in the DHT about the blocks it serves.
  *
  * Under the key BLAKE2b-160("<model>.<index>") each holder stores one entry,
  * signed with its identity (so subkey = its node ID), whose value is a
@@ -29,7 +29,7 @@
  *              once N reaches the peer's threshold, 8 by default, so a
  *              reader flags the holder when "fz" is present)
  *     "wf" u   tensor formats the holder accepts on the wire, bit f for
- *              peer_fmt f (peer/tensorfmt.h: 1 f32, 2 f16, 4 bf16, 8 q8;
+ *              peer_fmt f (net/tensorfmt.h: 1 f32, 2 f16, 4 bf16, 8 q8;
  *              optional: absent means float32 only, as older peers)
  *     "bs" f64 tensor bytes received and sent per sample served (forward,
  *              backward and infer rows of all its blocks) since it started
@@ -44,7 +44,7 @@
  * swarm without knowing their names:
  *     "v" u 1, "m" str model name (<= 48 bytes), "n" u number of stages,
  *     "d" bin 20: the hash of the model's description, published in chunks
- *         under keys of its own (peer/modeldesc.h; optional: older peers
+ *         under keys of its own (swarm/modeldesc.h; optional: older peers
  *         leave it out, older readers skip it).
  *
  * Group averaging stores its matchmaking entries in the same frame
@@ -57,8 +57,8 @@
  *     "wv" u weight version of the copy (0: withdrawn, skip it),
  *     "t" u when it was taken (ms).
  */
-#ifndef PEER_ANNOUNCE_H
-#define PEER_ANNOUNCE_H
+#ifndef SWARM_ANNOUNCE_H
+#define SWARM_ANNOUNCE_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -99,7 +99,7 @@ typedef struct peer_model_record {
     char model[49];
     int n_stages;
     int has_desc;              /* "d" present */
-    uint8_t desc_hash[20];     /* "d": the description hash (peer/modeldesc.h) */
+    uint8_t desc_hash[20];     /* "d": the description hash (swarm/modeldesc.h) */
 } peer_model_record;
 
 /* Encodes a into buf. Returns the length, -EINVAL (a string too long or

@@ -1,4 +1,4 @@
-/* peer/rpc_client.h: one tensor RPC connection to one peer (libuv TCP).
+/* net/rpc_client.h: one tensor RPC connection to one peer (libuv TCP).
  *
  * The client connects, runs the channel handshake as initiator and refuses a
  * server whose ed25519 key does not hash to the expected node ID. Requests
@@ -12,8 +12,8 @@
  * Thread-safety: loop thread only. Callbacks may issue new calls or close
  * the client.
  */
-#ifndef PEER_RPC_CLIENT_H
-#define PEER_RPC_CLIENT_H
+#ifndef NET_RPC_CLIENT_H
+#define NET_RPC_CLIENT_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -21,8 +21,8 @@
 #include <uv.h>
 
 #include "dht/identity.h"
-#include "peer/channel.h"
-#include "peer/wire.h"
+#include "net/channel.h"
+#include "net/wire.h"
 
 typedef struct peer_rpc_client peer_rpc_client;
 

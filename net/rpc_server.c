@@ -1,4 +1,4 @@
-/* peer/rpc_server.c: tensor RPC server (see rpc_server.h). */
+/* net/rpc_server.c: tensor RPC server (see rpc_server.h). */
 #include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -8,9 +8,9 @@
 
 #include <sodium.h>
 
-#include "peer/rpc_conn.h"
-#include "peer/rpc_server.h"
-#include "peer/wake.h"
+#include "net/rpc_conn.h"
+#include "net/rpc_server.h"
+#include "net/wake.h"
 
 typedef struct sconn sconn;
 

@@ -1,10 +1,10 @@
-/* peer/wire.h: tensor RPC messages (the plaintext inside one channel record).
+/* net/wire.h: tensor RPC messages (the plaintext inside one channel record).
  *
  * A message is
  *     u32 LE  hlen            length of the msgpack header
  *     hlen    header          msgpack map with small integer keys (below)
  *     pad     0..3 zero bytes so the tensor bytes start at a multiple of 4
- *     data    tensor after tensor, each in its format (peer/tensorfmt.h: f32,
+ *     data    tensor after tensor, each in its format (net/tensorfmt.h: f32,
  *             f16, bf16 or blockwise q8, C order) and followed by 0..3 zero
  *             bytes so the next starts at a multiple of 4 (f32 needs none)
  * Tensor bytes never pass through msgpack. Header keys (unknown keys are
@@ -22,8 +22,8 @@
  * not allocate: a decoded message borrows the input bytes.
  * All functions are thread-safe (no shared state).
  */
-#ifndef PEER_WIRE_H
-#define PEER_WIRE_H
+#ifndef NET_WIRE_H
+#define NET_WIRE_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -43,7 +43,7 @@ typedef enum peer_method {
     PEER_METHOD_STATE = 5,      /* a chunk of a block's serialized state (newcomer download) */
     PEER_METHOD_AVG = 6,        /* a slice of a group-averaging round (peer/allreduce.h) */
 } peer_method;
-/* A tensor's format on the wire: the values of peer_fmt (peer/tensorfmt.h). */
+/* A tensor's format on the wire: the values of peer_fmt (net/tensorfmt.h). */
 typedef enum peer_dtype {
     PEER_DTYPE_F32 = 0,
     PEER_DTYPE_F16 = 1,

@@ -1,4 +1,4 @@
-/* peer/wire.c: tensor RPC message codec (see wire.h, docs/rpc.md).
+/* net/wire.c: tensor RPC message codec (see wire.h, docs/rpc.md).
  *
  * Encoding uses msgpack-c's packer writing into the caller's buffer. Decoding
  * is a small hand-written msgpack reader for the subset the header uses: it
@@ -10,8 +10,8 @@
 
 #include <msgpack.h>
 
-#include "peer/tensorfmt.h"
-#include "peer/wire.h"
+#include "net/tensorfmt.h"
+#include "net/wire.h"
 
 #define DEFAULT_MAX_FRAME (256u << 20)
 #define MAX_SKIP_DEPTH 8

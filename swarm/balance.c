@@ -1,9 +1,9 @@
-#include "routing/balance.h"
+#include "swarm/balance.h"
 
 #include <errno.h>
 #include <math.h>
 
-#include "routing/replica.h"
+#include "swarm/rng.h"
 
 static double span_sum(const double *tput, int start, int k)
 {

@@ -1,4 +1,4 @@
-/* peer/tensorfmt.c: compressed tensor wire formats (see tensorfmt.h,
+/* net/tensorfmt.c: compressed tensor wire formats (see tensorfmt.h,
  * docs/rpc.md "Tensor formats").
  *
  * Plain C that gcc -O2 vectorises. gcc 12's -O2 uses the "very cheap" cost
@@ -21,7 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "peer/tensorfmt.h"
+#include "net/tensorfmt.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the tensor formats are little-endian; port the (de)coders first"

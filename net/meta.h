@@ -1,7 +1,7 @@
-/* peer/meta.h: the meta bytes of the compute methods (forward, backward,
+/* net/meta.h: the meta bytes of the compute methods (forward, backward,
  * infer), encoded and decoded in one place.
  *
- * A tensor RPC message carries an opaque meta blob (peer/wire.h). For the
+ * A tensor RPC message carries an opaque meta blob (net/wire.h). For the
  * compute methods it holds little-endian u64 values (docs/protocol.md):
  *
  *   request                          reply
@@ -19,8 +19,8 @@
  * -EINVAL for malformed meta, never reading past len. Pure functions, any
  * thread.
  */
-#ifndef PEER_META_H
-#define PEER_META_H
+#ifndef NET_META_H
+#define NET_META_H
 
 #include <stddef.h>
 #include <stdint.h>

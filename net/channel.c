@@ -1,16 +1,16 @@
-/* peer/channel.c: handshake and record protection (see channel.h, docs/rpc.md). */
+/* net/channel.c: handshake and record protection (see channel.h, docs/rpc.md). */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <sodium.h>
 
-#ifdef PEER_HAVE_OPENSSL
+#ifdef NET_HAVE_OPENSSL
 #include <openssl/evp.h>
 #endif
 
 #include "dht/id.h"
-#include "peer/channel.h"
+#include "net/channel.h"
 
 #define HS_VERSION 1
 #define FLAG_AES 0x01u        /* sender can do AES-256-GCM in hardware */
@@ -39,7 +39,7 @@ struct peer_channel {
     uint8_t *seal_rec, *open_rec;
     size_t seal_len, seal_done, open_len, open_done;
     uint8_t seal_nonce[12], open_nonce[12];
-#ifdef PEER_HAVE_OPENSSL
+#ifdef NET_HAVE_OPENSSL
     /* OpenSSL's AES-GCM (VAES/AVX-512) runs about twice as fast as
      * libsodium 1.0.18's on current x86, and its ChaCha20-Poly1305 three
      * times; the records are byte-identical either way (same RFC
@@ -76,7 +76,7 @@ static void khash(const peer_channel *ch, uint8_t *out, size_t outlen, const cha
     sodium_memzero(&st, sizeof st);
 }
 
-#ifdef PEER_HAVE_OPENSSL
+#ifdef NET_HAVE_OPENSSL
 static void ossl_free(peer_channel *ch)
 {
     EVP_CIPHER_CTX_free(ch->ossl_tx);
@@ -176,7 +176,7 @@ void peer_channel_destroy(peer_channel **p)
 {
     if (!p || !*p)
         return;
-#ifdef PEER_HAVE_OPENSSL
+#ifdef NET_HAVE_OPENSSL
     ossl_free(*p);
 #endif
     sodium_memzero(*p, sizeof **p);
@@ -188,7 +188,7 @@ static int die(peer_channel *ch, int err)
 {
     ch->st = HS_DEAD;
     ch->seal_rec = ch->open_rec = NULL;
-#ifdef PEER_HAVE_OPENSSL
+#ifdef NET_HAVE_OPENSSL
     ossl_free(ch);
 #endif
     sodium_memzero(ch->k_tx, 32);
@@ -256,7 +256,7 @@ static int derive(peer_channel *ch, const uint8_t h3[32])
         crypto_aead_aes256gcm_beforenm(&ch->aes_tx, ch->k_tx);
         crypto_aead_aes256gcm_beforenm(&ch->aes_rx, ch->k_rx);
     }
-#ifdef PEER_HAVE_OPENSSL
+#ifdef NET_HAVE_OPENSSL
     if (!ch->sodium_only)
         ossl_setup(ch);
 #endif
@@ -454,7 +454,7 @@ int peer_channel_seal_begin(peer_channel *ch, uint8_t *rec, size_t plain_len)
     ch->seal_rec = rec;
     ch->seal_len = plain_len;
     ch->seal_done = 0;
-#ifdef PEER_HAVE_OPENSSL
+#ifdef NET_HAVE_OPENSSL
     int len;
     if (ch->ossl_tx && (EVP_EncryptInit_ex(ch->ossl_tx, NULL, NULL, NULL, ch->seal_nonce) != 1 ||
                         EVP_EncryptUpdate(ch->ossl_tx, NULL, &len, rec, PEER_CHANNEL_HDR_LEN) != 1))
@@ -470,7 +470,7 @@ int peer_channel_seal_update(peer_channel *ch, uint8_t *dst, const uint8_t *src,
         return -EINVAL;
     if (!n)
         return 0;
-#ifdef PEER_HAVE_OPENSSL
+#ifdef NET_HAVE_OPENSSL
     if (ch->ossl_tx) {
         for (size_t off = 0; off < n;) {
             int len, piece = n - off > (1u << 30) ? (1 << 30) : (int)(n - off);
@@ -495,7 +495,7 @@ long peer_channel_seal_final(peer_channel *ch)
     uint8_t *rec = ch->seal_rec, *m = rec + PEER_CHANNEL_HDR_LEN;
     size_t n = ch->seal_len, tag = peer_channel_tag_len(ch);
     ch->seal_rec = NULL;
-#ifdef PEER_HAVE_OPENSSL
+#ifdef NET_HAVE_OPENSSL
     if (ch->ossl_tx) {
         int len;
         if (EVP_EncryptFinal_ex(ch->ossl_tx, m + n, &len) != 1 ||
@@ -557,7 +557,7 @@ int peer_channel_open_begin(peer_channel *ch, uint8_t *rec, size_t rec_len)
     ch->open_rec = rec;
     ch->open_len = rec_len - PEER_CHANNEL_HDR_LEN - peer_channel_tag_len(ch);
     ch->open_done = 0;
-#ifdef PEER_HAVE_OPENSSL
+#ifdef NET_HAVE_OPENSSL
     int len;
     if (ch->ossl_rx && (EVP_DecryptInit_ex(ch->ossl_rx, NULL, NULL, NULL, ch->open_nonce) != 1 ||
                         EVP_DecryptUpdate(ch->ossl_rx, NULL, &len, rec, PEER_CHANNEL_HDR_LEN) != 1))
@@ -575,7 +575,7 @@ int peer_channel_open_update(peer_channel *ch, size_t n)
 {
     if (!ch || !ch->open_rec || n > ch->open_len - ch->open_done)
         return -EINVAL;
-#ifdef PEER_HAVE_OPENSSL
+#ifdef NET_HAVE_OPENSSL
     if (ch->ossl_rx) {
         uint8_t *c = ch->open_rec + PEER_CHANNEL_HDR_LEN + ch->open_done;
         for (size_t off = 0; off < n;) {
@@ -601,7 +601,7 @@ int peer_channel_open_final(peer_channel *ch, uint8_t **plain, size_t *plain_len
     size_t n = ch->open_len;
     ch->open_rec = NULL;
     int bad = 0;
-#ifdef PEER_HAVE_OPENSSL
+#ifdef NET_HAVE_OPENSSL
     if (ch->ossl_rx) {
         int len;
         if (EVP_CIPHER_CTX_ctrl(ch->ossl_rx, EVP_CTRL_AEAD_SET_TAG, PEER_CHANNEL_TAG_LEN, c + n) != 1 ||
@@ -646,7 +646,7 @@ int peer_channel_open(peer_channel *ch, uint8_t *rec, size_t rec_len,
 
 int peer__channel_selftest(void)
 {
-#ifdef PEER_HAVE_OPENSSL
+#ifdef NET_HAVE_OPENSSL
     if (sodium_init() < 0)
         return -EIO;
     static const size_t sizes[] = {0, 1, 15, 16, 17, 1000, 65536 + 3};
@@ -707,7 +707,7 @@ out:
 
 int peer_channel_streams(const peer_channel *ch)
 {
-#ifdef PEER_HAVE_OPENSSL
+#ifdef NET_HAVE_OPENSSL
     if (ch && ch->ossl_tx)
         return 1;
 #endif

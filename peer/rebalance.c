@@ -1,13 +1,13 @@
-/* routing/rebalance.c: the span a peer without --blocks starts on, and its
- * moves (routing/rebalance.h). */
-#include "routing/rebalance.h"
+/* peer/rebalance.c: the span a peer without --blocks starts on, and its
+ * moves (peer/rebalance.h). */
+#include "peer/rebalance.h"
 
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "peer/log.h"
-#include "routing/balance.h"
+#include "swarm/balance.h"
 #include "routing/replica.h"
 
 void route_rebalance_scores(const route_stage *const *view, int n, const uint8_t *self_id, double *score,

@@ -1,4 +1,4 @@
-#include "peer/announce.h"
+#include "swarm/announce.h"
 
 #include <errno.h>
 #include <inttypes.h>
