@@ -12,6 +12,7 @@
 #include "expert/model.h"
 #include "expert/modelfile.h"
 #include "swarm/announce.h"
+#include "swarm/holders.h"
 #include "swarm/modeldesc.h"
 
 #define MAX_MODELS 64
@@ -468,25 +469,25 @@ static void on_holders(dht *d, int status, const dht_entry *e, size_t n, void *u
     char id[DHT_ID_HEX_LEN + 1];
     capi_buf_printf(&b, "[");
     for (size_t i = 0; i < n; i++) {
-        peer_announce a;
-        if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN ||
-            peer_announce_decode(&a, e[i].value, e[i].value_len) != 0)
+        swarm_holder h;
+        if (!swarm_holder_read(&h, &e[i], NULL, g->hash))
             continue;
-        dht_id_to_hex(id, e[i].subkey);
+        const peer_announce *a = &h.ann;
+        dht_id_to_hex(id, h.id);
         capi_buf_printf(&b, "%s{\"id\":\"%s\",\"addr\":", count ? "," : "", id);
-        capi_buf_json_str(&b, a.addr);
+        capi_buf_json_str(&b, a->addr);
         capi_buf_printf(&b, ",\"state\":\"%s\",\"usable\":%s,\"throughput\":%.3f,\"load\":%.4f,"
                             "\"weight_version\":%llu,\"device\":",
-                        peer_state_name(a.state),
-                        a.state == PEER_STATE_ONLINE && a.stage_hash == g->hash ? "true" : "false", a.throughput,
-                        a.load, (unsigned long long)a.weight_version);
-        capi_buf_json_str(&b, a.device);
+                        peer_state_name(a->state),
+                        h.usable ? "true" : "false", a->throughput,
+                        a->load, (unsigned long long)a->weight_version);
+        capi_buf_json_str(&b, a->device);
         capi_buf_printf(&b, ",\"precision\":");
-        capi_buf_json_str(&b, a.precision[0] ? a.precision : "fp32");
+        capi_buf_json_str(&b, a->precision[0] ? a->precision : "fp32");
         capi_buf_printf(&b, ",\"age_s\":%.3f,\"avg_rounds\":%llu,\"grads_refused\":%llu,\"frozen\":%s}",
-                        now > a.time_ms ? (double)(now - a.time_ms) / 1000.0 : 0.0,
-                        (unsigned long long)a.avg_rounds, (unsigned long long)a.grads_refused,
-                        a.frozen_steps ? "true" : "false");
+                        now > a->time_ms ? (double)(now - a->time_ms) / 1000.0 : 0.0,
+                        (unsigned long long)a->avg_rounds, (unsigned long long)a->grads_refused,
+                        a->frozen_steps ? "true" : "false");
         count++;
     }
     capi_buf_printf(&b, "]");

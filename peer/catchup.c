@@ -11,6 +11,7 @@
 #include "expert/block.h"
 #include "peer/log.h"
 #include "peer/statesync.h"
+#include "swarm/holders.h"
 
 struct peer_catchup {
     peer_catchup_config cfg;
@@ -37,24 +38,22 @@ void peer_catchup_read_holders(peer_catchup_view *v, const dht_entry *e, size_t 
 {
     memset(v, 0, sizeof *v);
     for (size_t i = 0; i < n; i++) {
-        peer_announce a;
-        if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN ||
-            peer_announce_decode(&a, e[i].value, e[i].value_len) != 0 || a.stage_hash != stage_hash ||
-            strcmp(a.block, block) != 0)
+        swarm_holder h;
+        if (!swarm_holder_read(&h, &e[i], block, stage_hash) || !h.same_hash)
             continue;
-        if (!memcmp(e[i].subkey, self, DHT_ID_LEN)) {
+        if (!memcmp(h.id, self, DHT_ID_LEN)) {
             /* Our own entry from before a restart (it outlives a crash by
              * up to a TTL): the version we had. */
-            if (a.state != PEER_STATE_JOINING)
-                v->prev = a.weight_version;
+            if (h.ann.state != PEER_STATE_JOINING)
+                v->prev = h.ann.weight_version;
             continue;
         }
-        if (a.state != PEER_STATE_ONLINE)
+        if (!h.usable)
             continue;
         v->found = 1;
         if (v->nc < PEER_CATCHUP_MAX) {
-            v->cand[v->nc] = a;
-            memcpy(v->ids[v->nc], e[i].subkey, DHT_ID_LEN);
+            v->cand[v->nc] = h.ann;
+            memcpy(v->ids[v->nc], h.id, DHT_ID_LEN);
             v->nc++;
         }
     }

@@ -13,6 +13,7 @@
 #include "swarm/announce.h"
 #include "peer/log.h"
 #include "peer/statesync.h"
+#include "swarm/holders.h"
 
 #define MAX_PEERS 1024           /* distinct peers of the model considered */
 #define MAX_HOLDERS 64           /* per stage */
@@ -300,18 +301,13 @@ static void on_holders(dht *dh, int status, const dht_entry *e, size_t n, void *
     k->lookups--;
     if (k->stopping)
         return;
-    t->nh = 0;
-    for (size_t i = 0; status == 0 && i < n && t->nh < MAX_HOLDERS; i++) {
-        peer_announce a;
-        if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN ||
-            peer_announce_decode(&a, e[i].value, e[i].value_len) != 0 || a.state != PEER_STATE_ONLINE ||
-            a.stage_hash != t->hash || strcmp(a.block, t->name) != 0 ||
-            !memcmp(e[i].subkey, k->cfg.self->id, DHT_ID_LEN))
-            continue;
-        holder *h = &t->h[t->nh++];
-        memcpy(h->id, e[i].subkey, DHT_ID_LEN);
-        snprintf(h->addr, sizeof h->addr, "%s", a.addr);
-        h->version = a.weight_version;
+    swarm_holder sh[MAX_HOLDERS];
+    t->nh = status == 0 ? swarm_holders_usable(sh, MAX_HOLDERS, e, n, t->name, t->hash, k->cfg.self->id) : 0;
+    for (int i = 0; i < t->nh; i++) {
+        holder *h = &t->h[i];
+        memcpy(h->id, sh[i].id, DHT_ID_LEN);
+        snprintf(h->addr, sizeof h->addr, "%s", sh[i].ann.addr);
+        h->version = sh[i].ann.weight_version;
     }
     if (k->lookups == 0)
         decide(k);

@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "swarm/holders.h"
+
 struct route_swarm {
     dht *d;
     const struct expert_model_spec *m;
@@ -81,32 +83,32 @@ static void merge(route_stage *st, const dht_entry *e, size_t n)
     route_holder fresh[ROUTE_MAX_HOLDERS];
     int nf = 0, wrong = 0;
     for (size_t i = 0; i < n && nf < ROUTE_MAX_HOLDERS; i++) {
-        peer_announce a;
-        if (!e[i].is_signed || e[i].subkey_len != DHT_ID_LEN ||
-            peer_announce_decode(&a, e[i].value, e[i].value_len) != 0 || strcmp(a.block, st->name) != 0)
+        swarm_holder sh;
+        if (!swarm_holder_read(&sh, &e[i], st->name, st->hash))
             continue; /* not a holder's announcement for this stage */
-        if (a.stage_hash != st->hash) {
+        if (!sh.same_hash) {
             wrong++;
             continue;
         }
+        const peer_announce *a = &sh.ann;
         route_holder *h = &fresh[nf++];
         /* Keep what we learned about a holder we already knew. */
         int known = -1;
         for (int j = 0; j < st->n_holders; j++)
-            if (memcmp(st->holders[j].rep.id, e[i].subkey, DHT_ID_LEN) == 0)
+            if (memcmp(st->holders[j].rep.id, sh.id, DHT_ID_LEN) == 0)
                 known = j;
         if (known >= 0) {
             h->rep = st->holders[known].rep;
             /* A newer announcement: the holder is alive (perhaps back
              * after a restart), so its ban from earlier failures ends. */
-            if (a.time_ms > st->holders[known].ann.time_ms)
+            if (a->time_ms > st->holders[known].ann.time_ms)
                 route_replica_unban(&h->rep);
         } else
-            route_replica_init(&h->rep, e[i].subkey, a.throughput, a.load);
-        h->rep.tput = a.throughput;
-        h->rep.load = a.load;
-        h->ann = a;
-        h->expires_ms = e[i].expires;
+            route_replica_init(&h->rep, sh.id, a->throughput, a->load);
+        h->rep.tput = a->throughput;
+        h->rep.load = a->load;
+        h->ann = *a;
+        h->expires_ms = sh.expires_ms;
     }
     /* Our requests in flight to a holder stay counted even if it vanished
      * from this lookup: its entry simply drops out of the choice. */
