@@ -14,6 +14,7 @@
 #include "expert/block.h"
 #include "expert/model.h"
 #include "net/meta.h"
+#include "net/stagecall.h"
 #include "net/wire.h"
 #include "routing/caller.h"
 
@@ -245,17 +246,19 @@ static int hook_build(void *arg, route_caller_call *rc, const route_holder *h, i
     call_job *c = rc->user;
     const stage_shape *sh = &st->shapes[rc->stage - st->first];
     (void)h;
-    peer_tensor_rows(&m->t[0], c->x, (uint64_t)c->rows, sh->nin, sh->rin);
-    m->n_tensors = 1;
-    if (c->backward) {
-        peer_tensor_rows(&m->t[1], c->dy, (uint64_t)c->rows, sh->nout, sh->rout);
-        m->n_tensors = 2;
-        if (preferred && c->served_in && c->served_in->version_known) {
-            m->meta = meta_buf;
-            m->meta_len = peer_meta_at_version_encode(meta_buf, c->served_in->weight_version);
-        }
-    }
-    return 0;
+    int pinned = c->backward && preferred && c->served_in && c->served_in->version_known;
+    peer_stagecall sc = {
+        .rows = (uint64_t)c->rows,
+        .x = c->x,
+        .nin = sh->nin,
+        .rin = sh->rin,
+        .dy = c->backward ? c->dy : NULL,
+        .nout = sh->nout,
+        .rout = sh->rout,
+        .at_version_known = pinned,
+        .at_version = pinned ? c->served_in->weight_version : 0,
+    };
+    return peer_stagecall_encode(m, meta_buf, &sc);
 }
 
 static int hook_on_reply(void *arg, route_caller_call *rc, const peer_msg *m)
@@ -264,14 +267,9 @@ static int hook_on_reply(void *arg, route_caller_call *rc, const peer_msg *m)
     call_job *c = rc->user;
     const stage_shape *sh = &st->shapes[rc->stage - st->first];
     int out_side = !c->backward;
-    uint64_t rows = 0;
-    if (m->n_tensors != 1 ||
-        !peer_tensor_is_rows(&m->t[0], out_side ? sh->nout : sh->nin, out_side ? sh->rout : sh->rin,
-                             (uint64_t)c->rows, &rows) ||
-        rows != (uint64_t)c->rows)
-        return -EBADMSG;
     int64_t w = out_side ? sh->out_w : sh->in_w;
-    if (c->out && peer_tensor_to_f32(&m->t[0], c->out, (size_t)c->rows * (size_t)w) != 0)
+    if (peer_stagecall_reply_rows(m, out_side ? sh->nout : sh->nin, out_side ? sh->rout : sh->rin,
+                                  (uint64_t)c->rows, c->out, (size_t)c->rows * (size_t)w) != 0)
         return -EBADMSG;
     c->attempts++;
     if (c->served_out) {

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "net/meta.h"
+#include "net/stagecall.h"
 #include "net/wire.h"
 #include "routing/caller.h"
 #include "routing/pipeline.h"
@@ -145,13 +146,12 @@ static int on_reply(void *arg, route_caller_call *c, const peer_msg *m)
     int last = c->stage + served - 1;
     route_stage *st = served >= 1 ? route_swarm_stage(route_caller_swarm(in->caller), last) : NULL;
     struct expert_block_config cfg;
-    uint64_t row[2], rows = 0;
+    uint64_t row[2];
     int nrow = st ? expert_model_stage(in->cfg.model, last, &cfg) : -1;
     if (nrow == 0)
         nrow = expert_block_row_shape(&cfg, 1, row);
-    if (nrow < 1 || m->n_tensors != 1 || !peer_tensor_is_rows(&m->t[0], nrow, row, (uint64_t)u->rows, &rows) ||
-        rows != (uint64_t)u->rows ||
-        peer_tensor_to_f32(&m->t[0], u->buf[(last + 1) & 1], (size_t)u->rows * (size_t)st->out) != 0)
+    if (nrow < 1 || peer_stagecall_reply_rows(m, nrow, row, (uint64_t)u->rows, u->buf[(last + 1) & 1],
+                                              (size_t)u->rows * (size_t)st->out) != 0)
         return -EBADMSG;
     for (int i = 0; i < served; i++) {
         uint64_t v = vers[i];
@@ -234,17 +234,18 @@ static int build(void *arg, route_caller_call *c, const route_holder *h, int pre
     (void)preferred;
     route_stage *st = route_swarm_stage(route_caller_swarm(in->caller), c->stage);
     c->span = span_of(in, c->stage, h->rep.id, route_caller_now(in->caller));
-    m->meta_len = peer_meta_span_encode(meta_buf, c->span);
-    m->meta = m->meta_len ? meta_buf : NULL;
     struct expert_block_config cfg;
     uint64_t row[2];
     expert_model_stage(in->cfg.model, c->stage, &cfg);
-    int nrow = expert_block_row_shape(&cfg, 0, row);
-    const float *x = c->stage == 0 ? in->cfg.inputs + (size_t)u->batch * (size_t)in->cfg.batch * (size_t)st->in
-                                   : u->buf[c->stage & 1];
-    peer_tensor_rows(&m->t[0], x, (uint64_t)u->rows, nrow, row);
-    m->n_tensors = 1;
-    return 0;
+    peer_stagecall sc = {
+        .rows = (uint64_t)u->rows,
+        .x = c->stage == 0 ? in->cfg.inputs + (size_t)u->batch * (size_t)in->cfg.batch * (size_t)st->in
+                           : u->buf[c->stage & 1],
+        .nin = expert_block_row_shape(&cfg, 0, row),
+        .rin = row,
+        .span = c->span,
+    };
+    return peer_stagecall_encode(m, meta_buf, &sc);
 }
 
 /* Takes the next (batch, path) into free unit u. */

@@ -14,6 +14,7 @@
 
 #include "expert/ops.h"
 #include "net/meta.h"
+#include "net/stagecall.h"
 #include "net/tensorfmt.h"
 #include "net/wire.h"
 #include "routing/caller.h"
@@ -285,25 +286,28 @@ static int build(void *arg, route_caller_call *c, const route_holder *h, int pre
         fmt = (peer_dtype)t->cfg.wire_format;
         block = fmt != PEER_DTYPE_Q8 ? 0 : t->cfg.wire_block ? t->cfg.wire_block : PEER_FMT_Q8_BLOCK;
     }
-    /* Token values must arrive exact: an embed stage's inputs stay f32. */
-    int tokens = cfg.kind == EXPERT_BLOCK_EMBED;
-    size_t half = t->wbuf_cap / 2;
-    int rc = peer_tensor_rows_as(&m->t[0], call->inputs, (uint64_t)call->rows, nin, rin,
-                                 tokens ? PEER_DTYPE_F32 : fmt, tokens ? 0 : block, 0, 0, t->wbuf, half);
-    m->n_tensors = 1;
-    if (rc == 0 && call->kind == ROUTE_CALL_BACKWARD) {
-        rc = peer_tensor_rows_as(&m->t[1], call->grad_outputs, (uint64_t)call->rows, nout, rout, fmt, block, 1,
-                                 (t->sr_base ^ ++t->sr_count) * 0xD1B54A32D192ED03ull, t->wbuf + half, half);
-        m->n_tensors = 2;
-        if (preferred && t->fwd_version_known[call->slot][call->stage]) {
-            m->meta = meta_buf;
-            m->meta_len = peer_meta_at_version_encode(meta_buf, t->fwd_version[call->slot][call->stage]);
-        }
-    }
+    int backward = call->kind == ROUTE_CALL_BACKWARD;
+    peer_stagecall sc = {
+        .rows = (uint64_t)call->rows,
+        .x = call->inputs,
+        .nin = nin,
+        .rin = rin,
+        .dy = backward ? call->grad_outputs : NULL,
+        .nout = nout,
+        .rout = rout,
+        .fmt = fmt,
+        .block = block,
+        /* Token values must arrive exact: an embed stage's inputs stay f32. */
+        .exact_inputs = cfg.kind == EXPERT_BLOCK_EMBED,
+        .sr_seed = backward ? (t->sr_base ^ ++t->sr_count) * 0xD1B54A32D192ED03ull : 0,
+        .at_version_known = backward && preferred && t->fwd_version_known[call->slot][call->stage],
+        .at_version = t->fwd_version[call->slot][call->stage],
+        .scratch = t->wbuf,
+        .scratch_cap = t->wbuf_cap,
+    };
+    int rc = peer_stagecall_encode(m, meta_buf, &sc);
     if (rc != 0)
         return rc;
-    m->reply_dtype = fmt;
-    m->reply_block = block;
     if (t->ph == PH_TRAIN) {
         for (int i = 0; i < m->n_tensors; i++)
             t->res->bytes_sent += m->t[i].nbytes;
@@ -339,12 +343,10 @@ static int on_reply(void *arg, route_caller_call *rc, const peer_msg *m)
     const route_call *c = &p->call;
     int width = c->kind == ROUTE_CALL_FORWARD ? c->width_out : c->width_in;
     struct expert_block_config cfg;
-    uint64_t row[2], rows = 0;
+    uint64_t row[2];
     expert_model_stage(t->cfg.model, c->stage, &cfg);
     int nrow = expert_block_row_shape(&cfg, c->kind == ROUTE_CALL_FORWARD, row);
-    if (m->n_tensors != 1 || !peer_tensor_is_rows(&m->t[0], nrow, row, (uint64_t)c->rows, &rows) ||
-        rows != (uint64_t)c->rows ||
-        peer_tensor_to_f32(&m->t[0], c->outputs, (size_t)c->rows * (size_t)width) != 0)
+    if (peer_stagecall_reply_rows(m, nrow, row, (uint64_t)c->rows, c->outputs, (size_t)c->rows * (size_t)width) != 0)
         return -EBADMSG;
     if (t->ph == PH_TRAIN)
         t->res->bytes_received += m->t[0].nbytes;
