@@ -50,7 +50,7 @@ typedef struct dht dht;
  * one given), -EKEYREJECTED (a node answered that it is under another swarm
  * key, or none), -EADDRINUSE (another node proved our own node ID from
  * another address: it runs with our identity file; the join itself may have
- * worked). dht_get_join_diag and dht_join_strerror give the details. */
+ * worked). dht_join_strerror gives the details. */
 typedef void (*dht_done_cb)(dht *d, int status, void *ud);
 
 /* status 0 or -errno (dht_get); entries[0..n) are every live entry of the
@@ -119,11 +119,6 @@ int dht_join_wait(dht *d, const dht_peer_addr *peers, size_t n_peers, double tim
  * initial peer): "127.0.0.1:0" / "[::1]:0" for loopback, else "0.0.0.0:0"
  * / "[::]:0" (any port, same address family). Static string. */
 const char *dht_client_listen(const dht_peer_addr *first);
-
-/* The detail of the latest join that ended with -EADDRNOTAVAIL,
- * -EKEYREJECTED or -EADDRINUSE: the address concerned and the IDs (see
- * dht_join_diag in dht/node.h). Returns out->status, 0 if none has. */
-int dht_get_join_diag(const dht *d, dht_join_diag *out);
 
 /* "HOST:PORT" of the latest node that proved our own node ID from another
  * address (during a join or any later lookup). Returns the length, or

@@ -394,11 +394,6 @@ const char *dht_client_listen(const dht_peer_addr *first)
     return first->addr.ip[0] == 127 ? "127.0.0.1:0" : "0.0.0.0:0";
 }
 
-int dht_get_join_diag(const dht *d, dht_join_diag *out)
-{
-    return dht_node_join_diag(d->node, out);
-}
-
 int dht_collision_addr(const dht *d, char *buf, size_t cap)
 {
     dht_addr a;

@@ -28,12 +28,6 @@ const char *expert_blas_corename(void)
     return s ? s : "unknown";
 }
 
-const char *expert_blas_config(void)
-{
-    const char *s = openblas_get_config();
-    return s ? s : "unknown";
-}
-
 void expert_blas_prefer_native(char **argv)
 {
     const char *want = getenv("STARLING_BLAS_CORETYPE");

@@ -21,9 +21,6 @@ int expert_blas_threads(void);
  * The string is static; never NULL. */
 const char *expert_blas_corename(void);
 
-/* OpenBLAS's build configuration string. Static; never NULL. */
-const char *expert_blas_config(void);
-
 #endif
 
 /* OpenBLAS reads $OPENBLAS_CORETYPE once, when the library loads, and many

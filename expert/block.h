@@ -110,7 +110,6 @@ expert_workspace *expert_workspace_create(const struct expert_block_config *cfg,
 expert_workspace *expert_workspace_create_on(const struct expert_block_config *cfg,
                                              int max_batch, const expert_backend *be);
 void expert_workspace_destroy(expert_workspace **p);
-int expert_workspace_max_batch(const expert_workspace *ws);
 const expert_backend *expert_workspace_backend(const expert_workspace *ws);
 /* The backend memory expert_workspace_create_on takes (0 for bad arguments). */
 size_t expert_workspace_bytes(const struct expert_block_config *cfg, const expert_backend *be,

@@ -104,11 +104,6 @@ void expert_workspace_destroy(expert_workspace **p)
     *p = NULL;
 }
 
-int expert_workspace_max_batch(const expert_workspace *ws)
-{
-    return ws ? ws->max_batch : 0;
-}
-
 const expert_backend *expert_workspace_backend(const expert_workspace *ws)
 {
     return ws ? ws->be : NULL;

@@ -393,17 +393,6 @@ peer_keeper *peer_keeper_start(const peer_keeper_config *cfg, char *err, size_t 
     return k;
 }
 
-void peer_keeper_usage(const peer_keeper *k, int *copies, size_t *bytes)
-{
-    int c = 0;
-    for (int s = 0; k && s < k->n_stages; s++)
-        c += k->st[s].copy != NULL;
-    if (copies)
-        *copies = c;
-    if (bytes)
-        *bytes = k ? bytes_held(k) : 0;
-}
-
 static void on_timer_closed(uv_handle_t *h)
 {
     peer_keeper *k = h->data;

@@ -74,9 +74,6 @@ typedef struct peer_keeper peer_keeper;
  * NULL with a sentence in err (unknown model, bad arguments, no memory). */
 peer_keeper *peer_keeper_start(const peer_keeper_config *cfg, char *err, size_t errlen);
 
-/* The number of copies held and their bytes. */
-void peer_keeper_usage(const peer_keeper *k, int *copies, size_t *bytes);
-
 /* Stops the timer and any download; cb runs on the loop once nothing of it
  * is running. DHT lookups may still call back until the DHT is closed:
  * free with peer_keeper_destroy only after that. NULL-safe. */
