@@ -338,7 +338,7 @@ const uint8_t *peer_rpc_client_peer_id(const peer_rpc_client *cl)
     return cl && cl->state == ST_READY ? peer_channel_peer_id(cl->c.ch) : NULL;
 }
 
-void peer_rpc_client_close(peer_rpc_client *cl, void (*close_cb)(peer_rpc_client *, void *),
+void peer_rpc_client_stop(peer_rpc_client *cl, void (*close_cb)(peer_rpc_client *, void *),
                            void *arg)
 {
     if (!cl || cl->state == ST_CLOSING)

@@ -80,7 +80,7 @@ peer_cipher peer_rpc_client_cipher(const peer_rpc_client *cl);
 
 /* Fails pending requests with -ECANCELED, closes every handle; close_cb
  * runs on the loop when done. Idempotent. */
-void peer_rpc_client_close(peer_rpc_client *cl, void (*close_cb)(peer_rpc_client *, void *),
+void peer_rpc_client_stop(peer_rpc_client *cl, void (*close_cb)(peer_rpc_client *, void *),
                            void *arg);
 
 /* Frees a client on which connect was never called, or whose close_cb has

@@ -852,7 +852,7 @@ int peer_rpc_server_port(const peer_rpc_server *srv)
     return srv ? srv->port : -1;
 }
 
-void peer_rpc_server_stats_get(const peer_rpc_server *srv, peer_rpc_server_stats *out)
+void peer_rpc_server_get_stats(const peer_rpc_server *srv, peer_rpc_server_stats *out)
 {
     *out = srv->st;
     out->record_waits = srv->budget.waits;
@@ -893,7 +893,7 @@ static void maybe_finish_close(peer_rpc_server *srv)
     }
 }
 
-void peer_rpc_server_close(peer_rpc_server *srv, void (*close_cb)(peer_rpc_server *, void *),
+void peer_rpc_server_stop(peer_rpc_server *srv, void (*close_cb)(peer_rpc_server *, void *),
                            void *arg)
 {
     if (!srv || srv->closing)

@@ -129,7 +129,9 @@ int peer_rpc_server_listen(peer_rpc_server *srv, const struct sockaddr *addr);
 /* The port bound by listen (useful after binding port 0), or -1. */
 int peer_rpc_server_port(const peer_rpc_server *srv);
 
-void peer_rpc_server_stats_get(const peer_rpc_server *srv, peer_rpc_server_stats *out);
+/* The server's counters and gauges since start (connections refused and
+ * closed by each limit, bytes held). Loop thread. */
+void peer_rpc_server_get_stats(const peer_rpc_server *srv, peer_rpc_server_stats *out);
 
 /* Answers req with reply's tensors, meta and block (kind and id are set by
  * the server). Tensor bytes are copied before this returns, so the caller
@@ -147,7 +149,7 @@ const uint8_t *peer_rpc_request_peer_id(const peer_rpc_request *req);
 /* Stops listening and closes every connection. close_cb runs on the loop
  * once every handle is closed, which waits for every request already handed
  * to the handler to be answered (their replies are dropped). */
-void peer_rpc_server_close(peer_rpc_server *srv, void (*close_cb)(peer_rpc_server *, void *),
+void peer_rpc_server_stop(peer_rpc_server *srv, void (*close_cb)(peer_rpc_server *, void *),
                            void *arg);
 
 /* Frees a server that was never listened on or whose close_cb has run.

@@ -1119,7 +1119,7 @@ static void finish(peer_allreduce *ar, int status)
             uv_close((uv_handle_t *)&l->retry, on_handle_closed);
         }
         if (l->cl)
-            peer_rpc_client_close(l->cl, on_client_closed, ar);
+            peer_rpc_client_stop(l->cl, on_client_closed, ar);
     }
 }
 

@@ -29,6 +29,7 @@ struct peer_announcer {
     int offline_puts;            /* offline announcements still in flight */
     void (*offline_done)(void *);
     void *offline_arg;
+    int closing, closed, destroy_pending; /* stop called, timer closed, destroy called */
     void (*close_cb)(void *);
     void *close_arg;
 };
@@ -202,7 +203,7 @@ void peer_announcer_go_online(peer_announcer *an)
     announce_online(an);
 }
 
-int peer_announcer_stop(peer_announcer *an, int offline, void (*done)(void *arg), void *arg)
+int peer_announcer_leave(peer_announcer *an, int offline, void (*done)(void *arg), void *arg)
 {
     if (!an || an->stopping)
         return 0;
@@ -214,22 +215,44 @@ int peer_announcer_stop(peer_announcer *an, int offline, void (*done)(void *arg)
     return an->offline_puts;
 }
 
+static void release(peer_announcer *an)
+{
+    peer_modeldesc_clear(&an->desc);
+    free(an);
+}
+
 static void on_closed(uv_handle_t *h)
 {
     peer_announcer *an = h->data;
     void (*cb)(void *) = an->close_cb;
     void *arg = an->close_arg;
-    peer_modeldesc_clear(&an->desc);
-    free(an);
+    an->closed = 1;
+    if (an->destroy_pending)
+        release(an);
     if (cb)
         cb(arg);
 }
 
-void peer_announcer_close(peer_announcer *an, void (*cb)(void *arg), void *arg)
+void peer_announcer_stop(peer_announcer *an, void (*cb)(void *arg), void *arg)
 {
-    if (!an)
+    if (!an || an->closing)
         return;
+    an->stopping = 1;
+    an->closing = 1;
     an->close_cb = cb;
     an->close_arg = arg;
     uv_close((uv_handle_t *)&an->timer, on_closed);
+}
+
+void peer_announcer_destroy(peer_announcer **p)
+{
+    peer_announcer *an = p ? *p : NULL;
+    if (!an)
+        return;
+    *p = NULL;
+    peer_announcer_stop(an, NULL, NULL);
+    if (an->closed)
+        release(an);
+    else
+        an->destroy_pending = 1;
 }

@@ -61,10 +61,15 @@ void peer_announcer_go_online(peer_announcer *an);
 /* Stops renewing. With offline set, announces every block offline and
  * calls done on the loop once each of those puts has answered. Returns the
  * number of offline puts started (0: done never runs). */
-int peer_announcer_stop(peer_announcer *an, int offline, void (*done)(void *arg), void *arg);
+int peer_announcer_leave(peer_announcer *an, int offline, void (*done)(void *arg), void *arg);
 
-/* Closes the renewal timer and frees the announcer, then calls cb (may be
- * NULL). Only once the DHT is closed, so that no put can call back. */
-void peer_announcer_close(peer_announcer *an, void (*cb)(void *arg), void *arg);
+/* Stops renewing and closes the renewal timer, then calls cb (may be NULL)
+ * on the loop. Idempotent; NULL-safe (cb does not run then). */
+void peer_announcer_stop(peer_announcer *an, void (*cb)(void *arg), void *arg);
+
+/* Frees a stopped announcer (one whose stop is still closing is freed once
+ * it has closed). Only once the DHT is closed, so that no put can call
+ * back. NULL-safe; sets *p = NULL. */
+void peer_announcer_destroy(peer_announcer **p);
 
 #endif

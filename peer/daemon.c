@@ -65,6 +65,7 @@ struct peer_daemon {
     peer_catchup *catchup;
     int catchup_running;         /* its stop callback is still to come */
     int stopping;
+    int stopped, destroy_pending; /* the stop callback has run; destroy was called */
     int stop_phase;              /* 1 announcing offline, 2 closing service, 3 closing the rest, 4 done */
     int ckpt_busy;
     uv_work_t ckpt_work;
@@ -77,7 +78,7 @@ struct peer_daemon {
 };
 
 #define say(d, ...) peer_log((d)->log, __VA_ARGS__)
-static void maybe_free(peer_daemon *d);
+static void maybe_stopped(peer_daemon *d);
 static void continue_stop(peer_daemon *d);
 
 /* ---- announcements (peer/announcer.h) ---- */
@@ -137,7 +138,7 @@ static void on_catchup_stopped(void *arg)
 {
     peer_daemon *d = arg;
     d->catchup_running = 0;
-    maybe_free(d);
+    maybe_stopped(d);
 }
 
 static void on_joined(void *arg)
@@ -161,7 +162,7 @@ static void on_join_refused(void *arg)
     if (d->on_refused)
         d->on_refused(d->refused_arg);
     else
-        peer_daemon_stop(d, NULL, NULL);
+        peer_daemon_destroy(&d); /* stops, then frees itself */
 }
 
 /* ---- replica averaging and cold copies (peer/averaging.h, peer/keeper.h) ---- */
@@ -188,7 +189,7 @@ static void on_keeper_stopped(void *arg)
 {
     peer_daemon *d = arg;
     d->keeper_running = 0;
-    maybe_free(d);
+    maybe_stopped(d);
 }
 
 /* ---- checkpoints ---- */
@@ -487,8 +488,7 @@ static int create_parts(peer_daemon *d, const peer_daemon_config *cfg, char *err
     if (!d->catchup || !d->announcer || (cfg->n_initial > 0 && !d->joiner)) {
         snprintf(err, errlen, "out of memory");
         peer_catchup_destroy(&d->catchup);
-        peer_announcer_close(d->announcer, NULL, NULL);
-        d->announcer = NULL;
+        peer_announcer_destroy(&d->announcer);
         return -1;
     }
     d->timers_open += 1 + (d->joiner != NULL); /* closed with the timers */
@@ -545,9 +545,9 @@ static void start_keeper(peer_daemon *d, const peer_daemon_config *cfg)
  * destroyed at once. */
 static void undo_start(peer_daemon *d, int listened)
 {
-    peer_metrics_stop(d->metrics); /* frees itself once its handles close */
+    peer_metrics_destroy(&d->metrics); /* freed once its handles close */
     if (listened) {
-        peer_service_close(d->svc, destroy_after_close, NULL);
+        peer_service_stop(d->svc, destroy_after_close, NULL);
         d->svc = NULL;
     } else {
         peer_service_destroy(&d->svc);
@@ -626,33 +626,51 @@ int peer_daemon_peer_string(const peer_daemon *d, char *buf, size_t cap)
 
 /* The daemon goes away once its timers are closed and no state download
  * can still call back into it. */
-static void maybe_free(peer_daemon *d)
+static void maybe_stopped(peer_daemon *d)
 {
     if (d->timers_open > 0 || d->catchup_running || d->avg_running || d->keeper_running || d->stop_phase < 4)
         return;
     peer_averaging_destroy(&d->avg);
     peer_keeper_destroy(&d->keeper);
     peer_catchup_destroy(&d->catchup);
+    peer_announcer_destroy(&d->announcer);
+    peer_joiner_destroy(&d->joiner);
     void (*cb)(int, void *) = d->stop_cb;
     void *arg = d->stop_arg;
     int status = d->final_status;
-    free(d);
+    d->stopped = 1;
+    if (d->destroy_pending)
+        free(d);
     if (cb)
         cb(status, arg);
+}
+
+void peer_daemon_destroy(peer_daemon **p)
+{
+    peer_daemon *d = p ? *p : NULL;
+    if (!d)
+        return;
+    *p = NULL;
+    if (d->stopped) {
+        free(d);
+        return;
+    }
+    d->destroy_pending = 1;
+    peer_daemon_stop(d, NULL, NULL); /* nothing when already stopping */
 }
 
 static void on_timer_closed(uv_handle_t *h)
 {
     peer_daemon *d = h->data;
     d->timers_open--;
-    maybe_free(d);
+    maybe_stopped(d);
 }
 
 static void on_part_closed(void *arg)
 {
     peer_daemon *d = arg;
     d->timers_open--;
-    maybe_free(d);
+    maybe_stopped(d);
 }
 
 static void on_dht_closed(dht *dh, void *ud)
@@ -660,10 +678,7 @@ static void on_dht_closed(dht *dh, void *ud)
     (void)dh;
     peer_daemon *d = ud;
     d->stop_phase = 4;
-    peer_announcer_close(d->announcer, on_part_closed, d);
-    d->announcer = NULL;
-    peer_joiner_close(d->joiner, on_part_closed, d);
-    d->joiner = NULL;
+    peer_announcer_stop(d->announcer, on_part_closed, d);
     uv_close((uv_handle_t *)&d->ckpt_timer, on_timer_closed);
     uv_close((uv_handle_t *)&d->stop_timer, on_timer_closed);
 }
@@ -678,8 +693,7 @@ static void on_svc_closed(peer_service *s, int ckpt_status, void *arg)
     peer_service_destroy(&d->svc);
     d->rounds = NULL; /* freed with the service */
     d->states = NULL;
-    peer_metrics_stop(d->metrics);
-    d->metrics = NULL;
+    peer_metrics_destroy(&d->metrics); /* freed once its handles close */
     d->stop_phase = 3;
     dht_close(d->dht, on_dht_closed, d);
     d->dht = NULL;
@@ -702,7 +716,7 @@ static void continue_stop(peer_daemon *d)
         if (d->ckpt_busy || d->avg_running)
             return; /* ckpt_after_cb / on_avg_stopped call us again */
         d->stop_phase = 3;
-        peer_service_close(d->svc, on_svc_closed, d);
+        peer_service_stop(d->svc, on_svc_closed, d);
     }
 }
 
@@ -716,7 +730,7 @@ void peer_daemon_stop(peer_daemon *d, void (*cb)(int status, void *arg), void *a
     double bps = peer_service_bytes_per_sample(d->svc);
     if (bps > 0)
         say(d, "stopping: %.0f tensor bytes per sample served (received and sent, per block row)", bps);
-    peer_joiner_stop(d->joiner);
+    peer_joiner_stop(d->joiner, on_part_closed, d);
     uv_timer_stop(&d->ckpt_timer);
     /* Rounds in flight are abandoned while the service still stands. */
     if (d->avg_running)
@@ -726,7 +740,7 @@ void peer_daemon_stop(peer_daemon *d, void (*cb)(int status, void *arg), void *a
     d->catchup_running = 1;
     peer_catchup_stop(d->catchup, on_catchup_stopped, d);
     d->stop_phase = 1;
-    if (peer_announcer_stop(d->announcer, d->joined, on_offline_announced, d) == 0) {
+    if (peer_announcer_leave(d->announcer, d->joined, on_offline_announced, d) == 0) {
         continue_stop(d);
         return;
     }

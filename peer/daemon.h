@@ -86,7 +86,12 @@ int peer_daemon_peer_string(const peer_daemon *d, char *buf, size_t cap);
 dht *peer_daemon_dht(peer_daemon *d);
 
 /* Graceful stop; cb runs on the loop when done, with the checkpoint status
- * (0 or -errno). The daemon frees itself after cb returns. */
+ * (0 or -errno). Calls after the first do nothing. */
 void peer_daemon_stop(peer_daemon *d, void (*cb)(int status, void *arg), void *arg);
+
+/* Frees a daemon whose stop callback has run. Called earlier, it stops the
+ * daemon (when not yet stopping) and frees it once stopped, before the
+ * stop callback runs. NULL-safe; sets *p = NULL. */
+void peer_daemon_destroy(peer_daemon **p);
 
 #endif

@@ -12,7 +12,8 @@ struct peer_joiner {
     peer_joiner_config cfg;
     dht_peer_addr initial[PEER_JOINER_MAX_INITIAL];
     uv_timer_t timer;            /* the next try */
-    int stopping;
+    int stopping;                /* stop called: the timer is closing or closed */
+    int closed, destroy_pending;
     void (*close_cb)(void *);
     void *close_arg;
 };
@@ -97,29 +98,37 @@ void peer_joiner_start(peer_joiner *j)
         try_join(j);
 }
 
-void peer_joiner_stop(peer_joiner *j)
-{
-    if (!j)
-        return;
-    j->stopping = 1;
-    uv_timer_stop(&j->timer);
-}
-
 static void on_closed(uv_handle_t *h)
 {
     peer_joiner *j = h->data;
     void (*cb)(void *) = j->close_cb;
     void *arg = j->close_arg;
-    free(j);
+    j->closed = 1;
+    if (j->destroy_pending)
+        free(j);
     if (cb)
         cb(arg);
 }
 
-void peer_joiner_close(peer_joiner *j, void (*cb)(void *arg), void *arg)
+void peer_joiner_stop(peer_joiner *j, void (*cb)(void *arg), void *arg)
 {
-    if (!j)
+    if (!j || j->stopping)
         return;
+    j->stopping = 1;
     j->close_cb = cb;
     j->close_arg = arg;
     uv_close((uv_handle_t *)&j->timer, on_closed);
+}
+
+void peer_joiner_destroy(peer_joiner **p)
+{
+    peer_joiner *j = p ? *p : NULL;
+    if (!j)
+        return;
+    *p = NULL;
+    peer_joiner_stop(j, NULL, NULL);
+    if (j->closed)
+        free(j);
+    else
+        j->destroy_pending = 1;
 }

@@ -44,11 +44,14 @@ peer_joiner *peer_joiner_create(const peer_joiner_config *cfg);
 /* Starts the first join. NULL-safe. */
 void peer_joiner_start(peer_joiner *j);
 
-/* No more joins and no more callbacks. NULL-safe. */
-void peer_joiner_stop(peer_joiner *j);
+/* No more joins and no more callbacks; closes the retry timer, then calls
+ * cb (may be NULL) on the loop. Idempotent; NULL-safe (cb does not run
+ * then). */
+void peer_joiner_stop(peer_joiner *j, void (*cb)(void *arg), void *arg);
 
-/* Closes the retry timer and frees the joiner, then calls cb (may be
- * NULL). Only once the DHT is closed, so that no join can call back. */
-void peer_joiner_close(peer_joiner *j, void (*cb)(void *arg), void *arg);
+/* Frees a stopped joiner (one whose stop is still closing is freed once it
+ * has closed). Only once the DHT is closed, so that no join can call back.
+ * NULL-safe; sets *p = NULL. */
+void peer_joiner_destroy(peer_joiner **p);
 
 #endif

@@ -35,14 +35,24 @@ struct peer_metrics {
     uv_timer_t sweep;
     int live;                /* connections not closing */
     int stopping;
+    int stopped, destroy_pending; /* every handle closed; destroy was called */
+    void (*stop_cb)(void *);
+    void *stop_arg;
     int handles;             /* open handles (listener, timer, conns) */
     mconn *conns;
 };
 
 static void maybe_free(peer_metrics *m)
 {
-    if (m->stopping && m->handles == 0)
+    if (!m->stopping || m->handles > 0 || m->stopped)
+        return;
+    void (*cb)(void *) = m->stop_cb;
+    void *arg = m->stop_arg;
+    m->stopped = 1;
+    if (m->destroy_pending)
         free(m);
+    if (cb)
+        cb(arg);
 }
 
 static void on_conn_closed(uv_handle_t *h)
@@ -296,14 +306,14 @@ peer_metrics *peer_metrics_start_ex(uv_loop_t *loop, const struct sockaddr *addr
     if ((rc = uv_tcp_bind(&m->listener, addr, 0)) != 0 ||
         (rc = uv_listen((uv_stream_t *)&m->listener, 128, on_connection)) != 0) {
         *err = rc;
-        peer_metrics_stop(m);
+        peer_metrics_destroy(&m);
         return NULL;
     }
     *err = 0;
     return m;
 }
 
-void peer_metrics_stats_get(const peer_metrics *m, peer_metrics_stats *out)
+void peer_metrics_get_stats(const peer_metrics *m, peer_metrics_stats *out)
 {
     *out = m->st;
 }
@@ -328,14 +338,30 @@ static void on_handle_closed(uv_handle_t *h)
     maybe_free(m);
 }
 
-void peer_metrics_stop(peer_metrics *m)
+void peer_metrics_stop(peer_metrics *m, void (*cb)(void *arg), void *arg)
 {
     if (!m || m->stopping)
         return;
     m->stopping = 1;
+    m->stop_cb = cb;
+    m->stop_arg = arg;
     for (mconn *c = m->conns; c; c = c->next)
         conn_close(c);
     uv_timer_stop(&m->sweep);
     uv_close((uv_handle_t *)&m->sweep, on_handle_closed);
     uv_close((uv_handle_t *)&m->listener, on_handle_closed);
+}
+
+void peer_metrics_destroy(peer_metrics **p)
+{
+    peer_metrics *m = p ? *p : NULL;
+    if (!m)
+        return;
+    *p = NULL;
+    if (m->stopped) {
+        free(m);
+        return;
+    }
+    m->destroy_pending = 1;
+    peer_metrics_stop(m, NULL, NULL); /* nothing when already stopping */
 }

@@ -52,13 +52,19 @@ peer_metrics *peer_metrics_start_ex(uv_loop_t *loop, const struct sockaddr *addr
 
 /* Counters since start (refusals and closes by reason, for the peer's own
  * metrics). */
-void peer_metrics_stats_get(const peer_metrics *m, peer_metrics_stats *out);
+void peer_metrics_get_stats(const peer_metrics *m, peer_metrics_stats *out);
 
 /* The port listened on, or -1. */
 int peer_metrics_port(const peer_metrics *m);
 
-/* Closes the listener and every connection; frees m when all handles are
- * closed. NULL-safe. */
-void peer_metrics_stop(peer_metrics *m);
+/* Closes the listener and every connection, then calls cb (may be NULL) on
+ * the loop once every handle is closed. Calls after the first do nothing;
+ * NULL-safe (cb does not run then). */
+void peer_metrics_stop(peer_metrics *m, void (*cb)(void *arg), void *arg);
+
+/* Frees a stopped server. Called before its handles have closed, it stops
+ * the server (when not yet stopping) and frees it once they have.
+ * NULL-safe; sets *p = NULL. */
+void peer_metrics_destroy(peer_metrics **p);
 
 #endif

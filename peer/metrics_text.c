@@ -172,7 +172,7 @@ static size_t emit_avg_family(const peer_metrics_sources *src, char *buf, size_t
 static size_t emit_rpc(const peer_service *svc, char *buf, size_t cap, size_t off)
 {
     peer_rpc_server_stats rs;
-    peer_service_rpc_stats(svc, &rs);
+    peer_service_get_rpc_stats(svc, &rs);
     EMIT("# HELP starling_rpc_connections Tensor RPC connections open.\n"
          "# TYPE starling_rpc_connections gauge\nstarling_rpc_connections %" PRIu64 "\n"
          "# HELP starling_rpc_connections_total Tensor RPC connections accepted.\n"
@@ -226,7 +226,7 @@ static size_t emit_endpoint(const peer_metrics *endpoint, char *buf, size_t cap,
 {
     peer_metrics_stats ms = {0};
     if (endpoint)
-        peer_metrics_stats_get(endpoint, &ms);
+        peer_metrics_get_stats(endpoint, &ms);
     EMIT("# HELP starling_metrics_endpoint_refused_total Metrics connections closed at accept, by reason "
          "(per_ip: 8 per address; full: 64 in all, no address to take one from).\n"
          "# TYPE starling_metrics_endpoint_refused_total counter\n"

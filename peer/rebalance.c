@@ -157,6 +157,7 @@ struct route_rebalance {
     int eval_pending;             /* lookups started; decide when they end */
     int moving, stopping;
     int status;                   /* for on_stopped */
+    int stopped, destroy_pending; /* on_stopped has run; destroy was called */
 };
 
 void route_rebalance_span_name(char *buf, size_t len, int start, int k)
@@ -197,7 +198,9 @@ static void on_timer_closed(uv_handle_t *h)
     void (*cb)(void *, int) = rb->cfg.on_stopped;
     void *arg = rb->cfg.arg;
     int status = rb->status;
-    free(rb);
+    rb->stopped = 1;
+    if (rb->destroy_pending)
+        free(rb);
     if (cb)
         cb(arg, status);
 }
@@ -250,9 +253,8 @@ static void move_to(route_rebalance *rb, int to)
     rb->next = to;
     rb->moving = 1;
     route_swarm_destroy(&rb->sw);
-    peer_daemon *d = rb->daemon;
-    rb->daemon = NULL;
-    peer_daemon_stop(d, on_moved, rb);
+    peer_daemon_stop(rb->daemon, on_moved, rb);
+    peer_daemon_destroy(&rb->daemon); /* freed once stopped */
 }
 
 /* Every every_s seconds: look up every stage again (polling each second
@@ -330,9 +332,22 @@ void route_rebalance_stop(route_rebalance *rb)
     uv_timer_stop(&rb->timer);
     route_swarm_destroy(&rb->sw);
     if (rb->daemon) {
-        peer_daemon *d = rb->daemon;
-        rb->daemon = NULL;
-        peer_daemon_stop(d, on_daemon_stopped, rb);
+        peer_daemon_stop(rb->daemon, on_daemon_stopped, rb);
+        peer_daemon_destroy(&rb->daemon); /* freed once stopped */
     }
     /* else: a move is under way; on_moved sees `stopping` */
+}
+
+void route_rebalance_destroy(route_rebalance **p)
+{
+    route_rebalance *rb = p ? *p : NULL;
+    if (!rb)
+        return;
+    *p = NULL;
+    if (rb->stopped) {
+        free(rb);
+        return;
+    }
+    rb->destroy_pending = 1;
+    route_rebalance_stop(rb); /* nothing when already stopping */
 }

@@ -100,7 +100,8 @@ typedef struct route_rebalance_config {
      * serves (valid for the call only): e.g. print where it serves. */
     void (*on_started)(void *arg, peer_daemon *d, const int *blocks, int n_blocks);
     /* Once, when the rebalancer is done (after route_rebalance_stop, or
-     * when a move could not restart), after which it frees itself: status
+     * when a move could not restart), after which the owner destroys it
+     * (route_rebalance_destroy): status
      * is the daemon's stop status (0 or -errno; 0 for a stop during a
      * move, whose checkpoint failure was logged) or
      * ROUTE_REBALANCE_RESTART_FAILED. */
@@ -118,7 +119,12 @@ route_rebalance *route_rebalance_start(uv_loop_t *loop, const route_rebalance_co
 
 /* Graceful stop: stops re-checking and the daemon (or lets a move in
  * progress end without restarting); on_stopped follows. Calls after the
- * first, until on_stopped, do nothing; rb is freed once on_stopped runs. */
+ * first do nothing. */
 void route_rebalance_stop(route_rebalance *rb);
+
+/* Frees a rebalancer whose on_stopped has run. Called earlier, it stops
+ * it (when not yet stopping) and frees it once stopped, before on_stopped
+ * runs. NULL-safe; sets *p = NULL. */
+void route_rebalance_destroy(route_rebalance **p);
 
 #endif

@@ -1049,11 +1049,11 @@ int peer_service_port(const peer_service *s)
     return s && s->rpc ? peer_rpc_server_port(s->rpc) : -1;
 }
 
-void peer_service_rpc_stats(const peer_service *s, peer_rpc_server_stats *out)
+void peer_service_get_rpc_stats(const peer_service *s, peer_rpc_server_stats *out)
 {
     memset(out, 0, sizeof *out);
     if (s && s->rpc)
-        peer_rpc_server_stats_get(s->rpc, out);
+        peer_rpc_server_get_stats(s->rpc, out);
 }
 
 int peer_service_n_blocks(const peer_service *s)
@@ -1137,14 +1137,14 @@ static void on_rpc_closed(peer_rpc_server *srv, void *arg)
         s->close_cb(s, ck, s->close_arg);
 }
 
-void peer_service_close(peer_service *s, void (*cb)(peer_service *, int, void *), void *arg)
+void peer_service_stop(peer_service *s, void (*cb)(peer_service *, int, void *), void *arg)
 {
     if (!s || s->closing)
         return;
     s->closing = 1;
     s->close_cb = cb;
     s->close_arg = arg;
-    peer_rpc_server_close(s->rpc, on_rpc_closed, s);
+    peer_rpc_server_stop(s->rpc, on_rpc_closed, s);
 }
 
 void peer_service_destroy(peer_service **pp)

@@ -149,7 +149,7 @@ int peer_service_block_info(peer_service *s, int i, peer_block_info *info);
 /* The RPC server's counters and gauges (connections refused and closed by
  * the limits, bytes held; peer_rpc_server_stats). s NULL: all zero. Loop
  * thread. */
-void peer_service_rpc_stats(const peer_service *s, peer_rpc_server_stats *out);
+void peer_service_get_rpc_stats(const peer_service *s, peer_rpc_server_stats *out);
 
 /* Tensor bytes of the compute methods: method 0 forward, 1 backward, 2
  * infer; fmt a peer_fmt; dir 0 received in requests, 1 sent in replies.
@@ -221,7 +221,7 @@ int peer_service_checkpoint(peer_service *s);
 /* Graceful stop: closes the RPC server (requests already queued are
  * computed), stops the compute threads, writes the checkpoints, then calls
  * cb on the loop. Idempotent. */
-void peer_service_close(peer_service *s, void (*cb)(peer_service *, int ckpt_status, void *),
+void peer_service_stop(peer_service *s, void (*cb)(peer_service *, int ckpt_status, void *),
                         void *arg);
 
 /* Frees a service whose close callback has run (or that never listened).

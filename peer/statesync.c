@@ -234,7 +234,7 @@ static void finish(sync_t *s, int status)
         return;
     s->done = 1;
     s->status = status;
-    peer_rpc_client_close(s->cl, on_closed, s);
+    peer_rpc_client_stop(s->cl, on_closed, s);
 }
 
 static void on_reply(void *arg, int status, const peer_msg *m);

@@ -64,14 +64,14 @@ static void on_closed(peer_rpc_client *cl, void *arg)
 }
 
 /* k leaves the table here, once; closing a client that is still setting
- * up calls on_connect with -ECANCELED from inside peer_rpc_client_close,
+ * up calls on_connect with -ECANCELED from inside peer_rpc_client_stop,
  * which must then not remove k again (nor report a failed holder), and k
  * may be freed before this returns. */
 static void close_conn(route_conns *c, conn *k)
 {
     HASH_DEL(c->map, k);
     k->closing = 1;
-    peer_rpc_client_close(k->cl, on_closed, k);
+    peer_rpc_client_stop(k->cl, on_closed, k);
 }
 
 static void on_connect(peer_rpc_client *cl, int status, void *arg)

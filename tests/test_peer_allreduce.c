@@ -84,7 +84,7 @@ static void closed_svc(peer_service *s, int ck, void *arg)
 static void stop_svc(int k)
 {
     int done = 0;
-    peer_service_close(svc[k], closed_svc, &done);
+    peer_service_stop(svc[k], closed_svc, &done);
     run_until(&done);
     peer_service_destroy(&svc[k]);
 }

@@ -229,7 +229,7 @@ static void srv_close_cb(peer_rpc_server *s, void *a) { (void)s; (void)a; srv_cl
 static void stop_server(peer_rpc_server **srv)
 {
     srv_closed = 0;
-    peer_rpc_server_close(*srv, srv_close_cb, NULL);
+    peer_rpc_server_stop(*srv, srv_close_cb, NULL);
     release_parked();
     assert_true(run_until(&srv_closed, 5000));
     peer_rpc_server_destroy(srv);
@@ -271,7 +271,7 @@ static void cl_close_cb(peer_rpc_client *c, void *a) { (void)c; (void)a; cl_clos
 static void close_client(peer_rpc_client **cl)
 {
     cl_closed = 0;
-    peer_rpc_client_close(*cl, cl_close_cb, NULL);
+    peer_rpc_client_stop(*cl, cl_close_cb, NULL);
     assert_true(run_until(&cl_closed, 5000));
     peer_rpc_client_destroy(cl);
 }
@@ -389,7 +389,7 @@ static void test_roundtrip(void **state)
     assert_int_equal(r.err_code, ENOSYS);
 
     peer_rpc_server_stats s;
-    peer_rpc_server_stats_get(srv, &s);
+    peer_rpc_server_get_stats(srv, &s);
     assert_int_equal(s.requests, 7);
     assert_int_equal(s.bad_frames, 0);
     close_client(&cl);
@@ -421,7 +421,7 @@ static void test_refusals(void **state)
     assert_true(st < 0);
     close_client(&cl);
     peer_rpc_server_stats s;
-    peer_rpc_server_stats_get(srv, &s);
+    peer_rpc_server_get_stats(srv, &s);
     assert_int_equal(s.requests, 0);
     assert_true(s.handshakes_failed >= 2);
     /* The right key works. */
@@ -541,7 +541,7 @@ static void test_concurrent(void **state)
         close_client(&flows[i].cl);
     }
     peer_rpc_server_stats s;
-    peer_rpc_server_stats_get(srv, &s);
+    peer_rpc_server_get_stats(srv, &s);
     assert_int_equal(s.requests, NCLI * PER_CLI);
     stop_server(&srv);
 }
@@ -588,7 +588,7 @@ static void test_timeout_backpressure(void **state)
     assert_int_equal(r[2].err_code, EIO);
     /* Closing the server fails the client's pending requests. */
     srv_closed = 0;
-    peer_rpc_server_close(srv, srv_close_cb, NULL);
+    peer_rpc_server_stop(srv, srv_close_cb, NULL);
     assert_true(run_until(&r[9].done, 3000));
     assert_true(r[9].status < 0);
     assert_int_equal(peer_rpc_client_pending(cl), 0);
@@ -667,7 +667,7 @@ static void test_oversize(void **state)
     assert_int_equal(r.status, -EMSGSIZE);
     free(x);
     peer_rpc_server_stats s;
-    peer_rpc_server_stats_get(srv, &s);
+    peer_rpc_server_get_stats(srv, &s);
     assert_int_equal(s.oversize_frames, 1);
     /* The other client is unaffected. */
     float y[8] = {1, 2, 3, 4, 5, 6, 7, 8}, w[8];
@@ -756,7 +756,7 @@ static void test_silent_and_refused(void **state)
         fail_msg("silent connection still open after 600 ms (recv %zd, errno %d)", n, errno);
     close(fd);
     peer_rpc_server_stats s;
-    peer_rpc_server_stats_get(srv, &s);
+    peer_rpc_server_get_stats(srv, &s);
     assert_int_equal(s.handshakes_failed, 1);
     assert_int_equal(s.conns_open, 0);
     stop_server(&srv);
@@ -1001,7 +1001,7 @@ static void test_hostile_client(void **state)
     assert_int_equal(h.oversize_reply_code, EMSGSIZE);
     assert_true(h.eof_after_oversize);
     peer_rpc_server_stats s;
-    peer_rpc_server_stats_get(srv, &s);
+    peer_rpc_server_get_stats(srv, &s);
     assert_true(s.handshakes_failed >= 1);
     assert_int_equal(s.bad_frames, 1);
     assert_int_equal(s.oversize_frames, 1);

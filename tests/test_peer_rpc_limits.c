@@ -140,7 +140,7 @@ static void srv_close_cb(peer_rpc_server *s, void *a) { (void)s; (void)a; atomic
 static void stop_server(peer_rpc_server **srv)
 {
     atomic_store(&srv_closed, 0);
-    peer_rpc_server_close(*srv, srv_close_cb, NULL);
+    peer_rpc_server_stop(*srv, srv_close_cb, NULL);
     assert_true(run_until(&srv_closed, 5000));
     peer_rpc_server_destroy(srv);
 }
@@ -216,7 +216,7 @@ static int legit_calls(int port, const char *src, int n, int floats, int call_ms
             fprintf(stderr, "legitimate call %d failed: %s\n", i, strerror(-rc));
     }
     atomic_store(&cl_closed, 0);
-    peer_rpc_client_close(cl, cl_close_cb, NULL);
+    peer_rpc_client_stop(cl, cl_close_cb, NULL);
     assert_true(run_until(&cl_closed, 5000));
     peer_rpc_client_destroy(&cl);
     return rc;
@@ -500,7 +500,7 @@ static void test_reset_anywhere(void **state)
     /* Let the server see every close and write into every reset socket. */
     run_for(200);
     assert_int_equal(legit_call(port), 0);
-    peer_metrics_stop(met);
+    peer_metrics_destroy(&met);
     stop_server(&srv);
 }
 
@@ -551,7 +551,7 @@ static void test_idle_flood(void **state)
     assert_int_equal(a.established, 64);
     assert_int_equal(legit_call(port), 0);
     peer_rpc_server_stats s;
-    peer_rpc_server_stats_get(srv, &s);
+    peer_rpc_server_get_stats(srv, &s);
     assert_int_equal(s.refused_per_ip, (uint64_t)a.n - 64);
     atomic_store(&a.release, 1);
     assert_true(run_until(&a.done, 10000));
@@ -588,14 +588,14 @@ static void test_handshake_slots(void **state)
     assert_true(run_until(&a.ready, 10000));
     peer_rpc_server_stats s;
     for (int i = 0; i < 2000; i++) { /* until the server accepted all 16 */
-        peer_rpc_server_stats_get(srv, &s);
+        peer_rpc_server_get_stats(srv, &s);
         if (s.handshaking == 16)
             break;
         uv_run(&loop, UV_RUN_ONCE);
     }
     assert_int_equal(s.handshaking, 16);
     assert_int_equal(legit_call(port), 0);
-    peer_rpc_server_stats_get(srv, &s);
+    peer_rpc_server_get_stats(srv, &s);
     assert_int_equal(s.evicted, 1);
     assert_int_equal(s.refused_handshakes, 0);
     atomic_store(&a.release, 1);
@@ -676,7 +676,7 @@ static void test_timeouts(void **state)
     assert_int_equal(ir.idle_closed, 6);
     assert_int_equal(ir.hs_closed, 6);
     peer_rpc_server_stats s;
-    peer_rpc_server_stats_get(srv, &s);
+    peer_rpc_server_get_stats(srv, &s);
     assert_int_equal(s.closed_idle, 6);
     assert_int_equal(s.closed_hs_timeout, 6);
     /* A client that keeps asking is not idle. */
@@ -748,7 +748,7 @@ static void test_incomplete_records(void **state)
     /* Until every record began or waits: (charged records) * FRAME + (waits). */
     peer_rpc_server_stats s;
     for (int i = 0; i < 4000; i++) {
-        peer_rpc_server_stats_get(srv, &s);
+        peer_rpc_server_get_stats(srv, &s);
         if (s.record_waits >= 37 && s.incomplete_bytes >= 3 * (uint64_t)FRAME)
             break;
         uv_run(&loop, UV_RUN_ONCE);
@@ -765,7 +765,7 @@ static void test_incomplete_records(void **state)
     pthread_join(th, NULL);
     /* Once the attackers are gone, nothing stays charged. */
     for (int i = 0; i < 2000; i++) {
-        peer_rpc_server_stats_get(srv, &s);
+        peer_rpc_server_get_stats(srv, &s);
         if (s.conns_open == 0)
             break;
         uv_run(&loop, UV_RUN_ONCE);
@@ -802,7 +802,7 @@ static void incomplete_from_many(size_t cap, size_t per_ip, uint64_t record_ms, 
     /* Until three records are charged and the rest wait. */
     peer_rpc_server_stats s;
     for (int i = 0; i < 4000; i++) {
-        peer_rpc_server_stats_get(srv, &s);
+        peer_rpc_server_get_stats(srv, &s);
         if (s.record_waits >= 13 && s.incomplete_bytes >= 3 * (uint64_t)FRAME)
             break;
         uv_run(&loop, UV_RUN_ONCE);
@@ -814,7 +814,7 @@ static void incomplete_from_many(size_t cap, size_t per_ip, uint64_t record_ms, 
     uint64_t t0 = now_ms();
     assert_int_equal(legit_calls(port, "127.0.0.2", 1, 200 * 1024, 10000), 0);
     uint64_t took = now_ms() - t0;
-    peer_rpc_server_stats_get(srv, &s);
+    peer_rpc_server_get_stats(srv, &s);
     print_message("large request took %llu ms; record timeouts %llu, waits %llu, max %llu\n",
                   (unsigned long long)took, (unsigned long long)s.closed_record_timeout,
                   (unsigned long long)s.record_waits, (unsigned long long)s.incomplete_bytes_max);
@@ -825,14 +825,14 @@ static void incomplete_from_many(size_t cap, size_t per_ip, uint64_t record_ms, 
      * closed at their own deadlines: wait for that (bounded). */
     for (uint64_t end = now_ms() + 15000; s.closed_record_timeout < want_timeouts && now_ms() < end;) {
         uv_run(&loop, UV_RUN_ONCE);
-        peer_rpc_server_stats_get(srv, &s);
+        peer_rpc_server_get_stats(srv, &s);
     }
     *timeouts = s.closed_record_timeout;
     atomic_store(&a.release, 1);
     assert_true(run_until(&a.done, 10000));
     pthread_join(th, NULL);
     for (int i = 0; i < 2000; i++) {
-        peer_rpc_server_stats_get(srv, &s);
+        peer_rpc_server_get_stats(srv, &s);
         if (s.conns_open == 0)
             break;
         uv_run(&loop, UV_RUN_ONCE);
@@ -922,7 +922,7 @@ static void test_never_reads(void **state)
      * idle timeout closes the connection. */
     peer_rpc_server_stats s;
     for (int i = 0; i < 20000; i++) {
-        peer_rpc_server_stats_get(srv, &s);
+        peer_rpc_server_get_stats(srv, &s);
         if (s.closed_idle)
             break;
         uv_run(&loop, UV_RUN_ONCE);
@@ -939,7 +939,7 @@ static void test_never_reads(void **state)
     assert_true(run_until(&nr.done, 10000));
     pthread_join(th, NULL);
     for (int i = 0; i < 2000; i++) {
-        peer_rpc_server_stats_get(srv, &s);
+        peer_rpc_server_get_stats(srv, &s);
         if (s.conns_open == 0)
             break;
         uv_run(&loop, UV_RUN_ONCE);
@@ -966,21 +966,21 @@ static void test_never_reads_fair(void **state)
     assert_string_equal(nr.err, "");
     peer_rpc_server_stats s;
     for (int i = 0; i < 4000; i++) {
-        peer_rpc_server_stats_get(srv, &s);
+        peer_rpc_server_get_stats(srv, &s);
         if (s.queued_bytes >= QUEUE_CAP)
             break;
         uv_run(&loop, UV_RUN_ONCE);
     }
     assert_true(s.queued_bytes >= QUEUE_CAP);
     assert_int_equal(legit_calls(port, "127.0.0.3", 8, 0, 3000), 0);
-    peer_rpc_server_stats_get(srv, &s);
+    peer_rpc_server_get_stats(srv, &s);
     assert_int_equal(s.closed_drain + s.closed_idle, 0); /* the attacker still holds its queue */
     assert_true(s.queued_bytes >= QUEUE_CAP);
     atomic_store(&nr.release, 1);
     assert_true(run_until(&nr.done, 10000));
     pthread_join(th, NULL);
     for (int i = 0; i < 2000; i++) {
-        peer_rpc_server_stats_get(srv, &s);
+        peer_rpc_server_get_stats(srv, &s);
         if (s.conns_open == 0)
             break;
         uv_run(&loop, UV_RUN_ONCE);
@@ -1007,7 +1007,7 @@ static void test_slow_drain(void **state)
     peer_rpc_server_stats s;
     uint64_t t0 = now_ms();
     for (int i = 0; i < 2000; i++) {
-        peer_rpc_server_stats_get(srv, &s);
+        peer_rpc_server_get_stats(srv, &s);
         if (s.closed_drain)
             break;
         uv_run(&loop, UV_RUN_ONCE);
@@ -1020,7 +1020,7 @@ static void test_slow_drain(void **state)
     assert_true(run_until(&nr.done, 10000));
     pthread_join(th, NULL);
     for (int i = 0; i < 2000; i++) {
-        peer_rpc_server_stats_get(srv, &s);
+        peer_rpc_server_get_stats(srv, &s);
         if (s.conns_open == 0)
             break;
         uv_run(&loop, UV_RUN_ONCE);
@@ -1047,7 +1047,7 @@ static void test_queue_total_evicts(void **state)
     peer_rpc_server_stats s;
     uint64_t t0 = now_ms();
     for (int i = 0; i < 2000; i++) {
-        peer_rpc_server_stats_get(srv, &s);
+        peer_rpc_server_get_stats(srv, &s);
         if (s.closed_drain)
             break;
         uv_run(&loop, UV_RUN_ONCE);
@@ -1150,7 +1150,7 @@ static void test_metrics_flood(void **state)
     }
     peer_metrics_stats s;
     for (int i = 0; i < 2000; i++) { /* until every one was accepted */
-        peer_metrics_stats_get(met, &s);
+        peer_metrics_get_stats(met, &s);
         if (s.accepted == (uint64_t)n)
             break;
         uv_run(&loop, UV_RUN_ONCE);
@@ -1160,13 +1160,13 @@ static void test_metrics_flood(void **state)
     int body_ok;
     assert_int_equal(scrape("127.0.0.2", port, &body_ok), 200);
     assert_true(body_ok);
-    peer_metrics_stats_get(met, &s);
+    peer_metrics_get_stats(met, &s);
     assert_int_equal(s.served, 1);
     assert_int_equal(s.refused_per_ip, (uint64_t)n - 8);
     for (int i = 0; i < n; i++)
         close(fds[i]);
     free(fds);
-    peer_metrics_stop(met);
+    peer_metrics_destroy(&met);
     run_for(50);
 }
 
@@ -1209,9 +1209,9 @@ static void test_metrics_timeout(void **state)
     pthread_join(th, NULL);
     assert_int_equal(ms.closed, 2);
     peer_metrics_stats s;
-    peer_metrics_stats_get(met, &s);
+    peer_metrics_get_stats(met, &s);
     assert_int_equal(s.timed_out, 2);
-    peer_metrics_stop(met);
+    peer_metrics_destroy(&met);
     run_for(50);
 }
 

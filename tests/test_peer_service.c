@@ -186,7 +186,7 @@ static void stop(peer_service **s, peer_rpc_client **cl)
 {
     int b = 0;
     test_rpc_close(&loop, cl);
-    peer_service_close(*s, closed_svc, &b);
+    peer_service_stop(*s, closed_svc, &b);
     run_until(&b);
     peer_service_destroy(s);
 }

@@ -210,7 +210,7 @@ static void start_server(uv_loop_t *loop, server *sv, const dht_identity *ident,
 
 static void stop_server(uv_loop_t *loop, server *sv)
 {
-    peer_rpc_server_close(sv->srv, on_server_closed, sv);
+    peer_rpc_server_stop(sv->srv, on_server_closed, sv);
     for (int i = 0; i < 5000 && !sv->closed; i++) {
         uv_run(loop, UV_RUN_NOWAIT);
         uv_sleep(1);

@@ -60,7 +60,7 @@ static inline peer_rpc_client *test_rpc_connect(uv_loop_t *loop, const dht_ident
 static inline void test_rpc_close(uv_loop_t *loop, peer_rpc_client **cl)
 {
     int done = 0;
-    peer_rpc_client_close(*cl, test_rpc_on_flag, &done);
+    peer_rpc_client_stop(*cl, test_rpc_on_flag, &done);
     test_run_until(loop, &done, 20000);
     peer_rpc_client_destroy(cl);
 }

@@ -611,14 +611,14 @@ static void serving_stopped(run_ctx *r, int status)
 static void on_daemon_stopped(int status, void *arg)
 {
     run_ctx *r = arg;
-    r->daemon = NULL;
+    peer_daemon_destroy(&r->daemon);
     serving_stopped(r, status);
 }
 
 static void on_rebalance_stopped(void *arg, int status)
 {
     run_ctx *r = arg;
-    r->rb = NULL;
+    route_rebalance_destroy(&r->rb);
     if (status == ROUTE_REBALANCE_RESTART_FAILED) { /* it said why */
         r->status = CLI_EXIT_FAIL;
         close_handles(r);

@@ -64,7 +64,7 @@ static void srv_closed(peer_rpc_server *s, void *a)
 static void stop_cb(uv_async_t *a)
 {
     srv_thread *t = a->data;
-    peer_rpc_server_close(t->srv, srv_closed, t);
+    peer_rpc_server_stop(t->srv, srv_closed, t);
 }
 
 static void *srv_main(void *arg)
@@ -312,7 +312,7 @@ static int measure(int plaintext, int no_aes, int iters, int stream_n, int do_la
             rc = -EIO;
     }
     cl_closed = 0;
-    peer_rpc_client_close(cl, cl_close_cb, NULL);
+    peer_rpc_client_stop(cl, cl_close_cb, NULL);
     while (!cl_closed)
         uv_run(&cloop, UV_RUN_ONCE);
     peer_rpc_client_destroy(&cl);

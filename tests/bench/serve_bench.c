@@ -76,7 +76,7 @@ static void on_stop(uv_async_t *a)
 {
     srv *t = a->data;
     peer_service_block_info(t->svc, 0, &t->info);
-    peer_service_close(t->svc, svc_closed, t);
+    peer_service_stop(t->svc, svc_closed, t);
 }
 
 static void *srv_main(void *arg)
@@ -282,7 +282,7 @@ int main(int argc, char **argv)
     while (inflight > 0)
         uv_run(&loop, UV_RUN_ONCE);
     for (int i = 0; i < g_clients; i++) {
-        peer_rpc_client_close(cs[i].cl, on_closed, NULL);
+        peer_rpc_client_stop(cs[i].cl, on_closed, NULL);
         free(cs[i].x);
         free(cs[i].dy);
     }
