@@ -303,6 +303,58 @@ int dht_store_put(dht_store *s, const uint8_t key[DHT_ID_LEN], const dht_entry *
     return dht_store_put_from(s, key, e, now, NULL);
 }
 
+/* Room for a new entry of sz bytes under k (NULL: a new key). An unsigned
+ * one only within its quotas; a signed one makes room by evicting unsigned
+ * ones before it is refused (the unsigned tail sorts after the new entry's
+ * place, so that place stays valid). Returns 1 when there is room, else 0. */
+static int make_room(dht_store *s, skey *k, const dht_entry *e, const dht_addr *g, size_t sz)
+{
+    if (!e->is_signed) {
+        if (!unsigned_room(s, k, g, sz, k ? k->n : 0, 0))
+            return 0;
+    } else if (k && k->n >= s->lim.max_subkeys) {
+        if (!evict_one_unsigned(s, k))
+            return 0;
+    } else if (!k && s->n_keys >= s->lim.max_keys && !evict_unsigned_key(s)) {
+        return 0;
+    }
+    if (k && k->n >= s->lim.max_subkeys)
+        return 0;
+    if (!k && s->n_keys >= s->lim.max_keys)
+        return 0;
+    if (s->bytes + sz > s->lim.max_bytes && (!e->is_signed || !evict_unsigned_bytes(s, k, sz)))
+        return 0;
+    return 1;
+}
+
+/* Inserts e (its value copied to val) at position lo of k, which has room,
+ * and counts it. */
+static void insert_entry(dht_store *s, skey *k, size_t lo, const dht_entry *e, const dht_addr *g, size_t sz,
+                         uint8_t *val)
+{
+    memmove(&k->e[lo + 1], &k->e[lo], (k->n - lo) * sizeof *k->e);
+    sentry *x = &k->e[lo];
+    memset(x, 0, sizeof *x);
+    if (e->subkey_len)
+        memcpy(x->subkey, e->subkey, e->subkey_len);
+    x->subkey_len = (uint8_t)e->subkey_len;
+    x->is_signed = (uint8_t)(e->is_signed != 0);
+    memcpy(x->pk, e->pk, 32);
+    memcpy(x->sig, e->sig, 64);
+    x->expires = e->expires;
+    x->value = val;
+    x->value_len = e->value_len;
+    x->src = *g;
+    k->n++;
+    s->n_entries++;
+    s->bytes += sz;
+    if (!e->is_signed) {
+        k->n_unsigned++;
+        k->unsigned_bytes += sz;
+        s->unsigned_bytes += sz;
+    }
+}
+
 int dht_store_put_from(dht_store *s, const uint8_t key[DHT_ID_LEN], const dht_entry *e,
                        uint64_t now, const dht_addr *src)
 {
@@ -342,23 +394,7 @@ int dht_store_put_from(dht_store *s, const uint8_t key[DHT_ID_LEN], const dht_en
                 hi = mid;
         }
     }
-    /* Room for a new entry. An unsigned one only within its quotas; a
-     * signed one makes room by evicting unsigned ones before it is refused
-     * (the unsigned tail sorts after lo, so lo stays valid). */
-    if (!e->is_signed) {
-        if (!unsigned_room(s, k, &g, sz, k ? k->n : 0, 0))
-            return -ENOSPC;
-    } else if (k && k->n >= s->lim.max_subkeys) {
-        if (!evict_one_unsigned(s, k))
-            return -ENOSPC;
-    } else if (!k && s->n_keys >= s->lim.max_keys && !evict_unsigned_key(s)) {
-        return -ENOSPC;
-    }
-    if (k && k->n >= s->lim.max_subkeys)
-        return -ENOSPC;
-    if (!k && s->n_keys >= s->lim.max_keys)
-        return -ENOSPC;
-    if (s->bytes + sz > s->lim.max_bytes && (!e->is_signed || !evict_unsigned_bytes(s, k, sz)))
+    if (!make_room(s, k, e, &g, sz))
         return -ENOSPC;
     if (!k) {
         k = calloc(1, sizeof *k);
@@ -383,27 +419,7 @@ int dht_store_put_from(dht_store *s, const uint8_t key[DHT_ID_LEN], const dht_en
         memcpy(val, e->value, e->value_len);
     if (lo > k->n)
         lo = k->n; /* (evictions shortened the tail) */
-    memmove(&k->e[lo + 1], &k->e[lo], (k->n - lo) * sizeof *k->e);
-    sentry *x = &k->e[lo];
-    memset(x, 0, sizeof *x);
-    if (e->subkey_len)
-        memcpy(x->subkey, e->subkey, e->subkey_len);
-    x->subkey_len = (uint8_t)e->subkey_len;
-    x->is_signed = (uint8_t)(e->is_signed != 0);
-    memcpy(x->pk, e->pk, 32);
-    memcpy(x->sig, e->sig, 64);
-    x->expires = e->expires;
-    x->value = val;
-    x->value_len = e->value_len;
-    x->src = g;
-    k->n++;
-    s->n_entries++;
-    s->bytes += sz;
-    if (!e->is_signed) {
-        k->n_unsigned++;
-        k->unsigned_bytes += sz;
-        s->unsigned_bytes += sz;
-    }
+    insert_entry(s, k, lo, e, &g, sz, val);
     return 1;
 nomem:
     if (k->n == 0)

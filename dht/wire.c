@@ -136,20 +136,13 @@ static void w_entry(wr *w, const dht_entry *e)
     }
 }
 
-int dht_wire_encode(const dht_msg *m, uint8_t *buf, size_t cap)
+/* The number of map fields m encodes to (v t x id and the rest), and
+ * whether it carries nodes and entries; -EINVAL for a store without exactly
+ * one entry and a token. */
+static long count_fields(const dht_msg *m, int base, int is_reply, int *want_nodes, int *want_entries)
 {
-    int is_reply = (m->type & DHT_MSG_REPLY) != 0;
-    int base = m->type & 0x7f;
     uint32_t n = 4; /* v t x id */
-    wr w = {buf, buf + (cap < DHT_MAX_DATAGRAM - DHT_TAG_LEN ? cap : DHT_MAX_DATAGRAM - DHT_TAG_LEN), 0};
-    int want_nodes = 0, want_entries = 0;
-
-    if (base < DHT_MSG_PING || base > DHT_MSG_STORE || m->n_nodes > DHT_WIRE_MAX_NODES ||
-        m->n_entries > DHT_WIRE_MAX_ENTRIES)
-        return -EINVAL;
-    for (size_t i = 0; i < m->n_entries; i++)
-        if (!entry_ok(&m->entries[i]))
-            return -EINVAL;
+    *want_nodes = *want_entries = 0;
     if (!is_reply) {
         n += m->has_nonce ? 1 : 0;
         n += m->read_only ? 1 : 0;
@@ -161,19 +154,101 @@ int dht_wire_encode(const dht_msg *m, uint8_t *buf, size_t cap)
             if (m->n_entries != 1 || !m->has_token)
                 return -EINVAL;
             n += 3; /* tg tok e */
-            want_entries = 1;
+            *want_entries = 1;
         }
-    } else {
-        n += m->has_proof ? 2 : 0;
-        n += m->has_token ? 1 : 0;
-        want_nodes = (base == DHT_MSG_FIND_NODE || base == DHT_MSG_GET) && m->n_nodes;
-        want_entries = base == DHT_MSG_GET && m->n_entries;
-        n += (uint32_t)want_nodes + (uint32_t)want_entries;
-        n += base == DHT_MSG_GET && m->has_next ? 1 : 0;
-        n += base == DHT_MSG_STORE ? 1 : 0;
+        return n;
     }
+    n += m->has_proof ? 2 : 0;
+    n += m->has_token ? 1 : 0;
+    *want_nodes = (base == DHT_MSG_FIND_NODE || base == DHT_MSG_GET) && m->n_nodes;
+    *want_entries = base == DHT_MSG_GET && m->n_entries;
+    n += (uint32_t)*want_nodes + (uint32_t)*want_entries;
+    n += base == DHT_MSG_GET && m->has_next ? 1 : 0;
+    n += base == DHT_MSG_STORE ? 1 : 0;
+    return n;
+}
 
-    w_map(&w, n);
+/* A request's fields after v t x id. */
+static void w_request(wr *w, const dht_msg *m, int base)
+{
+    if (m->has_nonce) {
+        w_str(w, "n");
+        w_bin(w, m->nonce, DHT_NONCE_LEN);
+    }
+    if (m->read_only) {
+        w_str(w, "ro");
+        w_uint(w, 1);
+    }
+    if (base != DHT_MSG_PING) {
+        w_str(w, "tg");
+        w_bin(w, m->target, DHT_ID_LEN);
+    }
+    if (base == DHT_MSG_GET && m->offset) {
+        w_str(w, "o");
+        w_uint(w, m->offset);
+    }
+    if (base == DHT_MSG_STORE) {
+        w_str(w, "tok");
+        w_bin(w, m->token, DHT_TOKEN_LEN);
+    }
+}
+
+/* A reply's fields after v t x id, entries aside. Returns 0, or -EINVAL
+ * for a node address that does not pack. */
+static int w_reply(wr *w, const dht_msg *m, int base, int want_nodes)
+{
+    if (m->has_proof) {
+        w_str(w, "pk");
+        w_bin(w, m->pk, 32);
+        w_str(w, "sig");
+        w_bin(w, m->sig, 64);
+    }
+    if (m->has_token) {
+        w_str(w, "tok");
+        w_bin(w, m->token, DHT_TOKEN_LEN);
+    }
+    if (base == DHT_MSG_STORE) {
+        w_str(w, "st");
+        w_uint(w, (uint64_t)(m->status < 0 ? 0 : m->status));
+    }
+    if (want_nodes) {
+        w_str(w, "nd");
+        w_array(w, (uint32_t)m->n_nodes);
+        for (size_t i = 0; i < m->n_nodes; i++) {
+            uint8_t a[18];
+            int al = dht_wire_addr_pack(a, &m->nodes[i].addr);
+            if (al < 0)
+                return -EINVAL;
+            w_array(w, 2);
+            w_bin(w, m->nodes[i].id, DHT_ID_LEN);
+            w_bin(w, a, (size_t)al);
+        }
+    }
+    if (base == DHT_MSG_GET && m->has_next) {
+        w_str(w, "nx");
+        w_uint(w, m->next_offset);
+    }
+    return 0;
+}
+
+int dht_wire_encode(const dht_msg *m, uint8_t *buf, size_t cap)
+{
+    int is_reply = (m->type & DHT_MSG_REPLY) != 0;
+    int base = m->type & 0x7f;
+    wr w = {buf, buf + (cap < DHT_MAX_DATAGRAM - DHT_TAG_LEN ? cap : DHT_MAX_DATAGRAM - DHT_TAG_LEN), 0};
+    int want_nodes, want_entries;
+
+    if (base < DHT_MSG_PING || base > DHT_MSG_STORE || m->n_nodes > DHT_WIRE_MAX_NODES ||
+        m->n_entries > DHT_WIRE_MAX_ENTRIES)
+        return -EINVAL;
+    for (size_t i = 0; i < m->n_entries; i++)
+        if (!entry_ok(&m->entries[i]))
+            return -EINVAL;
+    long n = count_fields(m, base, is_reply, &want_nodes, &want_entries);
+    if (n < 0)
+        return (int)n;
+
+    w_map(&w, (uint32_t)n);
     w_str(&w, "v");
     w_uint(&w, DHT_WIRE_VERSION);
     w_str(&w, "t");
@@ -182,60 +257,10 @@ int dht_wire_encode(const dht_msg *m, uint8_t *buf, size_t cap)
     w_uint(&w, m->tid);
     w_str(&w, "id");
     w_bin(&w, m->id, DHT_ID_LEN);
-    if (!is_reply) {
-        if (m->has_nonce) {
-            w_str(&w, "n");
-            w_bin(&w, m->nonce, DHT_NONCE_LEN);
-        }
-        if (m->read_only) {
-            w_str(&w, "ro");
-            w_uint(&w, 1);
-        }
-        if (base != DHT_MSG_PING) {
-            w_str(&w, "tg");
-            w_bin(&w, m->target, DHT_ID_LEN);
-        }
-        if (base == DHT_MSG_GET && m->offset) {
-            w_str(&w, "o");
-            w_uint(&w, m->offset);
-        }
-        if (base == DHT_MSG_STORE) {
-            w_str(&w, "tok");
-            w_bin(&w, m->token, DHT_TOKEN_LEN);
-        }
-    } else {
-        if (m->has_proof) {
-            w_str(&w, "pk");
-            w_bin(&w, m->pk, 32);
-            w_str(&w, "sig");
-            w_bin(&w, m->sig, 64);
-        }
-        if (m->has_token) {
-            w_str(&w, "tok");
-            w_bin(&w, m->token, DHT_TOKEN_LEN);
-        }
-        if (base == DHT_MSG_STORE) {
-            w_str(&w, "st");
-            w_uint(&w, (uint64_t)(m->status < 0 ? 0 : m->status));
-        }
-        if (want_nodes) {
-            w_str(&w, "nd");
-            w_array(&w, (uint32_t)m->n_nodes);
-            for (size_t i = 0; i < m->n_nodes; i++) {
-                uint8_t a[18];
-                int al = dht_wire_addr_pack(a, &m->nodes[i].addr);
-                if (al < 0)
-                    return -EINVAL;
-                w_array(&w, 2);
-                w_bin(&w, m->nodes[i].id, DHT_ID_LEN);
-                w_bin(&w, a, (size_t)al);
-            }
-        }
-        if (base == DHT_MSG_GET && m->has_next) {
-            w_str(&w, "nx");
-            w_uint(&w, m->next_offset);
-        }
-    }
+    if (!is_reply)
+        w_request(&w, m, base);
+    else if (w_reply(&w, m, base, want_nodes) != 0)
+        return -EINVAL;
     if (want_entries) {
         w_str(&w, "e");
         w_array(&w, (uint32_t)m->n_entries);
@@ -297,6 +322,40 @@ static int r_entry(rd *r, dht_entry *e)
     return 0;
 }
 
+/* "nd": an array of [id, packed address] pairs. 0, or -1. */
+static int r_nodes(rd *r, dht_msg *m)
+{
+    uint64_t cnt;
+    if (dht_mp_container(r, 'a', &cnt) || cnt > DHT_WIRE_MAX_NODES)
+        return -1;
+    for (uint64_t j = 0; j < cnt; j++) {
+        uint64_t two;
+        const uint8_t *a;
+        size_t al;
+        dht_wire_node *nd = &m->nodes[j];
+        if (dht_mp_container(r, 'a', &two) || two != 2 || r_bin_exact(r, nd->id, DHT_ID_LEN) ||
+            dht_mp_bin(r, &a, &al, 18) || dht_wire_addr_unpack(&nd->addr, a, al))
+            return -1;
+    }
+    m->n_nodes = (size_t)cnt;
+    return 0;
+}
+
+/* "e": an array of entries. 0, or -1. */
+static int r_entries(rd *r, dht_msg *m)
+{
+    uint64_t cnt;
+    if (dht_mp_container(r, 'a', &cnt) || cnt > DHT_WIRE_MAX_ENTRIES)
+        return -1;
+    for (uint64_t j = 0; j < cnt; j++)
+        if (r_entry(r, &m->entries[j]))
+            return -1;
+    m->n_entries = (size_t)cnt;
+    return 0;
+}
+
+static int check_type(const dht_msg *m, int have_tg, int have_st);
+
 static int decode(dht_msg *m, rd *r)
 {
     uint64_t n, u;
@@ -356,27 +415,11 @@ static int decode(dht_msg *m, rd *r)
                 return -1;
             m->status = (int)u;
         } else if (!strcmp(key, "nd")) {
-            uint64_t cnt;
-            if (have_nd++ || dht_mp_container(r, 'a', &cnt) || cnt > DHT_WIRE_MAX_NODES)
+            if (have_nd++ || r_nodes(r, m))
                 return -1;
-            for (uint64_t j = 0; j < cnt; j++) {
-                uint64_t two;
-                const uint8_t *a;
-                size_t al;
-                dht_wire_node *nd = &m->nodes[j];
-                if (dht_mp_container(r, 'a', &two) || two != 2 || r_bin_exact(r, nd->id, DHT_ID_LEN) ||
-                    dht_mp_bin(r, &a, &al, 18) || dht_wire_addr_unpack(&nd->addr, a, al))
-                    return -1;
-            }
-            m->n_nodes = (size_t)cnt;
         } else if (!strcmp(key, "e")) {
-            uint64_t cnt;
-            if (have_e++ || dht_mp_container(r, 'a', &cnt) || cnt > DHT_WIRE_MAX_ENTRIES)
+            if (have_e++ || r_entries(r, m))
                 return -1;
-            for (uint64_t j = 0; j < cnt; j++)
-                if (r_entry(r, &m->entries[j]))
-                    return -1;
-            m->n_entries = (size_t)cnt;
         } else if (dht_mp_skip(r, 1)) {
             return -1;
         }
@@ -385,6 +428,13 @@ static int decode(dht_msg *m, rd *r)
         return -1;
     m->has_proof = have_pk;
     m->read_only = m->read_only == 3;
+    return check_type(m, have_tg, have_st);
+}
+
+/* The fields each message type needs: 0, or -1 (missing, or an unknown
+ * type). */
+static int check_type(const dht_msg *m, int have_tg, int have_st)
+{
     switch (m->type) {
     case DHT_MSG_PING:
         break;

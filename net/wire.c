@@ -538,6 +538,100 @@ static int rd_rfmt(rd *r, peer_msg *out)
     return 0;
 }
 
+/* One header field: key's value, read into out. Returns 0, -EBADMSG or
+ * -EMSGSIZE. */
+static int rd_field(rd *r, uint64_t key, const peer_wire_limits *lim, peer_msg *out)
+{
+    uint64_t v;
+    int64_t sv;
+    const uint8_t *s;
+    size_t sn;
+    switch (key) {
+    case K_KIND:
+        if (rd_uint(r, &v) || v > PEER_KIND_ERROR)
+            return -EBADMSG;
+        out->kind = (peer_kind)v;
+        return 0;
+    case K_METHOD:
+        /* Unknown methods decode, so a server can answer ENOSYS. */
+        if (rd_uint(r, &v) || v > 255)
+            return -EBADMSG;
+        out->method = (peer_method)v;
+        return 0;
+    case K_ID:
+        if (rd_uint(r, &out->id))
+            return -EBADMSG;
+        return 0;
+    case K_BLOCK:
+        if (rd_str(r, &s, &sn) || sn > PEER_WIRE_MAX_BLOCK || memchr(s, 0, sn))
+            return -EBADMSG;
+        memcpy(out->block, s, sn);
+        out->block[sn] = '\0';
+        return 0;
+    case K_TENSORS:
+        return rd_tensors(r, lim, out);
+    case K_CODE:
+        if (rd_int(r, &sv) || sv < INT32_MIN || sv > INT32_MAX)
+            return -EBADMSG;
+        out->err_code = (int32_t)sv;
+        return 0;
+    case K_MSG:
+        if (rd_str(r, &s, &sn) || memchr(s, 0, sn))
+            return -EBADMSG;
+        /* A long message is cut, not refused: it is for humans. */
+        if (sn > PEER_WIRE_MAX_ERRMSG)
+            sn = PEER_WIRE_MAX_ERRMSG;
+        memcpy(out->err_msg, s, sn);
+        out->err_msg[sn] = '\0';
+        return 0;
+    case K_RFMT:
+        if (rd_rfmt(r, out))
+            return -EBADMSG;
+        return 0;
+    case K_META:
+        if (rd_bin(r, &s, &sn))
+            return -EBADMSG;
+        if (sn > PEER_WIRE_MAX_META)
+            return -EMSGSIZE;
+        out->meta = sn ? s : NULL;
+        out->meta_len = sn;
+        return 0;
+    default:
+        return rd_skip(r, 0) ? -EBADMSG : 0;
+    }
+}
+
+/* The tensor bytes after a header that ends at off: each tensor's data,
+ * zero-padded to 4 bytes, and nothing after the last. Returns 0 or
+ * -EBADMSG. */
+static int rd_data(const uint8_t *p, size_t len, size_t off, peer_msg *out)
+{
+    size_t pad = peer_wire_pad4(off);
+    if (pad > len - off)
+        return -EBADMSG;
+    for (size_t i = 0; i < pad; i++)
+        if (p[off + i])
+            return -EBADMSG;
+    off += pad;
+    /* Tensors are read as float: the caller's buffer start must keep the
+     * data 4-byte aligned, which it does when the record starts aligned. */
+    if (((uintptr_t)(p + off) & 3u) != 0)
+        return -EBADMSG;
+    size_t left = len - off;
+    for (int i = 0; i < out->n_tensors; i++) {
+        size_t nb = out->t[i].nbytes, tpad = peer_wire_pad4(nb);
+        if (nb > left || tpad > left - nb)
+            return -EBADMSG;
+        out->t[i].data = nb ? p + off : NULL;
+        for (size_t k = 0; k < tpad; k++)
+            if (p[off + nb + k])
+                return -EBADMSG;
+        off += nb + tpad;
+        left -= nb + tpad;
+    }
+    return left ? -EBADMSG : 0;
+}
+
 int peer_wire_decode(const uint8_t *p, size_t len, const peer_wire_limits *lim_in, peer_msg *out)
 {
     if (!p || !out)
@@ -564,11 +658,7 @@ int peer_wire_decode(const uint8_t *p, size_t len, const peer_wire_limits *lim_i
         return -EBADMSG;
     unsigned seen = 0;
     for (size_t i = 0; i < nkeys; i++) {
-        uint64_t key, v;
-        int64_t sv;
-        const uint8_t *s;
-        size_t sn;
-        int rc;
+        uint64_t key;
         if (rd_uint(&r, &key))
             return -EBADMSG;
         if (key < 32) {
@@ -576,92 +666,13 @@ int peer_wire_decode(const uint8_t *p, size_t len, const peer_wire_limits *lim_i
                 return -EBADMSG; /* a repeated key is malformed, not "last wins" */
             seen |= 1u << key;
         }
-        switch (key) {
-        case K_KIND:
-            if (rd_uint(&r, &v) || v > PEER_KIND_ERROR)
-                return -EBADMSG;
-            out->kind = (peer_kind)v;
-            break;
-        case K_METHOD:
-            /* Unknown methods decode, so a server can answer ENOSYS. */
-            if (rd_uint(&r, &v) || v > 255)
-                return -EBADMSG;
-            out->method = (peer_method)v;
-            break;
-        case K_ID:
-            if (rd_uint(&r, &out->id))
-                return -EBADMSG;
-            break;
-        case K_BLOCK:
-            if (rd_str(&r, &s, &sn) || sn > PEER_WIRE_MAX_BLOCK || memchr(s, 0, sn))
-                return -EBADMSG;
-            memcpy(out->block, s, sn);
-            out->block[sn] = '\0';
-            break;
-        case K_TENSORS:
-            if ((rc = rd_tensors(&r, &lim, out)) != 0)
-                return rc;
-            break;
-        case K_CODE:
-            if (rd_int(&r, &sv) || sv < INT32_MIN || sv > INT32_MAX)
-                return -EBADMSG;
-            out->err_code = (int32_t)sv;
-            break;
-        case K_MSG:
-            if (rd_str(&r, &s, &sn) || memchr(s, 0, sn))
-                return -EBADMSG;
-            /* A long message is cut, not refused: it is for humans. */
-            if (sn > PEER_WIRE_MAX_ERRMSG)
-                sn = PEER_WIRE_MAX_ERRMSG;
-            memcpy(out->err_msg, s, sn);
-            out->err_msg[sn] = '\0';
-            break;
-        case K_RFMT:
-            if (rd_rfmt(&r, out))
-                return -EBADMSG;
-            break;
-        case K_META:
-            if (rd_bin(&r, &s, &sn))
-                return -EBADMSG;
-            if (sn > PEER_WIRE_MAX_META)
-                return -EMSGSIZE;
-            out->meta = sn ? s : NULL;
-            out->meta_len = sn;
-            break;
-        default:
-            if (rd_skip(&r, 0))
-                return -EBADMSG;
-        }
+        int rc = rd_field(&r, key, &lim, out);
+        if (rc != 0)
+            return rc;
     }
     if (r.p != r.end)
         return -EBADMSG; /* trailing bytes inside the header */
     if ((seen & 7u) != 7u)
         return -EBADMSG; /* kind, method and id are required */
-    size_t off = 4 + hlen;
-    size_t pad = peer_wire_pad4(off);
-    if (pad > len - off)
-        return -EBADMSG;
-    for (size_t i = 0; i < pad; i++)
-        if (p[off + i])
-            return -EBADMSG;
-    off += pad;
-    /* Tensors are read as float: the caller's buffer start must keep the
-     * data 4-byte aligned, which it does when the record starts aligned. */
-    if (((uintptr_t)(p + off) & 3u) != 0)
-        return -EBADMSG;
-    size_t left = len - off;
-    for (int i = 0; i < out->n_tensors; i++) {
-        size_t nb = out->t[i].nbytes, tpad = peer_wire_pad4(nb);
-        if (nb > left || tpad > left - nb)
-            return -EBADMSG;
-        out->t[i].data = nb ? p + off : NULL;
-        for (size_t k = 0; k < tpad; k++)
-            if (p[off + nb + k])
-                return -EBADMSG;
-        off += nb + tpad;
-        left -= nb + tpad;
-    }
-    if (left)
-        return -EBADMSG;
-    return 0;
+    return rd_data(p, len, 4 + hlen, out);
 }
