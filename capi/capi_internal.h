@@ -58,6 +58,8 @@ struct starling_swarm {
     starling_stages *stages;      /* open stages handles */
 };
 
+/* ---- common.c ---- */
+
 /* Writes a sentence into err (err_len > 0), returns rc. */
 int capi_err(char *err, size_t err_len, int rc, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 
@@ -68,31 +70,40 @@ int capi_run(starling_swarm *s, capi_job *j);
 /* Loop thread: j is finished with rc (its err already written). */
 void capi_done(capi_job *j, int rc);
 
-/* Loop thread: the model called name, built in, registered or fetched from
- * the swarm (then registered): calls back done(arg, rc, spec) once, later
- * or at once; rc 0 or -errno with the sentence in err. */
-typedef void (*capi_model_cb)(void *arg, int rc, const struct expert_model_spec *spec);
-void capi_model_find(starling_swarm *s, const char *name, char *err, size_t err_len, capi_model_cb done, void *arg);
-
-/* Loop thread, stages.c: a stage handle's part of the shutdown. Starts
- * finishing its caller (its calls fail with -ECANCELED); returns 1 while a
- * caller's handles are still open. */
-int capi_stages_shutdown(starling_stages *st);
-void capi_stages_free(starling_stages *st);
-starling_stages *capi_stages_next(starling_stages *st);
-/* Loop thread, after every turn of the loop: ends what the callers'
- * events finished (calls of an ended caller, closes). */
-void capi_stages_poll(starling_swarm *s);
-
 /* A growing string for JSON documents. */
 typedef struct capi_buf {
     char *p;
     size_t len, cap;
     int oom;
 } capi_buf;
+/* Appends the formatted text; out of memory marks b (capi_buf_take says it). */
 void capi_buf_printf(capi_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Appends s as a JSON string; bytes that are not valid UTF-8 become U+FFFD. */
 void capi_buf_json_str(capi_buf *b, const char *s);
 /* Hands the string over (*out) and returns 0, or -ENOMEM. */
 int capi_buf_take(capi_buf *b, char **out, char *err, size_t err_len);
+
+/* ---- query.c ---- */
+
+/* Loop thread: the model called name, built in, registered or fetched from
+ * the swarm (then registered): calls back done(arg, rc, spec) once, later
+ * or at once; rc 0 or -errno with the sentence in err. */
+typedef void (*capi_model_cb)(void *arg, int rc, const struct expert_model_spec *spec);
+void capi_model_find(starling_swarm *s, const char *name, char *err, size_t err_len, capi_model_cb done, void *arg);
+
+/* ---- stages.c ---- */
+
+/* Loop thread: a stage handle's part of the shutdown. Starts
+ * finishing its caller (its calls fail with -ECANCELED); returns 1 while a
+ * caller's handles are still open. */
+int capi_stages_shutdown(starling_stages *st);
+/* Loop thread: frees a stage handle whose shutdown has ended
+ * (capi_stages_shutdown returned 0). */
+void capi_stages_free(starling_stages *st);
+/* The next open stage handle of the same swarm (the swarm's list), or NULL. */
+starling_stages *capi_stages_next(starling_stages *st);
+/* Loop thread, after every turn of the loop: ends what the callers'
+ * events finished (calls of an ended caller, closes). */
+void capi_stages_poll(starling_swarm *s);
 
 #endif
