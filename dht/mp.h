@@ -42,6 +42,7 @@ typedef struct dht_mp_reader {
     const uint8_t *p, *end;
 } dht_mp_reader;
 
+/* Starts a reader on len bytes at buf (borrowed while it reads). */
 void dht_mp_reader_init(dht_mp_reader *r, const void *buf, size_t len);
 
 /* Reads any value's header. kind: 'u' uint, 'i' negative int, 's' str,

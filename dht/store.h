@@ -120,6 +120,8 @@ size_t dht_store_expire(dht_store *s, uint64_t now);
  * added or removed. Returns the count; *cursor advances (0 restarts). */
 size_t dht_store_keys(dht_store *s, size_t *cursor, uint8_t (*keys)[DHT_ID_LEN], size_t max);
 
+/* Gauges: keys held, entries, bytes held (values and per-entry overhead)
+ * and the part of those bytes in unsigned entries. */
 size_t dht_store_count_keys(const dht_store *s);
 size_t dht_store_count_entries(const dht_store *s);
 size_t dht_store_bytes(const dht_store *s);

@@ -115,6 +115,7 @@ int dht_table_failed(dht_table *t, const uint8_t id[DHT_ID_LEN], int force);
 size_t dht_table_closest(const dht_table *t, const uint8_t target[DHT_ID_LEN], size_t n,
                          dht_table_entry *out);
 
+/* The number of nodes in the table. */
 size_t dht_table_size(const dht_table *t);
 
 /* 1 if a node with this ID at addr would go straight into its bucket (not

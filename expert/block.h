@@ -89,6 +89,7 @@ size_t expert_block_bytes(const struct expert_block_config *cfg, const expert_ba
 /* Frees the block; NULL-safe, sets *p = NULL. No call may be in flight. */
 void expert_block_destroy(expert_block **p);
 
+/* The block's configuration (borrowed: lives as long as b). */
 const struct expert_block_config *expert_block_config(const expert_block *b);
 /* The backend the block was created on. */
 const expert_backend *expert_block_backend(const expert_block *b);

@@ -164,8 +164,10 @@ int expert__layers_backward(const struct expert__exec *x, int first, struct expe
  * EMBED's inp is host memory (tokens as floats: checked and converted on
  * the host, never uploaded); its forward returns 0 or -EINVAL for a value
  * that is not a token. EMBED writes no input gradient (tokens have none:
- * expert/block.c zeroes the caller's dinp). */
-
+ * expert/block.c zeroes the caller's dinp).
+ * Each forward writes out (B rows of the kind's output); each backward
+ * adds the parameter gradients (x->grads) and writes dinp, the gradient of
+ * its input. Return 0 or a negative errno. */
 int expert__embed_forward(const struct expert__exec *x, struct expert__seq_ws *ws, float *out,
                           const float *inp_host, int B);
 int expert__embed_backward(const struct expert__exec *x, struct expert__seq_ws *ws,

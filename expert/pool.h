@@ -25,6 +25,10 @@
 /* fn(ctx, i, n) must process part i of n. */
 typedef void (*expert__task_fn)(void *ctx, int i, int n);
 
+/* Runs fn over parts of a pass that touches `work` floats, on the pool's
+ * threads and the caller's, and returns when every part is done: one part
+ * on the caller below EXPERT__POOL_MIN_WORK or while the pool is busy, at
+ * most EXPERT__POOL_MAX_PARTS otherwise. */
 void expert__parallel(expert__task_fn fn, void *ctx, size_t work);
 
 /* [lo, hi) of part i of n over count items, in multiples of align. */

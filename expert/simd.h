@@ -32,6 +32,7 @@
 typedef float expert__vf __attribute__((vector_size(64)));
 typedef int32_t expert__vi __attribute__((vector_size(64)));
 
+/* Lane by lane: mask ? a : b (mask lanes all ones or all zeros). */
 EXPERT__INLINE expert__vf expert__vsel(expert__vi mask, expert__vf a, expert__vf b)
 {
     expert__vi ai, bi;

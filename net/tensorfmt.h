@@ -90,6 +90,7 @@ typedef uint32_t peer_fmt_mask;
 #define PEER_FMT_BIT(f) ((peer_fmt_mask)1 << (f))
 #define PEER_FMT_MASK_ALL ((peer_fmt_mask)((1u << PEER_FMT_COUNT) - 1))
 
+/* Whether mask m includes format f. */
 static inline int peer_fmt_mask_has(peer_fmt_mask m, peer_fmt f)
 {
     return (unsigned)f < PEER_FMT_COUNT && (m & PEER_FMT_BIT(f)) != 0;

@@ -48,6 +48,7 @@ void peer__wake_send(peer__wake *w);
  * after this call (see above). Closing twice is a no-op. */
 void peer__wake_close(peer__wake *w, peer__wake_cb closed);
 
+/* Whether peer__wake_close has been called. */
 int peer__wake_is_closing(const peer__wake *w);
 
 #endif

@@ -142,6 +142,7 @@ int peer_service_listen(peer_service *s, const struct sockaddr *addr);
 /* The TCP port listened on, or -1. */
 int peer_service_port(const peer_service *s);
 
+/* The number of blocks hosted. */
 int peer_service_n_blocks(const peer_service *s);
 /* Fills info for hosted block i. Returns 0 or -EINVAL. */
 int peer_service_block_info(peer_service *s, int i, peer_block_info *info);

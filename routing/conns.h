@@ -40,6 +40,7 @@ typedef struct route_conns_config {
     uint64_t connect_timeout_ms;         /* TCP connect + handshake; 0: the RPC client's default (5 s) */
 } route_conns_config;
 
+/* NULL on bad arguments (no loop, config or identity) or no memory. */
 route_conns *route_conns_create(uv_loop_t *loop, const route_conns_config *cfg);
 
 /* The connected client for holder id at addr ("HOST:PORT"), or NULL while

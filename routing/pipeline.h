@@ -172,6 +172,7 @@ typedef struct route_errlog {
     long dropped;                 /* occurrences of kinds beyond ROUTE_ERRLOG_KINDS */
 } route_errlog;
 
+/* Starts an empty log at time now, with summaries every period_s. */
 void route_errlog_init(route_errlog *e, double period_s, double now);
 
 /* Records one occurrence of (stage, code) with its sentence. Returns 1

@@ -62,6 +62,8 @@ int route_swarm_refresh(route_swarm *s, double now);
  * failed). */
 void route_swarm_invalidate(route_swarm *s, int i);
 
+/* The model's number of stages (0 for NULL), and stage i's view
+ * (borrowed; NULL when i is out of range). */
 int route_swarm_n_stages(const route_swarm *s);
 route_stage *route_swarm_stage(route_swarm *s, int i);
 

@@ -111,6 +111,8 @@ long peer_announce_encode(const peer_announce *a, uint8_t *buf, size_t cap);
  * (out is then zeroed). Throughput and load are clamped to sane ranges. */
 int peer_announce_decode(peer_announce *out, const uint8_t *buf, size_t len);
 
+/* The models index's record (PEER_MODELS_KEY): encoded and decoded like
+ * an announcement, with the same results and checks. */
 long peer_model_record_encode(const peer_model_record *m, uint8_t *buf, size_t cap);
 int peer_model_record_decode(peer_model_record *out, const uint8_t *buf, size_t len);
 
