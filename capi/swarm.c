@@ -147,6 +147,55 @@ static int join(starling_swarm *s, const char *initial, dht_peer_addr *peers, in
     return 0;
 }
 
+/* Checks the options' timeouts and fills in the defaults for 0: 0, or
+ * -EINVAL for one out of range. */
+static int fill_timeouts(starling_swarm_options *o)
+{
+    if (o->join_timeout_s < 0 || o->call_timeout_s < 0 || o->max_wait_s < 0 || o->join_timeout_s > 3600 ||
+        o->call_timeout_s > 3600 || o->max_wait_s > 86400)
+        return -EINVAL;
+    if (!(o->join_timeout_s > 0))
+        o->join_timeout_s = 15;
+    if (!(o->call_timeout_s > 0))
+        o->call_timeout_s = 30;
+    if (!(o->max_wait_s > 0))
+        o->max_wait_s = 120;
+    return 0;
+}
+
+/* The handle's light DHT client: its swarm key and identity from the
+ * options' files (or a new identity), then the node (not started). Returns
+ * 0, or -EIO / -ENOMEM with the sentence in err. */
+static int create_dht(starling_swarm *s, const starling_swarm_options *o, char *err, size_t err_len)
+{
+    dht_config cfg;
+    dht_config_default(&cfg);
+    cfg.client_only = 1;
+    int rc;
+    if (o->swarm_key_file) {
+        rc = dht_swarm_key_load(s->swarm_key, o->swarm_key_file);
+        if (rc != 0)
+            return capi_err(err, err_len, -EIO, "cannot load swarm key '%s': %s", o->swarm_key_file,
+                            rc == -EPERM     ? "readable by group or others; chmod 600 it"
+                            : rc == -EBADMSG ? "expected 64 hex digits"
+                                             : strerror(-rc));
+        s->has_swarm_key = 1;
+        cfg.has_swarm_key = 1;
+        memcpy(cfg.swarm_key, s->swarm_key, 32);
+    }
+    rc = o->identity_file ? dht_identity_load(&s->ident, o->identity_file) : dht_identity_generate(&s->ident);
+    if (rc != 0) {
+        sodium_memzero(cfg.swarm_key, sizeof cfg.swarm_key);
+        return capi_err(err, err_len, -EIO, "cannot load identity '%s': %s",
+                        o->identity_file ? o->identity_file : "(new)", dht_identity_strerror(rc));
+    }
+    s->d = dht_create(&s->loop, &s->ident, &cfg);
+    sodium_memzero(cfg.swarm_key, sizeof cfg.swarm_key);
+    if (!s->d)
+        return capi_err(err, err_len, -ENOMEM, "cannot create the DHT node");
+    return 0;
+}
+
 int starling_swarm_open(starling_swarm **out, const char *initial, const starling_swarm_options *opt, char *err,
                         size_t err_len)
 {
@@ -167,15 +216,8 @@ int starling_swarm_open(starling_swarm **out, const char *initial, const starlin
     starling_swarm_options o = {0};
     if (opt)
         o = *opt;
-    if (o.join_timeout_s < 0 || o.call_timeout_s < 0 || o.max_wait_s < 0 || o.join_timeout_s > 3600 ||
-        o.call_timeout_s > 3600 || o.max_wait_s > 86400)
+    if (fill_timeouts(&o) != 0)
         return capi_err(err, err_len, -EINVAL, "timeouts must be in [0, 3600] s (max_wait_s up to 86400; 0: default)");
-    if (!(o.join_timeout_s > 0))
-        o.join_timeout_s = 15;
-    if (!(o.call_timeout_s > 0))
-        o.call_timeout_s = 30;
-    if (!(o.max_wait_s > 0))
-        o.max_wait_s = 120;
     const char *listen = o.listen;
     if (listen) {
         dht_addr la;
@@ -202,37 +244,10 @@ int starling_swarm_open(starling_swarm **out, const char *initial, const starlin
     uv_async_init(&s->loop, &s->wake, on_wake);
     s->wake.data = s;
 
-    int rc;
-    dht_config cfg;
-    dht_config_default(&cfg);
-    cfg.client_only = 1;
-    if (o.swarm_key_file) {
-        rc = dht_swarm_key_load(s->swarm_key, o.swarm_key_file);
-        if (rc != 0) {
-            capi_err(err, err_len, -EIO, "cannot load swarm key '%s': %s", o.swarm_key_file,
-                     rc == -EPERM     ? "readable by group or others; chmod 600 it"
-                     : rc == -EBADMSG ? "expected 64 hex digits"
-                                      : strerror(-rc));
-            destroy_unstarted(s);
-            return -EIO;
-        }
-        s->has_swarm_key = 1;
-        cfg.has_swarm_key = 1;
-        memcpy(cfg.swarm_key, s->swarm_key, 32);
-    }
-    rc = o.identity_file ? dht_identity_load(&s->ident, o.identity_file) : dht_identity_generate(&s->ident);
+    int rc = create_dht(s, &o, err, err_len);
     if (rc != 0) {
-        capi_err(err, err_len, -EIO, "cannot load identity '%s': %s", o.identity_file ? o.identity_file : "(new)",
-                 dht_identity_strerror(rc));
-        sodium_memzero(cfg.swarm_key, sizeof cfg.swarm_key);
         destroy_unstarted(s);
-        return -EIO;
-    }
-    s->d = dht_create(&s->loop, &s->ident, &cfg);
-    sodium_memzero(cfg.swarm_key, sizeof cfg.swarm_key);
-    if (!s->d) {
-        destroy_unstarted(s);
-        return capi_err(err, err_len, -ENOMEM, "cannot create the DHT node");
+        return rc;
     }
     rc = dht_start(s->d, listen);
     if (rc == 0)
