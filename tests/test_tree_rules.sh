@@ -1,6 +1,6 @@
 #!/bin/sh
 # The tree's structural rules (tools/tree_check.py): the layers' includes,
-# function length in dht/, net/ and swarm/, comments on every header
+# function length in dht/, net/, swarm/, routing/ and capi/, comments on every header
 # prototype. First on the sources, then on a scratch copy with one breach of
 # each rule planted, which must each be caught.
 set -eu
