@@ -54,14 +54,17 @@ after = [p["loss"] for p in pts if join <= p["elapsed_s"] <= join + 6]
 if len(after) < 3:
     after = [p["loss"] for p in pts if p["elapsed_s"] >= join][:3]
 mb = sum(before) / max(len(before), 1)
-print("join at %.1f s, training until %.1f s; loss before %.3f (%d points), after: max %.3f (%d points); "
-      "stage 4 versions %s, downloaded %d, newcomer's steps %d" %
-      (join, end, mb, len(before), max(after or [0]), len(after), vs, v0, steps))
+# The peak of the loss after the join, as a mean of 3 consecutive points: one
+# noisy point alone (a CPU hog beside the test) does not make a jump.
+peak = max([sum(after[i:i + 3]) / 3 for i in range(len(after) - 2)] or [0])
+print("join at %.1f s, training until %.1f s; loss before %.3f (%d points), after: peak %.3f, max %.3f "
+      "(%d points); stage 4 versions %s, downloaded %d, newcomer's steps %d" %
+      (join, end, mb, len(before), peak, max(after or [0]), len(after), vs, v0, steps))
 enough = len(before) >= 3 and len(after) >= 3
-# (measured: 0.94-0.99 x the loss before with the download, once 1.14 under
-# ASan on a loaded machine; 1.2-1.6 x when the newcomer serves its own
-# initial weights)
-if enough and max(after) > 1.18 * mb:
+# (measured, peak / before: 0.93-1.06 with the download, also beside a CPU
+# hog, where the single largest point reached 1.185 once; 1.30-1.60 when the
+# newcomer serves its own initial weights, --no-state-download)
+if enough and peak > 1.18 * mb:
     print("the loss jumped when the newcomer joined")
     sys.exit(1)
 if enough and traffic:
