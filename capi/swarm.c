@@ -176,9 +176,7 @@ static int create_dht(starling_swarm *s, const starling_swarm_options *o, char *
         rc = dht_swarm_key_load(s->swarm_key, o->swarm_key_file);
         if (rc != 0)
             return capi_err(err, err_len, -EIO, "cannot load swarm key '%s': %s", o->swarm_key_file,
-                            rc == -EPERM     ? "readable by group or others; chmod 600 it"
-                            : rc == -EBADMSG ? "expected 64 hex digits"
-                                             : strerror(-rc));
+                            dht_swarm_key_strerror(rc));
         s->has_swarm_key = 1;
         cfg.has_swarm_key = 1;
         memcpy(cfg.swarm_key, s->swarm_key, 32);

@@ -71,6 +71,10 @@ uint64_t dht_now_ms(void);
  * others) or another -errno. */
 int dht_swarm_key_load(uint8_t key[32], const char *path);
 
+/* What dht_swarm_key_load's status means, as the end of a sentence
+ * ("cannot load swarm key 'F': ..."). Static string. */
+const char *dht_swarm_key_strerror(int status);
+
 /* Creates a node with identity ident (copied) and configuration cfg (copied;
  * NULL: defaults; set cfg->has_swarm_key/swarm_key for a private swarm) on
  * loop, which must outlive d (until dht_close's callback). Returns NULL on

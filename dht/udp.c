@@ -49,6 +49,13 @@ uint64_t dht_now_ms(void)
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
+const char *dht_swarm_key_strerror(int status)
+{
+    return status == -EPERM     ? "readable by group or others; chmod 600 it"
+           : status == -EBADMSG ? "expected 64 hex digits"
+                                : strerror(-status);
+}
+
 int dht_swarm_key_load(uint8_t key[32], const char *path)
 {
     char buf[130];

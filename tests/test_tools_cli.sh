@@ -271,6 +271,16 @@ contains "0700" "keygen help mentions created directories"
 expect 1 "infer 32x32 input" -- "$S" infer --initial-peers 127.0.0.1:9 --input "$tmp/img32.idx"
 contains "img32.idx: images are 32x32 (1024 values); fmnist-mlp expects 28x28 (784)" "infer shape message"
 
+# A swarm key file that is not one: a clear sentence before any network.
+echo zz >"$tmp/bad.key"; chmod 600 "$tmp/bad.key"
+expect 2 "monitor, garbage swarm key" -- "$S" monitor --initial-peers 127.0.0.1:9 --swarm-key "$tmp/bad.key"
+contains "cannot load swarm key '$tmp/bad.key': expected 64 hex digits" "garbage swarm key message"
+printf '%064d\n' 7 >"$tmp/open.key"; chmod 644 "$tmp/open.key"
+expect 2 "monitor, world-readable swarm key" -- "$S" monitor --initial-peers 127.0.0.1:9 --swarm-key "$tmp/open.key"
+contains "readable by group or others; chmod 600 it" "open swarm key message"
+expect 1 "peer, garbage swarm key" -- "$S" peer --initial-peers 127.0.0.1:9 --blocks 0 --swarm-key "$tmp/bad.key"
+contains "cannot load swarm key '$tmp/bad.key': expected 64 hex digits" "peer garbage swarm key message"
+
 # A join whose initial peer answers, but as another node or under another
 # swarm key, says so (not "cannot reach"). monitor exits 2 on connection
 # errors.

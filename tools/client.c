@@ -49,10 +49,7 @@ int tools_client_open(tools_client *c, const char *cmd, const char *initial, con
     if (swarm_key_file) {
         rc = dht_swarm_key_load(c->swarm_key, swarm_key_file);
         if (rc != 0)
-            return cli_fail(cmd, "cannot load swarm key '%s': %s", swarm_key_file,
-                            rc == -EPERM ? "readable by group or others; chmod 600 it"
-                            : rc == -EBADMSG ? "expected 64 hex digits"
-                                             : strerror(-rc));
+            return cli_fail(cmd, "cannot load swarm key '%s': %s", swarm_key_file, dht_swarm_key_strerror(rc));
         c->has_swarm_key = 1;
         cfg.has_swarm_key = 1;
         memcpy(cfg.swarm_key, c->swarm_key, 32);

@@ -537,9 +537,7 @@ static int load_keys(const peer_opts *o, run_ctx *r)
         if (rc != 0) {
             sodium_memzero(&r->ident, sizeof r->ident);
             return cli_fail("peer", "cannot load swarm key '%s': %s", o->swarm_key_file,
-                            rc == -EPERM ? "readable by group or others; chmod 600 it"
-                            : rc == -EBADMSG ? "expected 64 hex digits"
-                                             : strerror(-rc));
+                            dht_swarm_key_strerror(rc));
         }
     }
     return -1;
