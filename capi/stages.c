@@ -13,8 +13,6 @@
 #include "capi/capi_internal.h"
 #include "expert/block.h"
 #include "expert/model.h"
-#include "net/meta.h"
-#include "net/stagecall.h"
 #include "net/wire.h"
 #include "routing/caller.h"
 
@@ -35,8 +33,6 @@ typedef struct call_job {
     starling_served *served_out;
     int attempts, rejects, refusals, last_status;
     int listed;                      /* on st->calls: capi_done not called yet */
-    int replied;                     /* answered: ended at the next pump or poll, once the
-                                        caller no longer touches rpc */
     double t0;
     struct call_job *prev, *next;    /* st->calls */
 } call_job;
@@ -59,8 +55,6 @@ struct starling_stages {
     char caller_err[320];
     char last_note[320];             /* the caller's latest log line */
     call_job *calls;                 /* loop thread: calls not yet finished */
-    uint64_t removals;               /* calls taken off that list so far */
-    int pump_depth;                  /* hook_pump running (a send can pump again) */
     capi_job *close_job;             /* loop thread: a close waiting for the caller */
     atomic_uint_least64_t n_calls, n_retries;
 };
@@ -97,7 +91,6 @@ static void list_remove(starling_stages *st, call_job *c)
     if (!c->listed)
         return;
     c->listed = 0;
-    st->removals++;
     if (c->prev)
         c->prev->next = c->next;
     else
@@ -122,23 +115,16 @@ static const char *stage_label(starling_stages *st, int stage, char *buf, size_t
     return buf;
 }
 
-/* Ends the answered calls. Not from on_reply itself: the caller still
- * writes the call's fields after that hook returns, and once capi_done
- * runs, its memory is the waiting thread's again. */
-static void complete_replied(starling_stages *st)
-{
-    for (call_job *c = st->calls, *nx; c; c = nx) {
-        nx = c->next;
-        if (c->replied)
-            fail_call(st, c, 0);
-    }
-}
-
 /* A caller that ended: the calls it was not sending fail with its reason;
  * once its handles are closed it is freed. A close waiting for it ends. */
+static void reap_calls(starling_stages *st, route_caller *r);
+
 static int poll_stages(starling_stages *st)
 {
-    complete_replied(st);
+    if (st->caller)
+        reap_calls(st, st->caller);
+    if (st->old)
+        reap_calls(st, st->old);
     if (st->caller && route_caller_finishing(st->caller)) {
         int rc = route_caller_rc(st->caller);
         if (rc >= 0)
@@ -185,116 +171,37 @@ void capi_stages_poll(starling_swarm *s)
     }
 }
 
-/* ---- the caller's hooks ---- */
+/* ---- the calls' part of the engine's pump ---- */
 
-/* Sends every call not out yet. A send can end other calls (a dropped
- * connection reports its calls, and the caller pumps again from there), so
- * the scan starts over whenever a call left the list: each restart follows
- * a removal, so it ends. */
-static void hook_pump(void *arg)
+/* A call answered: its rows are in c->out; what served it goes to
+ * served_out; the API call returns 0. */
+static void call_replied(starling_stages *st, call_job *c)
 {
-    starling_stages *st = arg;
-    route_caller *r = st->caller;
-    double now = route_caller_now(r);
-    complete_replied(st);
-    st->pump_depth++;
-restart:
-    for (call_job *c = st->calls; c; c = c->next) {
-        if (c->rpc.sent || c->replied)
-            continue;
-        uint64_t removals = st->removals;
-        /* a parked call waits for its connection (bounded by the call
-         * timeout); it is sent again from here when that comes up. Not
-         * in a nested pump: the outer one may be inside this call's send */
-        if (!c->rpc.parked && st->pump_depth == 1 && now - c->t0 > st->s->opt.max_wait_s) {
-            char l[96];
-            capi_err(c->job.err, c->job.err_len, -ETIMEDOUT,
-                     "%s: no holder answered within %g s (%d attempt%s)%s%s", stage_label(st, c->rpc.stage, l, sizeof l),
-                     st->s->opt.max_wait_s, c->attempts, c->attempts == 1 ? "" : "s", st->last_note[0] ? "; last: " : "",
-                     st->last_note);
-            fail_call(st, c, -ETIMEDOUT);
-            goto restart;
-        }
-        route_caller_send(r, &c->rpc);
-        if (st->caller != r || route_caller_finishing(r))
-            break;
-        if (st->removals != removals)
-            goto restart;
-    }
-    st->pump_depth--;
-}
-
-static int hook_prefer(void *arg, const route_caller_call *rc, const route_replica *reps, int n, double now,
-                       uint8_t *avoid)
-{
-    const call_job *c = rc->user;
-    (void)arg;
-    (void)now;
-    (void)avoid;
-    if (!c->backward || !c->served_in || c->attempts > 0)
-        return -1;
-    for (int i = 0; i < n; i++)
-        if (!memcmp(reps[i].id, c->served_in->holder, DHT_ID_LEN))
-            return i;
-    return -1;
-}
-
-static int hook_build(void *arg, route_caller_call *rc, const route_holder *h, int preferred, peer_msg *m,
-                      uint8_t *meta_buf)
-{
-    starling_stages *st = arg;
-    call_job *c = rc->user;
-    const stage_shape *sh = &st->shapes[rc->stage - st->first];
-    (void)h;
-    int pinned = c->backward && preferred && c->served_in && c->served_in->version_known;
-    peer_stagecall sc = {
-        .rows = (uint64_t)c->rows,
-        .x = c->x,
-        .nin = sh->nin,
-        .rin = sh->rin,
-        .dy = c->backward ? c->dy : NULL,
-        .nout = sh->nout,
-        .rout = sh->rout,
-        .at_version_known = pinned,
-        .at_version = pinned ? c->served_in->weight_version : 0,
-    };
-    return peer_stagecall_encode(m, meta_buf, &sc);
-}
-
-static int hook_on_reply(void *arg, route_caller_call *rc, const peer_msg *m)
-{
-    starling_stages *st = arg;
-    call_job *c = rc->user;
-    const stage_shape *sh = &st->shapes[rc->stage - st->first];
-    int out_side = !c->backward;
-    int64_t w = out_side ? sh->out_w : sh->in_w;
-    if (peer_stagecall_reply_rows(m, out_side ? sh->nout : sh->nin, out_side ? sh->rout : sh->rin,
-                                  (uint64_t)c->rows, c->out, (size_t)c->rows * (size_t)w) != 0)
-        return -EBADMSG;
+    const route_caller_call *rc = &c->rpc;
     c->attempts++;
     if (c->served_out) {
         starling_served *sv = c->served_out;
         memset(sv, 0, sizeof *sv);
         memcpy(sv->holder, rc->holder, DHT_ID_LEN);
-        uint64_t v = 0;
-        sv->version_known = peer_meta_versions_decode(m->meta, m->meta_len, &v, 1) == 1;
-        sv->weight_version = sv->version_known ? v : 0;
+        sv->version_known = rc->n_versions == 1;
+        sv->weight_version = sv->version_known ? rc->versions[0] : 0;
         sv->attempts = c->attempts;
     }
-    c->replied = 1;
-    return 1;
+    fail_call(st, c, 0);
 }
 
-static void hook_on_failed(void *arg, route_caller_call *rc, int status, int refused)
+/* A call failed: sent again at the next pass (to another replica when one
+ * is available: this one is backed off), or the API call fails once the
+ * bounds are reached or the engine r ended. */
+static void call_failed(starling_stages *st, call_job *c, route_caller *r)
 {
-    starling_stages *st = arg;
-    call_job *c = rc->user;
+    int status = c->rpc.status;
     char l[96];
-    stage_label(st, rc->stage, l, sizeof l);
+    stage_label(st, c->rpc.stage, l, sizeof l);
     c->attempts++;
     c->last_status = status;
-    if (route_caller_finishing(rc->caller)) {
-        int why = route_caller_rc(rc->caller);
+    if (route_caller_finishing(r)) {
+        int why = route_caller_rc(r);
         if (why >= 0)
             why = -ECANCELED;
         capi_err(c->job.err, c->job.err_len, why, "%s: %s", l,
@@ -303,7 +210,7 @@ static void hook_on_failed(void *arg, route_caller_call *rc, int status, int ref
         return;
     }
     atomic_fetch_add(&st->n_retries, 1);
-    if (refused && ++c->refusals >= MAX_REFUSALS) {
+    if (c->rpc.refused && ++c->refusals >= MAX_REFUSALS) {
         capi_err(c->job.err, c->job.err_len, -ERANGE,
                  "%s refused the gradient %d times (its gradient checks failed): the gradient is out of bounds", l,
                  c->refusals);
@@ -321,8 +228,66 @@ static void hook_on_failed(void *arg, route_caller_call *rc, int status, int ref
                  st->last_note[0] ? st->last_note : strerror(-status));
         fail_call(st, c, status);
     }
-    /* else the caller's pump sends it again, to another replica when one is
-     * available (this one is backed off) */
+}
+
+/* The calls engine r completed. */
+static void reap_calls(starling_stages *st, route_caller *r)
+{
+    route_caller_call *rc;
+    while ((rc = route_caller_reap(r)) != NULL) {
+        call_job *c = rc->user;
+        if (rc->status == 0)
+            call_replied(st, c);
+        else
+            call_failed(st, c, r);
+    }
+}
+
+/* What c sends: its tensors, where the reply goes, and for a backward the
+ * forward's holder first, at the forward's weight version. */
+static void describe(starling_stages *st, call_job *c)
+{
+    route_caller_call *rc = &c->rpc;
+    const stage_shape *sh = &st->shapes[rc->stage - st->first];
+    rc->x = c->x;
+    rc->dy = c->backward ? c->dy : NULL;
+    rc->out = c->out;
+    rc->out_cap = c->out ? (size_t)c->rows * (size_t)(c->backward ? sh->in_w : sh->out_w) : 0;
+    int pin = c->backward && c->served_in && c->attempts == 0;
+    rc->pin = pin ? c->served_in->holder : NULL;
+    rc->pin_version_known = pin && c->served_in->version_known;
+    rc->pin_version = pin ? c->served_in->weight_version : 0;
+}
+
+/* The engine's pump: completed calls end or wait to be sent again, and
+ * every call not out goes out. A call that waited longer than max_wait_s
+ * fails. */
+static void hook_pump(void *arg)
+{
+    starling_stages *st = arg;
+    route_caller *r = st->caller;
+    double now = route_caller_now(r);
+    reap_calls(st, r);
+    for (call_job *c = st->calls, *nx; c; c = nx) {
+        nx = c->next;
+        if (c->rpc.sent || c->rpc.queued)
+            continue;
+        /* a parked call waits for its connection (bounded by the call
+         * timeout); it is sent again from here when that comes up */
+        if (!c->rpc.parked && now - c->t0 > st->s->opt.max_wait_s) {
+            char l[96];
+            capi_err(c->job.err, c->job.err_len, -ETIMEDOUT,
+                     "%s: no holder answered within %g s (%d attempt%s)%s%s", stage_label(st, c->rpc.stage, l, sizeof l),
+                     st->s->opt.max_wait_s, c->attempts, c->attempts == 1 ? "" : "s", st->last_note[0] ? "; last: " : "",
+                     st->last_note);
+            fail_call(st, c, -ETIMEDOUT);
+            continue;
+        }
+        describe(st, c);
+        route_caller_send(r, &c->rpc);
+        if (route_caller_finishing(r))
+            break;
+    }
 }
 
 static void on_message(void *arg, const char *msg)
@@ -354,8 +319,7 @@ static int ensure_caller(starling_stages *st, char *err, size_t err_len)
         .rng_seed = s->rng | 1,
         .error = st->caller_err,
         .error_len = sizeof st->caller_err,
-        .hooks = {.pump = hook_pump, .prefer = hook_prefer, .build = hook_build, .on_reply = hook_on_reply,
-                  .on_failed = hook_on_failed},
+        .pump = hook_pump,
         .arg = st,
         .on_message = on_message,
         .message_arg = st,
@@ -386,7 +350,7 @@ static void call_start(capi_job *j)
                                                                 "a failure; try again"));
             return;
         }
-        st->old = st->caller; /* its hooks still report its calls: they use rc->caller */
+        st->old = st->caller; /* its calls are still reaped (poll_stages) */
         st->caller = NULL;
     }
     int rc = ensure_caller(st, j->err, j->err_len);
@@ -429,7 +393,6 @@ static int run_call(starling_stages *st, call_job *c)
     c->job.start = call_start;
     c->rpc.user = c;
     c->rpc.rows = (int)c->rows;
-    c->rpc.span = 1;
     return capi_run(st->s, &c->job);
 }
 

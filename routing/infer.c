@@ -10,8 +10,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "net/meta.h"
-#include "net/stagecall.h"
 #include "net/wire.h"
 #include "routing/caller.h"
 #include "routing/pipeline.h"
@@ -24,7 +22,9 @@ typedef struct unit {
     int used;
     int batch, path, rows;
     float *buf[2];              /* ping-pong (batch, max width) */
+    int cur;                    /* the buffer holding the current stage's inputs (-1: the batch's) */
     uint8_t prev[DHT_ID_LEN];   /* holder that served the previous stage */
+    uint8_t avoid[ROUTE_INFER_MAX_REPLICAS][DHT_ID_LEN]; /* the sibling paths' holders of this stage */
     double t_start;
 } unit;
 
@@ -118,7 +118,7 @@ static void claim(infer *in, const unit *u, int stage, int n, const uint8_t *id)
  * the batch's last path is in. */
 static void path_done(infer *in, unit *u)
 {
-    const float *z = u->buf[in->S & 1];
+    const float *z = u->buf[u->cur];
     int first = u->batch * in->cfg.batch;
     size_t row = (size_t)in->cfg.model->n_out;
     for (int r = 0; r < u->rows; r++) {
@@ -135,117 +135,56 @@ static void path_done(infer *in, unit *u)
     u->used = 0;
 }
 
-/* hooks.on_reply: one weight version per stage served (a peer may serve
- * fewer stages of the span than asked: one, if it predates spans). */
-static int on_reply(void *arg, route_caller_call *c, const peer_msg *m)
+/* A reply: one weight version per stage served (a peer may serve fewer
+ * stages of the span than asked: one, if it predates spans); the outputs,
+ * in the other buffer, are the next stage's inputs. */
+static void unit_replied(infer *in, unit *u)
 {
-    infer *in = arg;
-    unit *u = c->user;
-    uint64_t vers[ROUTE_PIPELINE_MAX_STAGES];
-    int served = peer_meta_versions_decode(m->meta, m->meta_len, vers, c->span);
-    int last = c->stage + served - 1;
-    route_stage *st = served >= 1 ? route_swarm_stage(route_caller_swarm(in->caller), last) : NULL;
-    struct expert_block_config cfg;
-    uint64_t row[2];
-    int nrow = st ? expert_model_stage(in->cfg.model, last, &cfg) : -1;
-    if (nrow == 0)
-        nrow = expert_block_row_shape(&cfg, 1, row);
-    if (nrow < 1 || peer_stagecall_reply_rows(m, nrow, row, (uint64_t)u->rows, u->buf[(last + 1) & 1],
-                                              (size_t)u->rows * (size_t)st->out) != 0)
-        return -EBADMSG;
-    for (int i = 0; i < served; i++) {
-        uint64_t v = vers[i];
+    route_caller_call *c = &u->rpc;
+    for (int i = 0; i < c->n_versions; i++) {
+        uint64_t v = c->versions[i];
         if (v < in->res->ver_min[c->stage + i])
             in->res->ver_min[c->stage + i] = v;
         if (v > in->res->ver_max[c->stage + i])
             in->res->ver_max[c->stage + i] = v;
     }
     memcpy(u->prev, c->holder, DHT_ID_LEN);
-    claim(in, u, c->stage, served, c->holder);
-    c->stage = last + 1;
-    c->span = 1; /* the next call's is set when it is built */
+    claim(in, u, c->stage, c->served, c->holder);
+    u->cur = u->cur < 0 ? 0 : u->cur ^ 1;
+    c->stage += c->served;
     if (c->stage == in->S)
         path_done(in, u);
-    return served;
 }
 
-/* hooks.on_failed: the stages it claimed are free again; the next pump
- * sends it to another replica. */
-static void on_failed(void *arg, route_caller_call *c, int status, int refused)
+/* A failure: the stages it claimed are free again; the next pump sends it
+ * to another replica. */
+static void unit_failed(infer *in, unit *u)
 {
-    infer *in = arg;
-    unit *u = c->user;
-    (void)status;
-    (void)refused;
-    claim(in, u, c->stage, c->span, NULL);
-    if (!route_caller_finishing(in->caller))
-        in->res->retries++;
+    claim(in, u, u->rpc.stage, u->rpc.span, NULL);
+    in->res->retries++;
 }
 
-/* hooks.prefer: holders no other path of this batch used at this stage,
- * and first the one that served this path's previous stage when it holds
- * this one too: K paths then mean K different peers, so one bad replica
- * spoils one path, not all of them. */
-static int prefer(void *arg, const route_caller_call *c, const route_replica *reps, int n, double now,
-                  uint8_t *avoid)
+/* What u's call sends: its inputs, as many stages as one holder serves (a
+ * span: one round trip instead of one per stage), and the holders to
+ * prefer: none that another path of this batch used at this stage, and
+ * first the one that served this path's previous stage when it holds this
+ * one too (when every replica is a sibling's, the path stays where it
+ * was). K paths then mean K different peers, so one bad replica spoils one
+ * path, not all of them. */
+static void describe(infer *in, unit *u)
 {
-    infer *in = arg;
-    const unit *u = c->user;
-    (void)now;
-    for (int i = 0; i < n; i++)
-        for (int k = 0; k < in->cfg.replicas; k++)
-            if (k != u->path && *used_flag(in, u->batch, c->stage, k) &&
-                !memcmp(used_id(in, u->batch, c->stage, k), reps[i].id, DHT_ID_LEN))
-                avoid[i] = 1;
-    /* When every replica is a sibling's, the path still stays where it was
-     * (the caller then ignores avoid). */
-    int all_avoided = 1;
-    for (int i = 0; i < n; i++)
-        all_avoided &= avoid[i];
-    int stay = -1;
-    if (c->stage > 0)
-        for (int i = 0; i < n; i++)
-            if ((all_avoided || !avoid[i]) && !memcmp(reps[i].id, u->prev, DHT_ID_LEN))
-                stay = i;
-    return stay;
-}
-
-/* How many stages from `stage` on the holder id can serve in one request:
- * it announces each of them online and is not backed off at any. */
-static int span_of(infer *in, int stage, const uint8_t id[DHT_ID_LEN], double now)
-{
-    int n = 1;
-    while (stage + n < in->S) {
-        route_holder *h = route_swarm_find_holder(route_caller_swarm(in->caller), stage + n, id);
-        if (!h || h->ann.state != PEER_STATE_ONLINE || route_replica_weight(&h->rep, now) <= 0)
-            break;
-        n++;
-    }
-    return n;
-}
-
-/* hooks.build: the stages after this one that the same peer holds go in
- * the same request (a span): one round trip instead of one per stage. */
-static int build(void *arg, route_caller_call *c, const route_holder *h, int preferred, peer_msg *m,
-                 uint8_t *meta_buf)
-{
-    infer *in = arg;
-    const unit *u = c->user;
-    (void)preferred;
-    route_stage *st = route_swarm_stage(route_caller_swarm(in->caller), c->stage);
-    c->span = span_of(in, c->stage, h->rep.id, route_caller_now(in->caller));
-    struct expert_block_config cfg;
-    uint64_t row[2];
-    expert_model_stage(in->cfg.model, c->stage, &cfg);
-    peer_stagecall sc = {
-        .rows = (uint64_t)u->rows,
-        .x = c->stage == 0 ? in->cfg.inputs + (size_t)u->batch * (size_t)in->cfg.batch * (size_t)st->in
-                           : u->buf[c->stage & 1],
-        .nin = expert_block_row_shape(&cfg, 0, row),
-        .rin = row,
-        .span = c->span,
-    };
-    return peer_stagecall_encode(m, meta_buf, &sc);
+    route_caller_call *c = &u->rpc;
+    const route_stage *st0 = route_swarm_stage(route_caller_swarm(in->caller), 0);
+    c->x = u->cur < 0 ? in->cfg.inputs + (size_t)u->batch * (size_t)in->cfg.batch * (size_t)st0->in : u->buf[u->cur];
+    c->out = u->buf[u->cur < 0 ? 0 : u->cur ^ 1];
+    c->out_cap = (size_t)u->rows * (size_t)in->max_w;
+    c->max_span = in->S;
+    c->pin = c->stage > 0 ? u->prev : NULL;
+    c->n_avoid = 0;
+    for (int k = 0; k < in->cfg.replicas; k++)
+        if (k != u->path && *used_flag(in, u->batch, c->stage, k))
+            memcpy(u->avoid[c->n_avoid++], used_id(in, u->batch, c->stage, k), DHT_ID_LEN);
+    c->avoid = (const uint8_t(*)[DHT_ID_LEN])u->avoid;
 }
 
 /* Takes the next (batch, path) into free unit u. */
@@ -256,8 +195,8 @@ static void start_unit(infer *in, unit *u)
     u->path = in->next_path;
     int first = u->batch * in->cfg.batch;
     u->rows = in->cfg.n - first < in->cfg.batch ? in->cfg.n - first : in->cfg.batch;
+    u->cur = -1;
     u->rpc.stage = 0;
-    u->rpc.span = 1;
     u->rpc.method = PEER_METHOD_INFER;
     u->rpc.rows = u->rows;
     u->rpc.user = u;
@@ -268,10 +207,18 @@ static void start_unit(infer *in, unit *u)
     }
 }
 
-/* hooks.pump: the end, or new units and every unsent call out. */
+/* The caller's pump: completed calls in, then the end, or new units and
+ * every unsent call out. */
 static void pump(void *arg)
 {
     infer *in = arg;
+    route_caller_call *c;
+    while ((c = route_caller_reap(in->caller)) != NULL) {
+        if (c->status == 0)
+            unit_replied(in, c->user);
+        else
+            unit_failed(in, c->user);
+    }
     if (in->units_done == (long)in->n_batches * in->cfg.replicas) {
         route_caller_finish(in->caller, 0);
         return;
@@ -282,7 +229,10 @@ static void pump(void *arg)
             start_unit(in, u);
         /* Claimed when sent, not on the reply: sibling paths dispatched
          * in the meantime must see it. */
-        if (u->used && !u->rpc.sent && route_caller_send(in->caller, &u->rpc) == 1)
+        if (!u->used || u->rpc.sent || u->rpc.queued)
+            continue;
+        describe(in, u);
+        if (route_caller_send(in->caller, &u->rpc) == 1)
             claim(in, u, u->rpc.stage, u->rpc.span, u->rpc.holder);
     }
 }
@@ -317,11 +267,7 @@ static int infer_init(infer *in, uv_loop_t *loop)
                               .rng_seed = 0x853c49e6748fea9bULL,
                               .error = in->res->error,
                               .error_len = sizeof in->res->error,
-                              .hooks = {.pump = pump,
-                                        .prefer = prefer,
-                                        .build = build,
-                                        .on_reply = on_reply,
-                                        .on_failed = on_failed},
+                              .pump = pump,
                               .arg = in,
                               .on_message = cfg->on_message,
                               .message_arg = cfg->arg};

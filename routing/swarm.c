@@ -8,7 +8,8 @@
 #include "swarm/holders.h"
 
 struct route_swarm {
-    dht *d;
+    route_lookup_fn lookup;
+    void *lookup_ctx;
     const struct expert_model_spec *m;
     double refresh_s;
     double now;               /* time of the latest refresh call */
@@ -31,9 +32,20 @@ static void unref(route_swarm *s)
     }
 }
 
+static int dht_lookup(void *ctx, const uint8_t key[DHT_ID_LEN], dht_get_cb cb, void *ud)
+{
+    return dht_get(ctx, key, cb, ud);
+}
+
 route_swarm *route_swarm_create(dht *d, const struct expert_model_spec *m, double refresh_s)
 {
-    if (!d || !m || m->n_stages < 1 || !(refresh_s > 0))
+    return d ? route_swarm_create_with(dht_lookup, d, m, refresh_s) : NULL;
+}
+
+route_swarm *route_swarm_create_with(route_lookup_fn fn, void *ctx, const struct expert_model_spec *m,
+                                     double refresh_s)
+{
+    if (!fn || !m || m->n_stages < 1 || !(refresh_s > 0))
         return NULL;
     route_swarm *s = calloc(1, sizeof *s);
     if (!s)
@@ -43,7 +55,8 @@ route_swarm *route_swarm_create(dht *d, const struct expert_model_spec *m, doubl
         free(s);
         return NULL;
     }
-    s->d = d;
+    s->lookup = fn;
+    s->lookup_ctx = ctx;
     s->m = m;
     s->refresh_s = refresh_s;
     s->n = m->n_stages;
@@ -156,7 +169,7 @@ int route_swarm_refresh(route_swarm *s, double now)
         lk->stage = i;
         uint8_t key[DHT_ID_LEN];
         dht_id_of_bytes(key, st->name, strlen(st->name));
-        if (dht_get(s->d, key, on_get, lk) != 0) {
+        if (s->lookup(s->lookup_ctx, key, on_get, lk) != 0) {
             free(lk);
             continue;
         }

@@ -52,6 +52,14 @@ typedef struct route_swarm route_swarm;
 /* Returns NULL on bad arguments or no memory. d is borrowed. */
 route_swarm *route_swarm_create(dht *d, const struct expert_model_spec *m, double refresh_s);
 
+/* A lookup of key: 0 with cb to follow on the loop (its dht may be NULL),
+ * or -errno. dht_get is one (through route_swarm_create). */
+typedef int (*route_lookup_fn)(void *ctx, const uint8_t key[DHT_ID_LEN], dht_get_cb cb, void *ud);
+
+/* The same with lookups through fn (ctx borrowed): a test's fake swarm. */
+route_swarm *route_swarm_create_with(route_lookup_fn fn, void *ctx, const struct expert_model_spec *m,
+                                     double refresh_s);
+
 /* Starts lookups for the stages that are due at time now (seconds, any
  * monotonic clock): never looked up, older than refresh_s, or older than
  * 1 s while the stage has no online holder that is not banned (to see a

@@ -13,8 +13,6 @@
 #include <sodium.h>
 
 #include "expert/ops.h"
-#include "net/meta.h"
-#include "net/stagecall.h"
 #include "net/tensorfmt.h"
 #include "net/wire.h"
 #include "routing/caller.h"
@@ -93,12 +91,6 @@ typedef struct trainer {
                                       evaluation): the clock max_seconds counts on */
     uint64_t *offs;                /* (batch) window offsets */
     int32_t *tbuf;                 /* (batch, lpr) targets of a text batch */
-    /* compressed requests: the encoded tensors of the call being built
-     * (sealed before route_caller_send returns, so one buffer serves all) */
-    uint8_t *wbuf;
-    size_t wbuf_cap;
-    uint64_t sr_count;             /* stochastic rounding: one seed per gradient sent, */
-    uint64_t sr_base;              /* from a random base (trainers' draws differ) */
 } trainer;
 
 static double now_s(const trainer *t)
@@ -175,16 +167,6 @@ static void refused(trainer *t, pend *p)
         memcpy(t->refusers[slot][t->n_refusers[slot]++], p->rpc.holder, DHT_ID_LEN);
 }
 
-static int is_refuser(const trainer *t, int slot, int stage, const uint8_t id[DHT_ID_LEN])
-{
-    if (t->refusers_stage[slot] != stage)
-        return 0;
-    for (int i = 0; i < t->n_refusers[slot]; i++)
-        if (!memcmp(t->refusers[slot][i], id, DHT_ID_LEN))
-            return 1;
-    return 0;
-}
-
 /* Holder `by` accepted the backward of `slot` at `stage`: the replicas
  * that refused it refused what a replica accepts, so they are backed off
  * as if they had failed (a replica that refuses every gradient is thus
@@ -232,7 +214,7 @@ static void rolled_back(trainer *t, int stage, const uint8_t id[DHT_ID_LEN], uin
                       (unsigned long long)from, (unsigned long long)to);
 }
 
-/* ---- calls: the caller's hooks ---- */
+/* ---- calls: what each sends, and what its outcome does ---- */
 
 /* A refused backward's pend: remembered (refused()), so its retry goes to
  * another replica while one is available. */
@@ -242,91 +224,40 @@ static void refused_by(trainer *t, pend *p)
     refused(t, p);
 }
 
-/* hooks.prefer: a backward goes first to the replica that served its
- * forward; a refused backward avoids the replicas that refused it. */
-static int prefer(void *arg, const route_caller_call *c, const route_replica *reps, int n, double now,
-                  uint8_t *avoid)
+/* What p's call sends: its inputs (and for a backward, the output
+ * gradient), its reply into the pipeline's buffer; a backward goes first
+ * to the replica that served its forward, at the forward's weight version
+ * (weight stashing), and a refused backward's retry avoids the replicas
+ * that refused it. */
+static void describe(trainer *t, pend *p)
 {
-    trainer *t = arg;
-    const pend *p = c->user;
-    int slot = p->call.slot, first = -1;
-    (void)now;
-    if (p->call.kind != ROUTE_CALL_BACKWARD)
-        return -1;
-    if (p->call.attempt == 0) {
-        const uint8_t *want = t->fwd_holder[slot][p->call.stage];
-        for (int i = 0; i < n; i++)
-            if (!memcmp(reps[i].id, want, DHT_ID_LEN))
-                first = i;
-        return first;
-    }
-    for (int i = 0; i < n; i++)
-        avoid[i] = (uint8_t)is_refuser(t, slot, p->call.stage, reps[i].id);
-    return -1;
-}
-
-/* hooks.build: inputs (and for a backward, the output gradient and the
- * forward's weight version when it goes to the forward's holder), in the
- * wire format when the holder accepts it: activations rounded to nearest
- * (the same bytes every time, so a backward's inputs equal its forward's),
- * gradients stochastically (unbiased; peer_tensorfmt_encode_sr). */
-static int build(void *arg, route_caller_call *c, const route_holder *h, int preferred, peer_msg *m,
-                 uint8_t *meta_buf)
-{
-    trainer *t = arg;
-    const pend *p = c->user;
     const route_call *call = &p->call;
-    struct expert_block_config cfg;
-    uint64_t rin[2], rout[2];
-    expert_model_stage(t->cfg.model, call->stage, &cfg);
-    int nin = expert_block_row_shape(&cfg, 0, rin), nout = expert_block_row_shape(&cfg, 1, rout);
-    peer_dtype fmt = PEER_DTYPE_F32;
-    int block = 0;
-    if (t->cfg.wire_format != PEER_FMT_F32 && h && peer_fmt_mask_has(h->ann.formats, (peer_fmt)t->cfg.wire_format)) {
-        fmt = (peer_dtype)t->cfg.wire_format;
-        block = fmt != PEER_DTYPE_Q8 ? 0 : t->cfg.wire_block ? t->cfg.wire_block : PEER_FMT_Q8_BLOCK;
-    }
-    int backward = call->kind == ROUTE_CALL_BACKWARD;
-    peer_stagecall sc = {
-        .rows = (uint64_t)call->rows,
-        .x = call->inputs,
-        .nin = nin,
-        .rin = rin,
-        .dy = backward ? call->grad_outputs : NULL,
-        .nout = nout,
-        .rout = rout,
-        .fmt = fmt,
-        .block = block,
-        /* Token values must arrive exact: an embed stage's inputs stay f32. */
-        .exact_inputs = cfg.kind == EXPERT_BLOCK_EMBED,
-        .sr_seed = backward ? (t->sr_base ^ ++t->sr_count) * 0xD1B54A32D192ED03ull : 0,
-        .at_version_known = backward && preferred && t->fwd_version_known[call->slot][call->stage],
-        .at_version = t->fwd_version[call->slot][call->stage],
-        .scratch = t->wbuf,
-        .scratch_cap = t->wbuf_cap,
-    };
-    int rc = peer_stagecall_encode(m, meta_buf, &sc);
-    if (rc != 0)
-        return rc;
-    if (t->ph == PH_TRAIN) {
-        for (int i = 0; i < m->n_tensors; i++)
-            t->res->bytes_sent += m->t[i].nbytes;
-        if (fmt == PEER_DTYPE_F32)
-            t->res->f32_calls++;
-        else
-            t->res->compressed_calls++;
-    }
-    return 0;
+    route_caller_call *c = &p->rpc;
+    int slot = call->slot, backward = call->kind == ROUTE_CALL_BACKWARD;
+    c->stage = call->stage;
+    c->method = backward ? PEER_METHOD_BACKWARD : PEER_METHOD_FORWARD;
+    c->rows = call->rows;
+    c->x = call->inputs;
+    c->dy = backward ? call->grad_outputs : NULL;
+    c->out = call->outputs;
+    c->out_cap = (size_t)call->rows * (size_t)(backward ? call->width_in : call->width_out);
+    c->user = p;
+    c->pin = backward && call->attempt == 0 ? t->fwd_holder[slot][call->stage] : NULL;
+    c->pin_version_known = t->fwd_version_known[slot][call->stage];
+    c->pin_version = t->fwd_version[slot][call->stage];
+    int avoid = backward && call->attempt > 0 && t->refusers_stage[slot] == call->stage;
+    c->avoid = avoid ? (const uint8_t(*)[DHT_ID_LEN])t->refusers[slot] : NULL;
+    c->n_avoid = avoid ? t->n_refusers[slot] : 0;
 }
 
 /* A forward's reply: who served it, on which weight version. */
-static void forward_served(trainer *t, const pend *p, const peer_msg *m)
+static void forward_served(trainer *t, const pend *p)
 {
     const route_call *c = &p->call;
     int slot = c->slot;
     memcpy(t->fwd_holder[slot][c->stage], p->rpc.holder, DHT_ID_LEN);
-    uint64_t v = 0, from = 0;
-    t->fwd_version_known[slot][c->stage] = peer_meta_versions_decode(m->meta, m->meta_len, &v, 1) == 1;
+    uint64_t v = p->rpc.versions[0], from = 0;
+    t->fwd_version_known[slot][c->stage] = p->rpc.n_versions == 1;
     if (t->fwd_version_known[slot][c->stage]) {
         t->fwd_version[slot][c->stage] = v;
         /* Forwards only: a backward may name an older, stashed version. */
@@ -335,47 +266,31 @@ static void forward_served(trainer *t, const pend *p, const peer_msg *m)
     }
 }
 
-/* hooks.on_reply: the outputs go to the pipeline. */
-static int on_reply(void *arg, route_caller_call *rc, const peer_msg *m)
+/* A reply (its rows already in the pipeline's buffer): the pipeline
+ * moves on. */
+static void call_replied(trainer *t, pend *p)
 {
-    trainer *t = arg;
-    pend *p = rc->user;
     const route_call *c = &p->call;
-    int width = c->kind == ROUTE_CALL_FORWARD ? c->width_out : c->width_in;
-    struct expert_block_config cfg;
-    uint64_t row[2];
-    expert_model_stage(t->cfg.model, c->stage, &cfg);
-    int nrow = expert_block_row_shape(&cfg, c->kind == ROUTE_CALL_FORWARD, row);
-    if (peer_stagecall_reply_rows(m, nrow, row, (uint64_t)c->rows, c->outputs, (size_t)c->rows * (size_t)width) != 0)
-        return -EBADMSG;
-    if (t->ph == PH_TRAIN)
-        t->res->bytes_received += m->t[0].nbytes;
     if (c->kind == ROUTE_CALL_BACKWARD)
-        accepted(t, c->slot, c->stage, rc->holder);
+        accepted(t, c->slot, c->stage, p->rpc.holder);
     else if (c->stage == 0)
         t->n_refusers[c->slot] = 0; /* a new batch in this slot */
     if (c->kind == ROUTE_CALL_FORWARD)
-        forward_served(t, p, m);
+        forward_served(t, p);
     p->used = 0;
     int err = route_pipeline_call_done(t->pipe, c->token, 0);
     if (err != 0 && err != -ENOENT)
         route_caller_note(t->caller, "a batch was dropped: its labels are out of range (%s)", strerror(-err));
-    return 1;
 }
 
-/* hooks.on_failed: the pipeline re-issues the call (to another replica,
- * through the caller's choice), or drops the batch's update after too many
+/* A failure: the pipeline re-issues the call (to another replica, through
+ * the caller's choice), or drops the batch's update after too many
  * refusals. The pipeline needs only "refused or not": the reason is in
- * the log already. Calls cancelled by the end of the run are not
- * re-issued (nor counted as retries). */
-static void on_failed(void *arg, route_caller_call *rc, int status, int refusal)
+ * the log already. */
+static void call_failed(trainer *t, pend *p)
 {
-    trainer *t = arg;
-    pend *p = rc->user;
-    (void)status;
+    int refusal = p->rpc.refused;
     p->used = 0;
-    if (route_caller_finishing(t->caller))
-        return;
     if (refusal)
         refused_by(t, p);
     uint64_t dropped = route_pipeline_refused_batches(t->pipe);
@@ -389,7 +304,29 @@ static void on_failed(void *arg, route_caller_call *rc, int status, int refusal)
                           stage_name(t, p->call.stage), p->call.rows, ROUTE_PIPELINE_MAX_REFUSALS);
 }
 
-/* hooks.summary_part: the trainer's own errlog codes. */
+/* Every call the caller completed: its traffic counted (training only),
+ * then its reply or failure handled. */
+static void reap(trainer *t)
+{
+    route_caller_call *c;
+    while ((c = route_caller_reap(t->caller)) != NULL) {
+        pend *p = c->user;
+        if (t->ph == PH_TRAIN && c->bytes_sent > 0) {
+            t->res->bytes_sent += c->bytes_sent;
+            t->res->bytes_received += c->bytes_received;
+            if (c->compressed)
+                t->res->compressed_calls++;
+            else
+                t->res->f32_calls++;
+        }
+        if (c->status == 0)
+            call_replied(t, p);
+        else
+            call_failed(t, p);
+    }
+}
+
+/* cfg.summary_part: the trainer's own errlog codes. */
 static int summary_part(void *arg, const route_errlog_kind *k, char *buf, size_t len)
 {
     trainer *t = arg;
@@ -580,10 +517,12 @@ static void advance_phase(trainer *t)
     t->t_epoch = now_s(t);
 }
 
-/* hooks.pump: results in, the schedule on, every ready call out. */
+/* The caller's pump: completed calls in, results in, the schedule on,
+ * every ready call out. */
 static void pump(void *arg)
 {
     trainer *t = arg;
+    reap(t);
     collect(t);
     advance_phase(t);
     if (route_caller_finishing(t->caller))
@@ -597,15 +536,13 @@ static void pump(void *arg)
         if (!route_pipeline_next_call(t->pipe, &p->call))
             break;
         p->used = 1;
-        p->rpc.stage = p->call.stage;
-        p->rpc.method = p->call.kind == ROUTE_CALL_FORWARD ? PEER_METHOD_FORWARD : PEER_METHOD_BACKWARD;
-        p->rpc.rows = p->call.rows;
-        p->rpc.user = p;
     }
     for (int i = 0; i < t->cfg.inflight; i++) {
         pend *p = &t->pends[i];
-        if (p->used && !p->rpc.sent)
+        if (p->used && !p->rpc.sent && !p->rpc.queued) {
+            describe(t, p);
             route_caller_send(t->caller, &p->rpc);
+        }
     }
 }
 
@@ -677,7 +614,8 @@ static int trainer_init(trainer *t, uv_loop_t *loop)
     route_pipeline_config pc = {m->n_stages, widths, t->cfg.batch, t->cfg.inflight, loss_fn, t,
                                 ROUTE_PIPELINE_MAX_REFUSALS, t->lpr};
     t->pipe = route_pipeline_create(&pc);
-    uint64_t seed = t->cfg.seed * 0x9E3779B97F4A7C15ULL + 0x1234567ULL;
+    uint64_t seed = t->cfg.seed * 0x9E3779B97F4A7C15ULL + 0x1234567ULL, sr_base;
+    randombytes_buf(&sr_base, sizeof sr_base); /* trainers' rounding draws differ */
     route_caller_config cc = {.dht = t->cfg.dht,
                               .ident = t->cfg.ident,
                               .swarm_key = t->cfg.swarm_key,
@@ -687,15 +625,14 @@ static int trainer_init(trainer *t, uv_loop_t *loop)
                               .refresh_s = t->cfg.refresh_s,
                               .max_pending = 4 * t->cfg.inflight + 8,
                               .max_refusals = ROUTE_PIPELINE_MAX_REFUSALS,
+                              .wire_format = t->cfg.wire_format,
+                              .wire_block = t->cfg.wire_block,
+                              .sr_base = sr_base,
                               .rng_seed = seed ? seed : 1,
                               .error = t->res->error,
                               .error_len = sizeof t->res->error,
-                              .hooks = {.pump = pump,
-                                        .prefer = prefer,
-                                        .build = build,
-                                        .on_reply = on_reply,
-                                        .on_failed = on_failed,
-                                        .summary_part = summary_part},
+                              .pump = pump,
+                              .summary_part = summary_part,
                               .arg = t,
                               .on_message = t->cfg.on_message,
                               .message_arg = t->cfg.arg};
@@ -711,16 +648,8 @@ static int trainer_init(trainer *t, uv_loop_t *loop)
     t->ybuf = malloc(rows);
     t->offs = malloc(B * sizeof *t->offs);
     t->tbuf = malloc(rows * sizeof *t->tbuf);
-    /* Two halves, each as large as a stage's widest tensor in float32 (more
-     * than any compressed format takes, a q8 block of 16 included). */
-    int widest = 0;
-    for (int s = 0; s <= m->n_stages; s++)
-        widest = widths[s] > widest ? widths[s] : widest;
-    t->wbuf_cap = 2 * (B * (size_t)widest * sizeof(float) + 64);
-    t->wbuf = malloc(t->wbuf_cap);
-    randombytes_buf(&t->sr_base, sizeof t->sr_base);
     if (!t->pipe || !t->caller || !t->versions || !t->pends || !t->order || !t->probs || !t->losses ||
-        !t->targets || !t->xbuf || !t->ybuf || !t->offs || !t->tbuf || !t->wbuf)
+        !t->targets || !t->xbuf || !t->ybuf || !t->offs || !t->tbuf)
         return -ENOMEM;
     return 0;
 }
@@ -739,7 +668,6 @@ static void trainer_free(trainer *t)
     free(t->ybuf);
     free(t->offs);
     free(t->tbuf);
-    free(t->wbuf);
     free(t);
 }
 
