@@ -20,7 +20,7 @@
 #include "expert/guard.h"
 #include "expert/model.h"
 #include "peer/log.h"
-#include "net/meta.h"
+#include "net/stagecall.h"
 #include "net/rpc_server.h"
 #include "net/tensorfmt.h"
 #include "net/wire.h"

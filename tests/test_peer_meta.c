@@ -1,8 +1,8 @@
-/* tests/test_peer_meta.c: the compute methods' meta bytes (net/meta.h):
+/* tests/test_peer_meta.c: the compute methods' meta bytes (net/stagecall.h):
  * round trips, the exact wire bytes (u64le), and malformed meta refused. */
 #include <errno.h>
 
-#include "net/meta.h"
+#include "net/stagecall.h"
 #include "test_util.h"
 
 static void test_versions(void **state)

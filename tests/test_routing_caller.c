@@ -14,7 +14,7 @@
 
 #include "expert/block.h"
 #include "expert/model.h"
-#include "net/meta.h"
+#include "net/stagecall.h"
 #include "routing/caller.h"
 #include "swarm/announce.h"
 #include "test_util.h"
