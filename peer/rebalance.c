@@ -8,7 +8,7 @@
 
 #include "peer/log.h"
 #include "swarm/balance.h"
-#include "routing/replica.h"
+#include "routing/swarm.h"
 
 void route_rebalance_scores(const route_stage *const *view, int n, const uint8_t *self_id, double *score,
                             int *holders)

@@ -4,7 +4,7 @@
  * A client asks for "this call, to some holder of stage s"; the caller
  * finds the stage's holders through the DHT (routing/swarm.h), picks a
  * replica at random in proportion to its expected service rate
- * (routing/replica.h), keeps one encrypted connection per holder
+ * (routing/swarm.h), keeps one encrypted connection per holder
  * (routing/conns.h), sends the request and reports the outcome. It owns
  * everything that is the same for every client:
  *
@@ -85,7 +85,6 @@
 #include "net/wire.h"
 #include "routing/conns.h"
 #include "routing/pipeline.h"
-#include "routing/replica.h"
 #include "routing/swarm.h"
 
 #define ROUTE_CALLER_PUMP_MS 20

@@ -13,7 +13,6 @@
 #include "net/wire.h"
 #include "routing/caller.h"
 #include "routing/pipeline.h"
-#include "routing/replica.h"
 #include "routing/swarm.h"
 
 /* One (batch, path): goes forward through every stage. */

@@ -10,7 +10,6 @@
 #include "routing/data.h"
 #include "routing/infer.h"
 #include "routing/pipeline.h"
-#include "routing/replica.h"
 #include "routing/swarm.h"
 #include "routing/trainer.h"
 #include "routing/versions.h"

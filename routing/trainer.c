@@ -17,7 +17,6 @@
 #include "net/wire.h"
 #include "routing/caller.h"
 #include "routing/pipeline.h"
-#include "routing/replica.h"
 #include "routing/swarm.h"
 #include "routing/versions.h"
 

@@ -4,12 +4,12 @@
  * on peers. It finds each stage's holders through the DHT (routing/swarm.h),
  * keeps several micro-batches in flight (routing/pipeline.h) so all stages
  * work at once, sends each forward and backward call to a replica chosen at
- * random in proportion to its expected service rate (routing/replica.h),
+ * random in proportion to its expected service rate (routing/swarm.h),
  * and on a timeout or an error bans that replica for a while and sends the
  * same call to another: no batch is lost (unless its backward is refused
  * too often: see below). Every call, connection and
  * handshake is bounded by call_timeout_s. A stage whose replicas are all
- * banned is probed every ROUTE_PROBE_S (routing/replica.h), so training
+ * banned is probed every ROUTE_PROBE_S (routing/swarm.h), so training
  * resumes soon after a dead holder comes back. When a stage has no online holder
  * the trainer waits (saying so) up to max_wait_s, then gives up with a
  * message naming the stage. After each epoch it evaluates the test set

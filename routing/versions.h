@@ -21,7 +21,7 @@
 
 #include <stdint.h>
 
-#include "routing/replica.h"
+#include "routing/swarm.h"
 
 typedef struct route_versions route_versions;
 

@@ -5,7 +5,7 @@
 #include <math.h>
 
 #include "routing/pipeline.h"
-#include "routing/replica.h"
+#include "routing/swarm.h"
 #include "test_util.h"
 
 #define S 3

@@ -1,8 +1,8 @@
-/* Replica choice, bans and back-off (routing/replica.h). */
+/* Replica choice, bans and back-off (routing/swarm.h). */
 #include <errno.h>
 #include <math.h>
 
-#include "routing/replica.h"
+#include "routing/swarm.h"
 #include "test_util.h"
 
 static void mkid(uint8_t id[ROUTE_ID_LEN], int k)
