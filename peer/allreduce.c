@@ -566,6 +566,37 @@ static int encode_base(srv_block *b, expert_block *blk, int diloco)
     return part_encode(fmt, fb, base + b->cur.part_off, b->cur.part_len, NULL, b->cur.enc + b->cur.enc_off[b->cur.me]);
 }
 
+/* DiLoCo's base for block i: anchor - params, then the params themselves
+ * (for the apply). A block without an anchor takes one now (at `rows`
+ * samples): its delta is 0, so it gives nothing this round. Returns 0 or
+ * -errno. */
+static int diloco_base(peer_allreduce_server *srv, srv_block *b, int i, expert_block *blk, size_t np,
+                       uint64_t rows)
+{
+    float *delta = b->cur.base, *theta = b->cur.base + np;
+    int rc = copy_params(srv, i, theta, np);
+    if (rc != 0)
+        return rc;
+    struct expert_outer o;
+    rc = expert_block_outer_lock(blk, 0, &o);
+    if (rc == -ENOENT) {
+        rc = set_anchor(b, blk, theta, np, rows);
+        if (rc == 0)
+            rc = expert_block_outer_lock(blk, 0, &o);
+        b->cur.weight = 0;
+    }
+    if (rc == 0 && o.n != np) {
+        expert_block_outer_unlock(blk);
+        rc = -EINVAL;
+    }
+    if (rc != 0)
+        return rc;
+    for (size_t k = 0; k < np; k++)
+        delta[k] = o.anchor[k] - theta[k];
+    expert_block_outer_unlock(blk);
+    return 0;
+}
+
 int peer_allreduce_server_begin(peer_allreduce_server *srv, int i, uint64_t round,
                                 const uint8_t digest[PEER_AVG_DIGEST_LEN], int n, int me,
                                 const peer_avg_method *how, double *weight_out, size_t *nflat_out)
@@ -610,41 +641,10 @@ int peer_allreduce_server_begin(peer_allreduce_server *srv, int i, uint64_t roun
     /* Initial weights carry no information: such a member takes the
      * group's average and gives nothing to it. */
     b->cur.weight = info.has_state ? (double)(rows >= b->mark ? rows - b->mark : 0) + 1.0 : 0.0;
-    if (diloco) {
-        /* base = anchor - params, then the params themselves (for the
-         * apply). A block without an anchor takes one now: its delta is 0,
-         * so it gives nothing this round. */
-        float *delta = b->cur.base, *theta = b->cur.base + np;
-        int rc = copy_params(srv, i, theta, np);
-        if (rc != 0) {
-            b->cur.active = 0;
-            return rc;
-        }
-        struct expert_outer o;
-        rc = expert_block_outer_lock(blk, 0, &o);
-        if (rc == -ENOENT) {
-            rc = set_anchor(b, blk, theta, np, rows);
-            if (rc == 0)
-                rc = expert_block_outer_lock(blk, 0, &o);
-            b->cur.weight = 0;
-        }
-        if (rc == 0 && o.n != np) {
-            expert_block_outer_unlock(blk);
-            rc = -EINVAL;
-        }
-        if (rc != 0) {
-            b->cur.active = 0;
-            return rc;
-        }
-        for (size_t k = 0; k < np; k++)
-            delta[k] = o.anchor[k] - theta[k];
-        expert_block_outer_unlock(blk);
-    } else {
-        int rc = expert_block_flat_export(blk, b->cur.base);
-        if (rc != 0) {
-            b->cur.active = 0;
-            return rc;
-        }
+    int rc = diloco ? diloco_base(srv, b, i, blk, np, rows) : expert_block_flat_export(blk, b->cur.base);
+    if (rc != 0) {
+        b->cur.active = 0;
+        return rc;
     }
     b->cur.how = h;
     b->cur.nflat = nflat;
@@ -655,7 +655,7 @@ int peer_allreduce_server_begin(peer_allreduce_server *srv, int i, uint64_t roun
     b->cur.part_off = off;
     b->cur.part_len = len;
     if (lossy) {
-        int rc = encode_base(b, blk, diloco);
+        rc = encode_base(b, blk, diloco);
         if (rc != 0) {
             b->cur.active = 0;
             return rc;
@@ -1424,6 +1424,28 @@ static void on_deadline(uv_timer_t *t)
     finish(t->data, -ETIMEDOUT);
 }
 
+/* ar's buffers: its part's accumulator, the whole average, and each other
+ * member's copy of our part. Returns 0, or -ENOMEM with none left. */
+static int alloc_parts(peer_allreduce *ar)
+{
+    ar->acc = malloc((ar->part_len ? ar->part_len : 1) * sizeof(float));
+    ar->avg = malloc(ar->nflat * sizeof(float));
+    int ok = ar->acc && ar->avg;
+    for (int j = 0; ok && j < ar->n; j++)
+        if (j != ar->me && ar->part_len > 0 && !(ar->links[j].part = malloc(ar->part_len * sizeof(float))))
+            ok = 0;
+    if (ok)
+        return 0;
+    for (int j = 0; j < ar->n; j++) {
+        free(ar->links[j].part);
+        ar->links[j].part = NULL;
+    }
+    free(ar->acc);
+    free(ar->avg);
+    ar->acc = ar->avg = NULL;
+    return -ENOMEM;
+}
+
 int peer_allreduce_start(const peer_allreduce_config *c, peer_allreduce **out)
 {
     if (!c || !out || !c->loop || !c->self || !c->srv || !c->block_name || !c->digest || !c->members ||
@@ -1462,27 +1484,10 @@ int peer_allreduce_start(const peer_allreduce_config *c, peer_allreduce **out)
     }
     ar->nseg = c->method.mode == PEER_AVG_MEAN && ar->nflat % 3 == 0 ? 3 : 1;
     peer_avg_part(ar->nflat, ar->n, ar->me, &ar->part_off, &ar->part_len);
-    ar->acc = malloc((ar->part_len ? ar->part_len : 1) * sizeof(float));
-    ar->avg = malloc(ar->nflat * sizeof(float));
-    if (!ar->acc || !ar->avg) {
+    if (alloc_parts(ar) != 0) {
         peer_allreduce_server_release(c->srv, c->block);
-        free(ar->acc);
-        free(ar->avg);
         free(ar);
         return -ENOMEM;
-    }
-    for (int j = 0; j < c->n; j++) {
-        if (j == c->me || ar->part_len == 0)
-            continue;
-        if (!(ar->links[j].part = malloc(ar->part_len * sizeof(float)))) {
-            for (int i = 0; i < j; i++)
-                free(ar->links[i].part);
-            peer_allreduce_server_release(c->srv, c->block);
-            free(ar->acc);
-            free(ar->avg);
-            free(ar);
-            return -ENOMEM;
-        }
     }
     ar->res.bad_reducer = -1;
     ar->phase = 1;
