@@ -18,6 +18,7 @@
 
 #include "expert/block.h"
 #include "expert/guard.h"
+#include "expert/hfweights.h"
 #include "expert/model.h"
 #include "peer/log.h"
 #include "net/stagecall.h"
@@ -892,6 +893,23 @@ static int check_memory(peer_service *s, const peer_service_config *cfg, svc_blo
  * from its checkpoint when present), its batcher, its speed. Returns 0, or
  * -1 with a sentence in err (the block, if counted, is freed with the
  * others). */
+/* The --init-weights file's slice for block b (stage idx): a safetensors
+ * file under Hugging Face's names (by its ".safetensors" suffix), else a
+ * flat weight file of the whole model. A fallback the safetensors loader
+ * took (a tied head, no head bias) is logged. */
+static int load_init_weights(peer_service *s, svc_block *b, int idx, char *err, size_t errlen)
+{
+    const char *path = s->cfg.init_weights;
+    size_t n = strlen(path);
+    if (n < 12 || strcmp(path + n - 12, ".safetensors") != 0)
+        return expert_block_load_flat(b->block, s->spec, idx, path, err, errlen);
+    char note[600];
+    int rc = expert_block_load_safetensors(b->block, s->spec, idx, path, err, errlen, note, sizeof note);
+    if (rc == 0 && note[0])
+        peer_log(s->cfg.log, "block %s: %s", b->name, note);
+    return rc;
+}
+
 static int open_block(peer_service *s, const peer_service_config *cfg, int idx, char *err, size_t errlen)
 {
     svc_block *b = &s->blocks[s->n_blocks];
@@ -925,8 +943,7 @@ static int open_block(peer_service *s, const peer_service_config *cfg, int idx, 
         return -1;
     }
     expert_block_set_guard(b->block, &cfg->guard);
-    if (cfg->init_weights &&
-        expert_block_load_flat(b->block, s->spec, idx, cfg->init_weights, err, errlen) != 0)
+    if (cfg->init_weights && load_init_weights(s, b, idx, err, errlen) != 0)
         return -1;
     if (cfg->checkpoint_dir && restore_block(s, b, cfg->checkpoint_dir, err, errlen) != 0)
         return -1;

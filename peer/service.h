@@ -80,9 +80,11 @@ typedef struct peer_service_config {
                                      input and grad_output norms, and every step's
                                      averaged gradient */
     uint64_t seed;                /* init seed when no checkpoint exists */
-    const char *init_weights;     /* NULL, or a flat weight file of the whole model
-                                     (expert_block_load_flat): the blocks start from
-                                     their slice of it instead of the seed's weights
+    const char *init_weights;     /* NULL, or a weight file of the whole model: a
+                                     "*.safetensors" file under Hugging Face's names
+                                     (expert/hfweights.h), else a flat file
+                                     (expert_block_load_flat); the blocks start from
+                                     their part of it instead of the seed's weights
                                      (a checkpoint, when there is one, still wins) */
     /* Limits of the RPC server against hostile clients (peer_rpc_server_config,
      * docs/rpc.md "Limits"); 0 takes the server's default. */
