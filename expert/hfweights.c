@@ -12,6 +12,8 @@
 
 #include "expert/safetensors.h"
 
+#include <jansson.h>
+
 static int say(char *buf, size_t len, int rc, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 
 static int say(char *buf, size_t len, int rc, const char *fmt, ...)
@@ -188,4 +190,97 @@ int expert_block_load_safetensors(expert_block *b, const struct expert_model_spe
     free(tmp);
     free(p);
     return rc;
+}
+
+/* ---- writing ---- */
+
+int expert_hf_write(const struct expert_model_spec *m, const float *const *params, const char *path,
+                    const char *const *meta, int n_meta, char *msg, size_t msglen)
+{
+    if (!m || !params || !path)
+        return say(msg, msglen, -EINVAL, "nothing to write");
+    size_t nt = 0;
+    for (int s = 0; s < m->n_stages; s++) {
+        struct expert_block_config c;
+        struct expert_tensor_info t[EXPERT_BLOCK_MAX_TENSORS];
+        expert_model_stage(m, s, &c);
+        if (!is_gpt_kind(c.kind))
+            return say(msg, msglen, -EINVAL, "stage %s.%d is a %s block, which has no Hugging Face names", m->name,
+                       s, expert_block_kind_name(c.kind));
+        nt += (size_t)expert_block_config_tensors(&c, t, NULL);
+    }
+    expert_st_out *out = calloc(nt ? nt : 1, sizeof *out);
+    char (*names)[EXPERT_HF_NAME_MAX] = calloc(nt ? nt : 1, sizeof *names);
+    float **bufs = calloc(nt ? nt : 1, sizeof *bufs);
+    int rc = out && names && bufs ? 0 : say(msg, msglen, -ENOMEM, "out of memory writing %s", path);
+    int n = 0;
+    for (int s = 0; rc == 0 && s < m->n_stages; s++) {
+        struct expert_block_config c;
+        struct expert_tensor_info t[EXPERT_BLOCK_MAX_TENSORS];
+        expert_model_stage(m, s, &c);
+        int k = expert_block_config_tensors(&c, t, NULL);
+        for (int i = 0; rc == 0 && i < k; i++, n++) {
+            int tr = 0;
+            expert_hf_name(m, s, i, names[n], sizeof names[n], &tr);
+            const float *src = params[s] + t[i].offset;
+            out[n].name = names[n];
+            out[n].data = src;
+            out[n].ndim = t[i].cols == 1 ? 1 : 2;
+            out[n].shape[0] = (uint64_t)(tr ? t[i].cols : t[i].rows);
+            out[n].shape[1] = (uint64_t)(tr ? t[i].rows : t[i].cols);
+            if (!tr)
+                continue;
+            if (!(bufs[n] = malloc(t[i].count * sizeof(float)))) {
+                rc = say(msg, msglen, -ENOMEM, "out of memory writing %s", path);
+                break;
+            }
+            for (int a = 0; a < t[i].rows; a++) /* Conv1D: [in][out] */
+                for (int b = 0; b < t[i].cols; b++)
+                    bufs[n][(size_t)b * (size_t)t[i].rows + (size_t)a] = src[(size_t)a * (size_t)t[i].cols + (size_t)b];
+            out[n].data = bufs[n];
+        }
+    }
+    if (rc == 0)
+        rc = expert_st_write(path, out, n, meta, n_meta, msg, msglen);
+    for (size_t i = 0; bufs && i < nt; i++)
+        free(bufs[i]);
+    free(bufs);
+    free(names);
+    free(out);
+    return rc;
+}
+
+char *expert_hf_config_json(const struct expert_model_spec *m)
+{
+    int layers = 0;
+    struct expert_block_config c, first;
+    for (int s = 0; m && s < m->n_stages; s++) {
+        expert_model_stage(m, s, &c);
+        if (!is_gpt_kind(c.kind))
+            return NULL;
+        layers += c.layers;
+    }
+    if (!m || expert_model_stage(m, 0, &first) != 0)
+        return NULL;
+    json_t *j = json_pack("{s:[s],s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:s,s:f,s:b,s:s,s:f,s:f,s:f,s:f}",
+                          "architectures", "GPT2LMHeadModel", "model_type", "gpt2", "vocab_size", first.vocab,
+                          "n_positions", first.seq, "n_ctx", first.seq, "n_embd", first.dim, "n_layer", layers,
+                          "n_head", first.heads, "n_inner", first.hidden, "activation_function", "gelu",
+                          "layer_norm_epsilon", 1e-5, "tie_word_embeddings", 0, "torch_dtype", "float32",
+                          "resid_pdrop", 0.0, "embd_pdrop", 0.0, "attn_pdrop", 0.0, "summary_first_dropout", 0.0);
+    if (!j)
+        return NULL;
+    char *s = json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+    json_decref(j);
+    if (!s)
+        return NULL;
+    size_t len = strlen(s);
+    char *out = realloc(s, len + 2);
+    if (!out) {
+        free(s);
+        return NULL;
+    }
+    out[len] = '\n';
+    out[len + 1] = '\0';
+    return out;
 }

@@ -59,4 +59,19 @@ int expert_hf_name(const struct expert_model_spec *m, int index, int ti, char *n
 int expert_block_load_safetensors(expert_block *b, const struct expert_model_spec *m, int index, const char *path,
                                   char *msg, size_t msglen, char *note, size_t notelen);
 
+/* Writes the whole of m's weights to path as a safetensors file under the
+ * names above (F32, the stages' tensors in order; Conv1D weights
+ * transposed): params[s] holds stage s's parameters (its
+ * expert_block_config_tensors order, expert_block_nparams floats), meta
+ * n_meta key/value pairs for "__metadata__". Returns 0, or -EINVAL (a kind
+ * without names) or the writer's -errno, with a sentence in msg. */
+int expert_hf_write(const struct expert_model_spec *m, const float *const *params, const char *path,
+                    const char *const *meta, int n_meta, char *msg, size_t msglen);
+
+/* m's transformers configuration (config.json: GPT2Config for
+ * GPT2LMHeadModel, exact GELU, no dropout), as pretty JSON text with a
+ * final newline (malloc'd; the caller frees it), or NULL for a kind without
+ * names or no memory. */
+char *expert_hf_config_json(const struct expert_model_spec *m);
+
 #endif

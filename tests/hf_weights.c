@@ -12,7 +12,6 @@
 #include "expert/block.h"
 #include "expert/hfweights.h"
 #include "expert/modelfile.h"
-#include "expert/safetensors.h"
 
 int main(int argc, char **argv)
 {
@@ -27,19 +26,17 @@ int main(int argc, char **argv)
         return 1;
     }
     uint64_t r = strtoull(argv[2], NULL, 10) * 2654435761ULL + 1;
-    size_t total = 0, nt = 0;
+    size_t total = 0;
     for (int s = 0; s < m->n_stages; s++) {
         struct expert_block_config c;
         struct expert_tensor_info t[EXPERT_BLOCK_MAX_TENSORS];
         size_t k = 0;
         expert_model_stage(m, s, &c);
-        nt += (size_t)expert_block_config_tensors(&c, t, &k);
+        expert_block_config_tensors(&c, t, &k);
         total += k;
     }
-    float *p = malloc(total * sizeof *p), *tr = malloc(total * sizeof *tr);
-    expert_st_out *out = calloc(nt, sizeof *out);
-    char (*names)[EXPERT_HF_NAME_MAX] = calloc(nt, sizeof *names);
-    if (!p || !tr || !out || !names)
+    float *p = malloc(total * sizeof *p);
+    if (!p)
         return 1;
     for (size_t i = 0; i < total; i++) {
         r = r * 6364136223846793005ULL + 1442695040888963407ULL;
@@ -50,36 +47,18 @@ int main(int argc, char **argv)
         fprintf(stderr, "hf_weights: cannot write %s\n", argv[3]);
         return 1;
     }
+    const float *per[64];
     size_t base = 0;
-    int n = 0;
-    for (int s = 0; s < m->n_stages; s++) {
+    for (int s = 0; s < m->n_stages && s < 64; s++) {
         struct expert_block_config c;
         struct expert_tensor_info t[EXPERT_BLOCK_MAX_TENSORS];
         size_t k = 0;
         expert_model_stage(m, s, &c);
-        int count = expert_block_config_tensors(&c, t, &k);
-        for (int i = 0; i < count; i++, n++) {
-            int transposed = 0;
-            if (expert_hf_name(m, s, i, names[n], sizeof names[n], &transposed) != 0) {
-                fprintf(stderr, "hf_weights: stage %d has no Hugging Face names\n", s);
-                return 1;
-            }
-            const float *src = p + base + t[i].offset;
-            float *dst = tr + base + t[i].offset;
-            for (int a = 0; a < t[i].rows; a++)
-                for (int b = 0; b < t[i].cols; b++) {
-                    size_t from = (size_t)a * (size_t)t[i].cols + (size_t)b;
-                    dst[transposed ? (size_t)b * (size_t)t[i].rows + (size_t)a : from] = src[from];
-                }
-            out[n].name = names[n];
-            out[n].data = dst;
-            out[n].ndim = t[i].cols == 1 ? 1 : 2;
-            out[n].shape[0] = (uint64_t)(transposed ? t[i].cols : t[i].rows);
-            out[n].shape[1] = (uint64_t)(transposed ? t[i].rows : t[i].cols);
-        }
+        expert_block_config_tensors(&c, t, &k);
+        per[s] = p + base;
         base += k;
     }
-    if (expert_st_write(argv[4], out, n, NULL, 0, err, sizeof err) != 0) {
+    if (expert_hf_write(m, per, argv[4], NULL, 0, err, sizeof err) != 0) {
         fprintf(stderr, "hf_weights: %s\n", err);
         return 1;
     }

@@ -280,6 +280,59 @@ static void test_refused(void **state)
     free(p);
 }
 
+/* The writer gives the bytes this test's own table gives, and a GPT2Config
+ * of the model's sizes. */
+static void test_write(void **state)
+{
+    (void)state;
+    const struct expert_model_spec *m = expert_model_find("tiny-lm");
+    size_t total = 0;
+    float *p = flat_params(m, &total);
+    const float *per[64];
+    size_t off = 0;
+    int layers = 0;
+    for (int s = 0; s < m->n_stages; s++) {
+        struct expert_block_config c;
+        struct expert_tensor_info t[EXPERT_BLOCK_MAX_TENSORS];
+        size_t k = 0;
+        expert_model_stage(m, s, &c);
+        expert_block_config_tensors(&c, t, &k);
+        per[s] = p + off;
+        off += k;
+        layers += c.layers;
+    }
+    char a[300], b[300], msg[300];
+    snprintf(a, sizeof a, "%s/ours.safetensors", dir);
+    snprintf(b, sizeof b, "%s/theirs.safetensors", dir);
+    const char *meta[] = {"format", "pt"};
+    assert_int_equal(expert_hf_write(m, per, a, meta, 1, msg, sizeof msg), 0);
+    write_gpt2(b, m, p, 0);
+    FILE *fa = fopen(a, "rb"), *fb = fopen(b, "rb");
+    assert_true(fa && fb);
+    int ca, cb;
+    long at = 0;
+    do {
+        ca = fgetc(fa);
+        cb = fgetc(fb);
+        if (ca != cb)
+            fail_msg("the files differ at byte %ld", at);
+        at++;
+    } while (ca != EOF);
+    fclose(fa);
+    fclose(fb);
+    char *cfg = expert_hf_config_json(m);
+    assert_non_null(cfg);
+    char want[64];
+    snprintf(want, sizeof want, "\"n_layer\": %d", layers);
+    assert_non_null(strstr(cfg, want));
+    assert_non_null(strstr(cfg, "\"GPT2LMHeadModel\""));
+    assert_non_null(strstr(cfg, "\"activation_function\": \"gelu\""));
+    free(cfg);
+    assert_null(expert_hf_config_json(expert_model_find("fmnist-mlp")));
+    assert_int_equal(expert_hf_write(expert_model_find("fmnist-mlp"), per, a, NULL, 0, msg, sizeof msg), -EINVAL);
+    free(p);
+}
+
 static int setup(void **state)
 {
     (void)state;
@@ -301,6 +354,7 @@ int main(void)
         cmocka_unit_test(test_same_as_flat),
         cmocka_unit_test(test_tied_head),
         cmocka_unit_test(test_refused),
+        cmocka_unit_test(test_write),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
