@@ -62,5 +62,6 @@ int cmd_infer(int argc, char **argv);
 int cmd_generate(int argc, char **argv);
 int cmd_keygen(int argc, char **argv);
 int cmd_dht(int argc, char **argv);
+int cmd_export(int argc, char **argv);
 
 #endif

@@ -20,6 +20,7 @@ static const struct {
     {"train", cmd_train, "train a model through the swarm (images or text)", "starling-train"},
     {"infer", cmd_infer, "run predictions through the swarm", "starling-infer"},
     {"generate", cmd_generate, "sample text from a language model through the swarm", "starling-gen"},
+    {"export", cmd_export, "write a GPT's newest weights from the swarm as a Hugging Face model", "starling-export"},
     {"keygen", cmd_keygen, "create an ed25519 identity file and print its node ID", "starling-keygen"},
     {"dht", cmd_dht, "get or put a key in a running swarm (debugging)", "starling-dht"},
 };
