@@ -65,6 +65,18 @@ contains "invalid precision 'fp64'" "unknown precision message"
 expect 1 "a GPU that is not there" -- "$S" peer --device cuda:4096 --blocks 0
 contains "cannot use device 'cuda:4096'" "missing GPU message"
 
+# export: flags checked before any network starts.
+expect 2 "export without --out" -- "$S" export --initial-peers 127.0.0.1:1
+contains "--out DIR is required" "export --out message"
+expect 2 "export without --initial-peers" -- "$S" export --out "$tmp/x"
+expect 2 "export --timeout garbage" -- "$S" export --initial-peers 127.0.0.1:1 --out "$tmp/x" --timeout abc
+contains "expects a number, got 'abc'" "export --timeout message"
+expect 2 "export of an MLP" -- "$S" export --initial-peers 127.0.0.1:1 --out "$tmp/x" --model fmnist-mlp
+contains "without Hugging Face names" "export MLP message"
+expect 2 "export with a positional" -- "$S" export --initial-peers 127.0.0.1:1 --out "$tmp/x" extra
+expect 0 "export --help" -- "$S" export --help
+contains "model.safetensors" "export help"
+
 # Garbage flag values are usage errors (exit 2) with a sentence, before any
 # network or compute starts.
 for b in "1,,2" "1-" "x" "3-1" "1,2," "-1" "99"; do
