@@ -58,9 +58,10 @@ int main(int argc, char **argv)
         per[s] = p + base;
         base += k;
     }
-    if (expert_hf_write(m, per, argv[4], NULL, 0, err, sizeof err) != 0) {
+    int rc = expert_hf_write(m, per, argv[4], NULL, 0, err, sizeof err);
+    if (rc != 0)
         fprintf(stderr, "hf_weights: %s\n", err);
-        return 1;
-    }
-    return 0;
+    free(p);
+    expert_model_free(m);
+    return rc != 0;
 }
