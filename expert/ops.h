@@ -55,6 +55,37 @@ int (name)(float *dinp, float *dw, float *db, const float *dout, \
            const float *inp, const float *w, const float *mean, \
            const float *rstd, int N, int C)
 
+/* ---- Llama-family ops (train_llama.py's docstring is the specification) ---- */
+
+/* RMSNorm (Hugging Face LlamaRMSNorm) per row: out = w · x · rstd, rstd =
+ * 1/sqrt(mean(x²) + eps) in fp32, saved for backward (may be NULL).
+ * out (N,C), inp (N,C), w (C), rstd (N); out may not alias inp. */
+#define decl_rmsnorm_fwd_fn(name) \
+int (name)(float *out, float *rstd, const float *inp, const float *w, float eps, int N, int C)
+/* dinp = ∂L/∂inp (=), dw += .  rstd from the forward.
+ * dinp (N,C), dw (C), dout (N,C), inp (N,C), w (C), rstd (N). */
+#define decl_rmsnorm_bwd_fn(name) \
+int (name)(float *dinp, float *dw, const float *dout, const float *inp, const float *w, \
+           const float *rstd, int N, int C)
+
+/* Rotary embedding in Hugging Face's rotate-half layout, in place: x holds
+ * N rows of `heads` heads of hd (even) values; row n is at position
+ * n % T, whose cos/sin rows (T, hd/2) come from expert_rope_tables. For
+ * i < hd/2 and a = the angle: x[i] <- x[i] cos a - x[i+hd/2] sin a,
+ * x[i+hd/2] <- x[i+hd/2] cos a + x[i] sin a. The backward (inverse = 1)
+ * rotates by -a: applied to ∂L/∂out in place it gives ∂L/∂inp. */
+#define decl_rope_fn(name) \
+int (name)(float *x, const float *cos_t, const float *sin_t, int N, int T, int heads, int hd, int inverse)
+
+/* SwiGLU's gate: out = silu(gate) · up, silu(z) = z / (1 + exp(-z)).
+ * out, gate, up (N); out may alias neither. */
+#define decl_swiglu_fwd_fn(name) \
+int (name)(float *out, const float *gate, const float *up, size_t N)
+/* dgate = dout · up · silu'(gate), dup = dout · silu(gate) (both =).
+ * dgate, dup, dout, gate, up (N). */
+#define decl_swiglu_bwd_fn(name) \
+int (name)(float *dgate, float *dup, const float *dout, const float *gate, const float *up, size_t N)
+
 /* GELU, exact erf form (PyTorch nn.GELU() default): out = x·Φ(x).
  * out (N), inp (N); out may alias inp. */
 #define decl_gelu_fwd_fn(name) \
@@ -252,5 +283,16 @@ decl_sqnorm_fn(expert_sqnorm_op);
 decl_adamw_fn(expert_adamw_op);
 decl_sgd_fn(expert_sgd_op);
 decl_cast_bf16_fn(expert_cast_bf16);
+decl_rmsnorm_fwd_fn(expert_rmsnorm_forward);
+decl_rmsnorm_bwd_fn(expert_rmsnorm_backward);
+decl_rope_fn(expert_rope);
+decl_swiglu_fwd_fn(expert_swiglu_forward);
+decl_swiglu_bwd_fn(expert_swiglu_backward);
+
+/* RoPE's tables for positions 0..T-1 and a head of hd (even) values:
+ * cos_t[p][i] = cos(p · theta^(-2i/hd)) and sin_t likewise, i < hd/2,
+ * computed in double and rounded to float (train_llama.py's rope_tables).
+ * cos_t, sin_t (T, hd/2). Returns 0 or -EINVAL. */
+int expert_rope_tables(float *cos_t, float *sin_t, int T, int hd, double theta);
 
 #endif
