@@ -73,7 +73,6 @@ typedef struct collect {
     uint64_t *version;
     uint64_t rng;
     uv_timer_t deadline;
-    int timed_out;
     uint64_t hold_max;           /* a state claiming a newer version is refused */
     char stage_name[80];
     char err[400];
@@ -82,12 +81,14 @@ typedef struct collect {
 static void next_stage(collect *x);
 
 /* The collection fails at the current stage: what happened, and why
- * (NULL: nothing more to say). */
+ * (NULL: nothing more to say). A lookup or download still out keeps
+ * x->busy until its callback, which the loop waits for. */
 static void fail_stage(collect *x, const char *what, const char *why)
 {
+    if (x->failed)
+        return;
     snprintf(x->err, sizeof x->err, "stage %s: %s%s%s", x->stage_name, what, why ? ": " : "", why ? why : "");
     x->failed = 1;
-    x->busy = 0;
 }
 
 static void on_state(void *arg, int status, const uint8_t *buf, size_t len, uint64_t version)
@@ -133,7 +134,7 @@ static void on_holders(dht *d, int status, const dht_entry *e, size_t n, void *u
     collect *x = ud;
     (void)d;
     x->busy = 0;
-    if (x->timed_out)
+    if (x->failed)
         return;
     if (status != 0) {
         fail_stage(x, "the holder lookup failed", strerror(-status));
@@ -176,7 +177,6 @@ static void on_deadline(uv_timer_t *t)
     collect *x = t->data;
     if (x->failed || x->stage == x->m->n_stages)
         return;
-    x->timed_out = 1;
     char what[80];
     snprintf(what, sizeof what, "no answer within %g s", x->timeout);
     fail_stage(x, what, NULL);
