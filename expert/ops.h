@@ -77,6 +77,20 @@ int (name)(float *dinp, float *dw, const float *dout, const float *inp, const fl
 #define decl_rope_fn(name) \
 int (name)(float *x, const float *cos_t, const float *sin_t, int N, int T, int heads, int hd, int inverse)
 
+/* Causal grouped-query attention (Llama's; RoPE already applied to q and k):
+ * query head h reads kv head h / (H/KV); per head S = q·kᵀ · fp32(1/√hd),
+ * S[i][j] = -inf for j > i, P = softmax over j (fp32), o = P·v.
+ * out (B,T,H,hd), att (B,H,T,T) = P saved for backward, q (B,T,H,hd),
+ * k and v (B,T,KV,hd); KV divides H. */
+#define decl_gqa_fwd_fn(name) \
+int (name)(float *out, float *att, const float *q, const float *k, const float *v, int B, int T, int H, \
+           int KV, int hd)
+/* dq, dk, dv = ∂L/∂q, ∂L/∂k, ∂L/∂v (=; dk and dv sum over each group's
+ * query heads). Shapes as the forward's; dout (B,T,H,hd). */
+#define decl_gqa_bwd_fn(name) \
+int (name)(float *dq, float *dk, float *dv, const float *dout, const float *att, const float *q, \
+           const float *k, const float *v, int B, int T, int H, int KV, int hd)
+
 /* SwiGLU's gate: out = silu(gate) · up, silu(z) = z / (1 + exp(-z)).
  * out, gate, up (N); out may alias neither. */
 #define decl_swiglu_fwd_fn(name) \
@@ -288,6 +302,8 @@ decl_rmsnorm_bwd_fn(expert_rmsnorm_backward);
 decl_rope_fn(expert_rope);
 decl_swiglu_fwd_fn(expert_swiglu_forward);
 decl_swiglu_bwd_fn(expert_swiglu_backward);
+decl_gqa_fwd_fn(expert_gqa_forward);
+decl_gqa_bwd_fn(expert_gqa_backward);
 
 /* RoPE's tables for positions 0..T-1 and a head of hd (even) values:
  * cos_t[p][i] = cos(p · theta^(-2i/hd)) and sin_t likewise, i < hd/2,

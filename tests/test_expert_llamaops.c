@@ -1,5 +1,6 @@
 /* The Llama-family ops (expert/ops.h: RMSNorm, rotary embeddings, the
- * SwiGLU gate) against naive double-precision references written from
+ * SwiGLU gate, causal grouped-query attention) against naive
+ * double-precision references written from
  * train_llama.py's specification: forwards to fp32 rounding, backwards
  * against central finite differences of the double reference's loss
  * L = sum(R * out) for a random R; RoPE's tables against the definition,
@@ -199,12 +200,105 @@ static void test_swiglu(void **state)
     assert_int_equal(expert_swiglu_forward(NULL, NULL, NULL, 0), 0);
 }
 
+/* ---- grouped-query attention ---- */
+
+enum { GB = 2, GT = 5, GH = 4, GKV = 2, GD = 3 };
+#define QN (GB * GT * GH * GD)
+#define KN (GB * GT * GKV * GD)
+
+/* The double reference: per head, scores, causal softmax, weighted values. */
+static void gqa_ref(double *out, const double *q, const double *k, const double *v)
+{
+    for (int b = 0; b < GB; b++)
+        for (int h = 0; h < GH; h++)
+            for (int i = 0; i < GT; i++) {
+                int g = h / (GH / GKV);
+                double s[GT], mx = -INFINITY, sum = 0;
+                for (int j = 0; j <= i; j++) {
+                    s[j] = 0;
+                    for (int c = 0; c < GD; c++)
+                        s[j] += q[((b * GT + i) * GH + h) * GD + c] * k[((b * GT + j) * GKV + g) * GD + c];
+                    s[j] /= sqrt((double)GD);
+                    mx = s[j] > mx ? s[j] : mx;
+                }
+                for (int j = 0; j <= i; j++)
+                    sum += exp(s[j] - mx);
+                for (int c = 0; c < GD; c++) {
+                    double o = 0;
+                    for (int j = 0; j <= i; j++)
+                        o += exp(s[j] - mx) / sum * v[((b * GT + j) * GKV + g) * GD + c];
+                    out[((b * GT + i) * GH + h) * GD + c] = o;
+                }
+            }
+}
+
+static double gqa_loss(const double *q, const double *k, const double *v, const double *R)
+{
+    double out[QN], L = 0;
+    gqa_ref(out, q, k, v);
+    for (int i = 0; i < QN; i++)
+        L += R[i] * out[i];
+    return L;
+}
+
+/* Central differences of the reference's loss in x[i]. */
+static double fd(double *x, int i, const double *q, const double *k, const double *v, const double *R)
+{
+    double keep = x[i], h = 1e-6;
+    x[i] = keep + h;
+    double lp = gqa_loss(q, k, v, R);
+    x[i] = keep - h;
+    double lm = gqa_loss(q, k, v, R);
+    x[i] = keep;
+    return (lp - lm) / (2 * h);
+}
+
+static void test_gqa(void **state)
+{
+    (void)state;
+    float q[QN], k[KN], v[KN], out[QN], att[GB * GH * GT * GT], R[QN], dq[QN], dk[KN], dv[KN];
+    double qd[QN], kd[KN], vd[KN], Rd[QN], ref[QN];
+    fill(q, QN, 2.0);
+    fill(k, KN, 2.0);
+    fill(v, KN, 1.0);
+    fill(R, QN, 1.0);
+    for (int i = 0; i < QN; i++) {
+        qd[i] = q[i];
+        Rd[i] = R[i];
+    }
+    for (int i = 0; i < KN; i++) {
+        kd[i] = k[i];
+        vd[i] = v[i];
+    }
+    assert_int_equal(expert_gqa_forward(out, att, q, k, v, GB, GT, GH, GKV, GD), 0);
+    gqa_ref(ref, qd, kd, vd);
+    for (int i = 0; i < QN; i++)
+        if (fabs(out[i] - ref[i]) > 2e-6 * (1 + fabs(ref[i])))
+            fail_msg("gqa out[%d] = %.9g, reference %.9g", i, (double)out[i], ref[i]);
+    /* Causal: the first position attends to itself only. */
+    assert_true(att[0] == 1.0f && att[1] == 0.0f);
+    assert_int_equal(expert_gqa_backward(dq, dk, dv, R, att, q, k, v, GB, GT, GH, GKV, GD), 0);
+    for (int i = 0; i < QN; i++) {
+        double g = fd(qd, i, qd, kd, vd, Rd);
+        if (fabs(dq[i] - g) > 1e-4 * (1 + fabs(g)))
+            fail_msg("gqa dq[%d] = %.9g, finite difference %.9g", i, (double)dq[i], g);
+    }
+    for (int i = 0; i < KN; i++) {
+        double gk = fd(kd, i, qd, kd, vd, Rd), gv = fd(vd, i, qd, kd, vd, Rd);
+        if (fabs(dk[i] - gk) > 1e-4 * (1 + fabs(gk)) || fabs(dv[i] - gv) > 1e-4 * (1 + fabs(gv)))
+            fail_msg("gqa dk, dv[%d] = %.9g, %.9g; finite differences %.9g, %.9g", i, (double)dk[i], (double)dv[i],
+                     gk, gv);
+    }
+    assert_int_equal(expert_gqa_forward(out, att, q, k, v, GB, GT, 3, 2, GD), -EINVAL); /* KV must divide H */
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_swiglu),
+        cmocka_unit_test(test_gqa),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
