@@ -2,6 +2,7 @@
  * expert/serialize.c) written atomically: temp file in the same directory,
  * fsync, rename, fsync of the directory; loading with a sentence that says
  * what is wrong; and removing the temp files of writers that were killed. */
+#include "expert/atomicfile.h"
 #include "expert/block.h"
 #include "expert/model.h"
 
@@ -22,36 +23,6 @@
 #include <time.h>
 #include <unistd.h>
 
-static int write_all(int fd, const void *buf, size_t len)
-{
-    const char *p = buf;
-    while (len > 0) {
-        ssize_t n = write(fd, p, len);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            return -errno;
-        }
-        p += n;
-        len -= (size_t)n;
-    }
-    return 0;
-}
-
-static int fsync_dir_of(const char *path)
-{
-    char tmp[PATH_MAX];
-    if (strlen(path) >= sizeof tmp)
-        return -ENAMETOOLONG;
-    strcpy(tmp, path);
-    int fd = open(dirname(tmp), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0)
-        return -errno;
-    int rc = fsync(fd) < 0 ? -errno : 0;
-    close(fd);
-    return rc;
-}
-
 int expert_block_save(expert_block *b, const char *path, int with_optim)
 {
     if (!b || !path || !*path)
@@ -71,40 +42,14 @@ int expert_block_save(expert_block *b, const char *path, int with_optim)
         free(buf);
         return (int)n;
     }
-    /* The pid in the name and the lock held until the rename let
-     * expert_ckpt_clean_tmp tell a killed writer's file from a live one. */
-    char tmp[PATH_MAX];
-    if (snprintf(tmp, sizeof tmp, "%s.tmp.%ld.XXXXXX", path, (long)getpid()) >= (int)sizeof tmp) {
-        free(buf);
-        return -ENAMETOOLONG;
+    expert_atomic_file f;
+    int rc = expert_atomic_open(&f, path);
+    if (rc == 0) {
+        expert_atomic_write(&f, buf, (size_t)n);
+        rc = expert_atomic_commit(&f);
     }
-    int fd = mkostemp(tmp, O_CLOEXEC);
-    if (fd < 0) {
-        int e = -errno;
-        free(buf);
-        return e;
-    }
-    /* Best effort: a file system without flock still has the pid test. */
-    (void)flock(fd, LOCK_EX | LOCK_NB);
-    int rc = write_all(fd, buf, (size_t)n);
     free(buf);
-    if (rc == 0 && fchmod(fd, 0644) < 0)
-        rc = -errno;
-    /* fsync before rename: otherwise the rename can reach the disk before
-     * the data and a crash leaves an empty or torn file under path. */
-    if (rc == 0 && fsync(fd) < 0)
-        rc = -errno;
-    if (rc == 0 && rename(tmp, path) < 0)
-        rc = -errno;
-    if (rc < 0)
-        unlink(tmp);
-    /* Closing releases the lock, after the temp name is gone. */
-    if (close(fd) < 0 && rc == 0)
-        rc = -errno;
-    if (rc < 0)
-        return rc;
-    /* And the directory, so the rename itself is durable. */
-    return fsync_dir_of(path);
+    return rc;
 }
 
 static void say(char *msg, size_t msglen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

@@ -1,6 +1,7 @@
 /* expert/safetensors.c: safetensors weight files, read and written (see
  * safetensors.h). */
 #include "expert/safetensors.h"
+#include "expert/atomicfile.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -441,24 +442,8 @@ static char *build_header(const char *path, const expert_st_out *t, int n, const
     return p;
 }
 
-/* Writes all of buf to fd. Returns 0 or -errno. */
-static int write_all(int fd, const void *buf, size_t len)
-{
-    const uint8_t *p = buf;
-    while (len > 0) {
-        ssize_t w = write(fd, p, len);
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w <= 0)
-            return w < 0 ? -errno : -EIO;
-        p += w;
-        len -= (size_t)w;
-    }
-    return 0;
-}
-
-/* The data of t[0..n), little-endian f32, to fd. */
-static int write_data(int fd, const expert_st_out *t, int n)
+/* The data of t[0..n), little-endian f32, to f. */
+static int write_data(expert_atomic_file *f, const expert_st_out *t, int n)
 {
     uint8_t buf[1 << 16];
     for (int i = 0; i < n; i++) {
@@ -473,7 +458,7 @@ static int write_data(int fd, const expert_st_out *t, int n)
                 for (int q = 0; q < 4; q++)
                     buf[4 * j + (uint64_t)q] = (uint8_t)(b >> (8 * q));
             }
-            int rc = write_all(fd, buf, (size_t)(4 * k));
+            int rc = expert_atomic_write(f, buf, (size_t)(4 * k));
             if (rc != 0)
                 return rc;
             done += k;
@@ -496,34 +481,18 @@ int expert_st_write(const char *path, const expert_st_out *t, int n, const char 
     char *h = build_header(path, t, n, meta, n_meta, &hl, err, errlen);
     if (!h)
         return -EINVAL;
-    size_t tl = strlen(path) + 16;
-    char *tmp = malloc(tl);
-    if (!tmp) {
-        free(h);
-        return fail(err, errlen, -ENOMEM, "%s: out of memory", path);
-    }
-    snprintf(tmp, tl, "%s.tmp%ld", path, (long)getpid());
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    int rc = fd < 0 ? -errno : 0;
+    expert_atomic_file f;
+    int rc = expert_atomic_open(&f, path);
     uint8_t len8[8];
     put_le64(len8, hl);
-    if (rc == 0)
-        rc = write_all(fd, len8, 8);
-    if (rc == 0)
-        rc = write_all(fd, h, hl);
-    if (rc == 0)
-        rc = write_data(fd, t, n);
-    if (rc == 0 && fsync(fd) != 0)
-        rc = -errno;
-    if (fd >= 0 && close(fd) != 0 && rc == 0)
-        rc = -errno;
-    if (rc == 0 && rename(tmp, path) != 0)
-        rc = -errno;
-    if (rc != 0) {
-        unlink(tmp);
-        fail(err, errlen, rc, "%s: cannot write: %s", path, strerror(-rc));
+    if (rc == 0) {
+        expert_atomic_write(&f, len8, 8);
+        expert_atomic_write(&f, h, hl);
+        write_data(&f, t, n);
+        rc = expert_atomic_commit(&f);
     }
-    free(tmp);
+    if (rc != 0)
+        fail(err, errlen, rc, "%s: cannot write: %s", path, strerror(-rc));
     free(h);
     return rc;
 }

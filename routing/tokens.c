@@ -1,6 +1,8 @@
 /* routing/tokens.c: llm.c .bin token files, read and written (see tokens.h). */
 #include "routing/tokens.h"
 
+#include "expert/atomicfile.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <stdarg.h>
@@ -123,12 +125,8 @@ int route_tokens_write(const char *path, const uint32_t *t, size_t n, char *err,
             width = 4;
     size_t len = ROUTE_TOKENS_HEADER + n * (size_t)width;
     uint8_t *buf = calloc(1, len);
-    char *tmp = malloc(strlen(path) + 16);
-    if (!buf || !tmp) {
-        free(buf);
-        free(tmp);
+    if (!buf)
         return say(err, errlen, -ENOMEM, "%s: out of memory", path);
-    }
     uint32_t hdr[3] = {ROUTE_TOKENS_MAGIC, width == 2 ? 1u : 2u, (uint32_t)n};
     for (int k = 0; k < 3; k++)
         for (int b = 0; b < 4; b++)
@@ -136,20 +134,14 @@ int route_tokens_write(const char *path, const uint32_t *t, size_t n, char *err,
     for (size_t i = 0; i < n; i++)
         for (int b = 0; b < width; b++)
             buf[ROUTE_TOKENS_HEADER + i * (size_t)width + (size_t)b] = (uint8_t)(t[i] >> (8 * b));
-    sprintf(tmp, "%s.tmp%ld", path, (long)getpid());
-    int rc = 0;
-    FILE *f = fopen(tmp, "wb");
-    if (!f || fwrite(buf, 1, len, f) != len)
-        rc = -(errno ? errno : EIO);
-    if (f && fclose(f) != 0 && rc == 0)
-        rc = -errno;
-    if (rc == 0 && rename(tmp, path) != 0)
-        rc = -errno;
-    if (rc != 0) {
-        unlink(tmp);
-        say(err, errlen, rc, "%s: cannot write: %s", path, strerror(-rc));
+    expert_atomic_file f;
+    int rc = expert_atomic_open(&f, path);
+    if (rc == 0) {
+        expert_atomic_write(&f, buf, len);
+        rc = expert_atomic_commit(&f);
     }
-    free(tmp);
+    if (rc != 0)
+        say(err, errlen, rc, "%s: cannot write: %s", path, strerror(-rc));
     free(buf);
     return rc;
 }

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "expert/atomicfile.h"
 #include "expert/block.h"
 #include "expert/hfweights.h"
 #include "expert/model.h"
@@ -209,7 +210,7 @@ static int write_out(const export_args *a, const struct expert_model_spec *m, co
 {
     if (mkdir(a->out, 0755) != 0 && errno != EEXIST)
         return cli_fail("export", "cannot create %s: %s", a->out, strerror(errno));
-    char path[4096], cfgpath[4096], tmp[4120], msg[400], versions[512] = "";
+    char path[4096], cfgpath[4096], msg[400], versions[512] = "";
     join(path, sizeof path, a->out, "model.safetensors");
     join(cfgpath, sizeof cfgpath, a->out, "config.json");
     for (int s = 0; s < m->n_stages; s++) {
@@ -223,15 +224,15 @@ static int write_out(const export_args *a, const struct expert_model_spec *m, co
     char *cfg = expert_hf_config_json(m);
     if (!cfg)
         return cli_fail("export", "out of memory for %s", cfgpath);
-    snprintf(tmp, sizeof tmp, "%s.tmp", cfgpath);
-    FILE *f = fopen(tmp, "w");
-    int ok = f && fputs(cfg, f) >= 0;
-    ok = (f && fclose(f) == 0) && ok && rename(tmp, cfgpath) == 0;
-    free(cfg);
-    if (!ok) {
-        unlink(tmp);
-        return cli_fail("export", "cannot write %s: %s", cfgpath, strerror(errno));
+    expert_atomic_file af;
+    int rc = expert_atomic_open(&af, cfgpath);
+    if (rc == 0) {
+        expert_atomic_write(&af, cfg, strlen(cfg));
+        rc = expert_atomic_commit(&af);
     }
+    free(cfg);
+    if (rc != 0)
+        return cli_fail("export", "cannot write %s: %s", cfgpath, strerror(-rc));
     fprintf(stderr, "starling export: wrote %s and %s (weight versions %s)\n", path, cfgpath, versions);
     return CLI_EXIT_OK;
 }
